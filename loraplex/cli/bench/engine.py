@@ -1,0 +1,140 @@
+"""Engine throughput against HF transformers `generate` on the same weights, in one run.
+
+Both systems get the same prompts, greedy decoding and exactly `new_tokens` new tokens per request
+(EOS ignored), at batch 1 (prompts one after another) and at batch N (all at once). The same run
+measures this machine's roofline: batch 1 is bound by reading every weight once per step, batch N
+by the GEMM rate over the FLOPs of one generated token.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+
+import torch
+
+from loraplex.cli.bench import roofline
+from loraplex.engine.api import GenerateRequest, SamplingParams
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import EngineCore
+from loraplex.engine.models.llama import LlamaConfig
+from loraplex.engine.models.loader import LoadedModel, load_model, resolve_model
+
+TOPICS = [
+    "the history of the printing press", "how rainbows form", "a lighthouse keeper's day",
+    "the rules of chess", "why the sky is blue", "training for a marathon", "the life of bees",
+    "building a wooden boat", "the water cycle", "a trip to the mountains", "how compilers work",
+    "the first moon landing", "growing tomatoes", "the origin of jazz", "volcanoes", "black holes",
+]
+
+
+def bench_prompts(n: int) -> list[str]:
+    """Deterministic prompts of varied length."""
+    out = []
+    for i in range(n):
+        topic = TOPICS[i % len(TOPICS)]
+        extra = " Please be detailed and precise, and use simple words." * (i % 3)
+        out.append(f"Write a short essay about {topic}.{extra} Begin with an introduction.")
+    return out
+
+
+def flops_per_token(cfg: LlamaConfig, context: int) -> float:
+    """Matmul FLOPs of one generated token: every linear layer, the LM head, and attention
+    over `context` earlier tokens (QK^T and PV)."""
+    per_layer = (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size + cfg.hidden_size * cfg.q_size \
+        + 3 * cfg.hidden_size * cfg.intermediate_size
+    attn = 2 * cfg.num_heads * cfg.head_dim * context
+    return 2.0 * (cfg.num_layers * (per_layer + attn) + cfg.vocab_size * cfg.hidden_size)
+
+
+def hf_model(loaded: LoadedModel):
+    """A transformers LlamaForCausalLM holding our (unfused) weights."""
+    import transformers
+
+    c = loaded.config
+    hc = transformers.LlamaConfig(
+        vocab_size=c.vocab_size, hidden_size=c.hidden_size, intermediate_size=c.intermediate_size,
+        num_hidden_layers=c.num_layers, num_attention_heads=c.num_heads, num_key_value_heads=c.num_kv_heads,
+        head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps, rope_theta=c.rope_theta,
+        max_position_embeddings=c.max_position_embeddings, tie_word_embeddings=c.tie_word_embeddings,
+        attention_bias=c.attention_bias, torch_dtype="float32")
+    w = loaded.weights
+    sd = {"model.embed_tokens.weight": w["embed"], "model.norm.weight": w["norm"]}
+    sd["lm_head.weight"] = w["embed"] if c.tie_word_embeddings else w["lm_head"]
+    for i in range(c.num_layers):
+        p, q = f"model.layers.{i}.", f"layers.{i}."
+        qw, kw, vw = w[q + "qkv"].split([c.q_size, c.kv_size, c.kv_size])
+        gate, up = w[q + "gate_up"].chunk(2)
+        sd.update({
+            p + "input_layernorm.weight": w[q + "input_norm"],
+            p + "post_attention_layernorm.weight": w[q + "post_norm"],
+            p + "self_attn.q_proj.weight": qw, p + "self_attn.k_proj.weight": kw,
+            p + "self_attn.v_proj.weight": vw, p + "self_attn.o_proj.weight": w[q + "o"],
+            p + "mlp.gate_proj.weight": gate, p + "mlp.up_proj.weight": up,
+            p + "mlp.down_proj.weight": w[q + "down"],
+        })
+    model = transformers.LlamaForCausalLM(hc).eval()
+    model.load_state_dict(sd, strict=False)
+    return model
+
+
+def _ours(core: EngineCore, prompts: list[str], new_tokens: int, batch: int, model: str) -> float:
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [GenerateRequest(f"b{i}", model, prompt=p, sampling=sp) for i, p in enumerate(prompts)]
+    t0 = time.perf_counter()
+    generated = 0
+    for i in range(0, len(reqs), batch):
+        generated += sum(len(c.token_ids) for c in core.run(reqs[i:i + batch]))
+    return generated / (time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def _hf(model, tokenizer, prompts: list[str], new_tokens: int, batch: int) -> float:
+    t0 = time.perf_counter()
+    generated = 0
+    for i in range(0, len(prompts), batch):
+        encoded = [tokenizer.encode(p) for p in prompts[i:i + batch]]
+        width = max(len(e) for e in encoded)
+        ids = torch.tensor([[0] * (width - len(e)) + e for e in encoded])  # left padding
+        mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        generated += (out.shape[1] - width) * out.shape[0]
+    return generated / (time.perf_counter() - t0)
+
+
+def run_engine_bench(model: str, new_tokens: int, batch1_prompts: int, batch: int, with_hf: bool) -> dict:
+    torch.manual_seed(0)
+    loaded = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
+    core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=max(batch, 1),
+                                   max_num_batched_tokens=2048), loaded=loaded)
+    cfg = loaded.config
+    weight_bytes = core.runner.model.weight_bytes()
+    roof = roofline.measure()
+    prompts1 = bench_prompts(batch1_prompts)
+    prompts_n = bench_prompts(batch)
+    avg_prompt = sum(len(loaded.tokenizer.encode(p)) for p in prompts_n) / len(prompts_n)
+    _ours(core, prompts1[:1], 8, 1, model)  # warm-up
+    results = {
+        "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
+        "model": model, "dtype": "float32", "new_tokens": new_tokens,
+        "weight_bytes": weight_bytes,
+        "roofline": roof,
+        "batch1": {"ours_tok_s": round(_ours(core, prompts1, new_tokens, 1, model), 2),
+                   "roofline_tok_s": round(roof["mem_read_gbs"] * 1e9 / weight_bytes, 2)},
+        f"batch{batch}": {
+            "ours_tok_s": round(_ours(core, prompts_n, new_tokens, batch, model), 2),
+            "roofline_tok_s": round(roof["gemm_gflops"] * 1e9
+                                    / flops_per_token(cfg, int(avg_prompt + new_tokens / 2)), 2)},
+    }
+    if with_hf:
+        hf = hf_model(loaded)
+        _hf(hf, loaded.tokenizer, prompts1[:1], 8, 1)  # warm-up
+        results["batch1"]["hf_tok_s"] = round(_hf(hf, loaded.tokenizer, prompts1, new_tokens, 1), 2)
+        results[f"batch{batch}"]["hf_tok_s"] = round(_hf(hf, loaded.tokenizer, prompts_n, new_tokens, batch), 2)
+    for key in ("batch1", f"batch{batch}"):
+        r = results[key]
+        r["fraction_of_roofline"] = round(r["ours_tok_s"] / r["roofline_tok_s"], 3)
+        if "hf_tok_s" in r:
+            r["speedup_vs_hf"] = round(r["ours_tok_s"] / r["hf_tok_s"], 2)
+    return results

@@ -1,0 +1,36 @@
+"""`loraplex bench <name> --json PATH`: benchmarks that compare side by side in one run."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("bench", help="run a benchmark and write its JSON")
+    bsub = p.add_subparsers(dest="bench", required=True)
+    e = bsub.add_parser("engine", help="engine tokens/s vs HF transformers, with the machine's roofline")
+    e.add_argument("--json", dest="json_path", required=True, help="where to write the results")
+    e.add_argument("--model", default="smollm2-135m")
+    e.add_argument("--new-tokens", type=int, default=64)
+    e.add_argument("--batch1-prompts", type=int, default=3, help="prompts run one at a time at batch 1")
+    e.add_argument("--batch", type=int, default=32)
+    e.add_argument("--skip-hf", action="store_true", help="measure our engine only")
+    e.set_defaults(func=_run_engine)
+
+
+def _write(path: str, results: dict) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(results, indent=2, sort_keys=True))
+
+
+def _run_engine(args: argparse.Namespace) -> int:
+    from loraplex.cli.bench.engine import run_engine_bench
+
+    _write(args.json_path, run_engine_bench(
+        model=args.model, new_tokens=args.new_tokens, batch1_prompts=args.batch1_prompts,
+        batch=args.batch, with_hf=not args.skip_hf))
+    return 0

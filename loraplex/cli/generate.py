@@ -1,0 +1,82 @@
+"""`loraplex generate`: run one prompt (or an interactive chat) through the engine in-process."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import uuid
+
+from loraplex.engine.api import GenerateRequest, SamplingParams
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import EngineCore
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("generate", help="generate text from a prompt with a local model")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model name (smollm2-135m, synthetic:tiny), an HF directory or a .gguf file")
+    p.add_argument("--prompt", help="the prompt; without it, an interactive chat reads lines from stdin")
+    p.add_argument("--chat", action="store_true", help="send the prompt as one user message (chat template)")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (the default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, usage")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.set_defaults(func=run)
+
+
+def _request(args, prompt: str, chat: bool) -> GenerateRequest:
+    sampling = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+        seed=args.seed, stop=tuple(args.stop))
+    kind = {"messages": ({"role": "user", "content": prompt},)} if chat else {"prompt": prompt}
+    return GenerateRequest(request_id=uuid.uuid4().hex, model=args.model, sampling=sampling, **kind)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.prompt is None:
+        core = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+        return _interactive(core, args)
+    request = _request(args, args.prompt, args.chat)
+    request.validate()  # a bad flag fails before the model loads
+    core = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    if args.json:
+        (done,) = core.run([request])
+        u = done.usage
+        print(json.dumps({
+            "model": args.model, "text": done.text, "token_ids": done.token_ids,
+            "finish_reason": done.finish_reason,
+            "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                      "total_tokens": u.total_tokens, "cached_tokens": u.cached_tokens,
+                      "ttft_ms": None if u.ttft_s is None else round(u.ttft_s * 1000, 3)},
+        }, ensure_ascii=False))
+        return 0
+    _stream(core, request)
+    return 0
+
+
+def _stream(core: EngineCore, request: GenerateRequest) -> None:
+    """Prints text as the engine produces it."""
+    core.add_request(request)
+    while core.has_work():
+        for event in core.step():
+            sys.stdout.write(event.text)
+            sys.stdout.flush()
+    sys.stdout.write("\n")
+
+
+def _interactive(core: EngineCore, args) -> int:
+    print(f"loraplex: chatting with {args.model}; an empty line or Ctrl-D ends.", file=sys.stderr)
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            return 0
+        if not line.strip():
+            return 0
+        _stream(core, _request(args, line, chat=True))

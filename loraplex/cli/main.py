@@ -1,0 +1,35 @@
+"""The `loraplex` command: one sub-command per job, each in its own module."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from loraplex.cli import bench_cmd, generate
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant LoRA and multi-model LLM serving.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate.add_parser(sub)
+    bench_cmd.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # one clear line, no traceback, for errors the user can fix
+        from loraplex.engine.api import EngineError
+
+        if isinstance(exc, EngineError | ValueError | FileNotFoundError):
+            print(f"loraplex: error: {exc}", file=sys.stderr)
+            return 2
+        raise
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,175 @@
+"""The engine's whole public surface: what a caller sends, what it gets back, and the errors.
+
+Everything outside `loraplex.engine` imports only this module (import-linter enforces it). It
+holds plain dataclasses and a Protocol, no torch, so the platform can import it cheaply.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+PriorityClass = Literal["realtime", "standard", "batch"]
+PRIORITY_CLASSES: tuple[str, ...] = ("realtime", "standard", "batch")
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class EngineError(Exception):
+    """Base of every error the engine reports to a caller."""
+
+    code = "engine_error"
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+class InvalidRequestError(EngineError):
+    """A request field is out of range; nothing was queued."""
+
+    code = "invalid_request"
+
+
+class ContextLengthExceededError(InvalidRequestError):
+    code = "context_length_exceeded"
+
+
+class ModelNotFoundError(EngineError):
+    code = "model_not_found"
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature 0 is greedy; the seed makes sampling reproducible
+    for this request whatever else shares its batch."""
+
+    max_tokens: int | None = None  # None: up to the model's context length
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+
+    def validate(self) -> None:
+        """Raises InvalidRequestError naming the first bad field."""
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
+        if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}", "top_k")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and -2.0 <= value <= 2.0):
+                raise InvalidRequestError(f"{name} must be in [-2, 2], got {value}", name)
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop strings must not be empty", "stop")
+        if any(t < 0 for t in self.stop_token_ids):
+            raise InvalidRequestError("stop_token_ids must be >= 0", "stop_token_ids")
+
+
+@dataclass(frozen=True)
+class GenerateRequest:
+    """One generation. Give `prompt` (text) or `prompt_token_ids`; `messages` renders the
+    model's chat template. `cache_salt` isolates prefix-cache reuse (the platform derives it
+    from the tenant)."""
+
+    request_id: str
+    model: str
+    prompt: str | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    messages: tuple[dict, ...] | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    adapter: str | None = None
+    priority: PriorityClass = "standard"
+    cache_salt: str | None = None
+
+    def validate(self) -> None:
+        given = [x is not None for x in (self.prompt, self.prompt_token_ids, self.messages)]
+        if sum(given) != 1:
+            raise InvalidRequestError("give exactly one of prompt, prompt_token_ids or messages", "prompt")
+        if self.prompt is not None and not self.prompt:
+            raise InvalidRequestError("prompt must not be empty", "prompt")
+        if self.prompt_token_ids is not None and not self.prompt_token_ids:
+            raise InvalidRequestError("prompt_token_ids must not be empty", "prompt")
+        if self.messages is not None and not self.messages:
+            raise InvalidRequestError("messages must not be empty", "messages")
+        if self.priority not in PRIORITY_CLASSES:
+            raise InvalidRequestError(
+                f"priority must be one of {', '.join(PRIORITY_CLASSES)}, got {self.priority!r}", "priority")
+        self.sampling.validate()
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    ttft_s: float | None = None  # submission to first token, None when no token came
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@dataclass(frozen=True)
+class GenerateEvent:
+    """One step's news for one request. The last event has `finish_reason` and `usage`."""
+
+    request_id: str
+    text: str = ""  # new text since the previous event (stop strings never appear)
+    token_ids: tuple[int, ...] = ()  # new generated token ids since the previous event
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    num_steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens_computed: int = 0
+
+
+class EngineClient(Protocol):
+    """What the platform needs from an engine (in-process AsyncEngine, or a remote one)."""
+
+    def models(self) -> list[ModelInfo]: ...
+
+    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        """Validates the request and returns its prompt length in tokens; raises EngineError."""
+        ...
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+        """Validates (raising EngineError before anything is queued) and streams events."""
+        ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def stats(self) -> EngineStats: ...

@@ -1,0 +1,56 @@
+"""Engine configuration: frozen dataclasses, validated once when they are made."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """One base model's engine: its KV pool and scheduler limits.
+
+    dtype "auto" is bfloat16 on CUDA and float32 on CPU. The KV pool holds `num_kv_blocks`
+    blocks, or as many as fit in `kv_cache_bytes` when that is None.
+    """
+
+    model: str = "smollm2-135m"
+    device: str = "auto"
+    dtype: str = "auto"
+    max_model_len: int | None = None  # None: the model's own context length, capped at 8192
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512  # tokens one step may compute (chunked prefill budget)
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    kv_cache_bytes: int = 512 * 1024 * 1024
+    num_threads: int | None = None  # CPU: torch threads (None = torch's default)
+
+    def __post_init__(self) -> None:
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"engine config: device must be auto, cpu or cuda[:n], got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"engine config: dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"engine config: max_model_len must be >= 2, got {self.max_model_len}")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"engine config: num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(default_device() if self.device == "auto" else self.device)
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
+        return _DTYPES[self.dtype]

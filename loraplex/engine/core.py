@@ -1,0 +1,207 @@
+"""EngineCore: one base model, its KV pool and scheduler; `step()` = schedule -> execute -> update.
+
+Single-threaded by design: the async engine runs it on one background thread. `prepare()` (validation
+and tokenization) touches no engine state, so callers may run it on their own thread and get errors
+before anything is queued.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.engine.api import (
+    ContextLengthExceededError,
+    EngineStats,
+    GenerateEvent,
+    GenerateRequest,
+    InvalidRequestError,
+    ModelInfo,
+    ModelNotFoundError,
+    Usage,
+)
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.kv.block_pool import BlockPool
+from loraplex.engine.models.llama import LlamaModel
+from loraplex.engine.models.loader import LoadedModel, load_model, resolve_model
+from loraplex.engine.runner import ModelRunner
+from loraplex.engine.sched.request import Request
+from loraplex.engine.sched.scheduler import Scheduler
+
+MAX_DEFAULT_CONTEXT = 8192
+
+
+@dataclass
+class Completion:
+    """A finished request, gathered from its events (for the CLI, benchmarks and tests)."""
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    usage: Usage
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        if loaded is None:
+            loaded = load_model(resolve_model(config.model), config.torch_dtype, config.torch_device)
+        self.model_name = config.model
+        self.tokenizer = loaded.tokenizer
+        self.token_bytes = self.tokenizer.token_bytes()
+        model = LlamaModel(loaded.config, loaded.weights)
+        mcfg = loaded.config
+        bs = config.block_size
+        num_blocks = config.num_kv_blocks or max(
+            1, config.kv_cache_bytes // (bs * mcfg.kv_bytes_per_token(model.dtype)))
+        self.max_model_len = min(
+            config.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT),
+            mcfg.max_position_embeddings,
+            num_blocks * bs,  # so that any admitted request fits in an empty pool
+        )
+        self.pool = BlockPool(num_blocks, bs)
+        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
+        self.runner = ModelRunner(model, num_blocks, bs)
+        self.requests: dict[str, Request] = {}
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.num_steps = 0
+        self.generated_tokens = 0
+        self.prompt_tokens_computed = 0
+
+    # --- admission -------------------------------------------------------------------------
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(self.model_name, self.max_model_len, self.runner.model.config.vocab_size)
+
+    def tokenize(self, req: GenerateRequest) -> list[int]:
+        req.validate()
+        if req.model != self.model_name:
+            raise ModelNotFoundError(f"model {req.model!r} not found", "model")
+        if req.adapter is not None:
+            raise ModelNotFoundError(f"adapter {req.adapter!r} not found", "model")
+        if req.prompt_token_ids is not None:
+            vocab = self.runner.model.config.vocab_size
+            bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
+                                          "prompt")
+            return list(req.prompt_token_ids)
+        if req.messages is not None:
+            text = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(req.prompt)
+        if not ids:
+            raise InvalidRequestError("prompt encodes to no tokens", "prompt")
+        return ids
+
+    def prepare(self, req: GenerateRequest) -> Request:
+        """Validates and tokenizes; raises EngineError (nothing is queued)."""
+        ids = self.tokenize(req)
+        limit = self.max_model_len
+        sp = req.sampling
+        if len(ids) >= limit or (sp.max_tokens is not None and len(ids) + sp.max_tokens > limit):
+            asked = len(ids) + (sp.max_tokens or 1)
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{asked} tokens ({len(ids)} in the prompt, {sp.max_tokens or 1} for the completion). "
+                "Please reduce the length of the prompt or the completion.", "messages")
+        stop_ids = frozenset(sp.stop_token_ids) | (
+            frozenset() if sp.ignore_eos else self.tokenizer.eos_token_ids)
+        return Request(
+            request_id=req.request_id, prompt_ids=ids, sampling=sp,
+            max_tokens=sp.max_tokens or limit - len(ids), stop_ids=stop_ids,
+            priority=req.priority, adapter=req.adapter, cache_salt=req.cache_salt)
+
+    def add(self, r: Request) -> None:
+        if r.request_id in self.requests:
+            raise InvalidRequestError(f"request id {r.request_id!r} is already in flight", "request_id")
+        self.requests[r.request_id] = r
+        self._detok[r.request_id] = IncrementalDetokenizer(
+            self.token_bytes, self.tokenizer.special_ids,
+            skip_special_tokens=r.sampling.skip_special_tokens, stop=r.sampling.stop)
+        self.scheduler.add(r)
+
+    def add_request(self, req: GenerateRequest) -> None:
+        self.add(self.prepare(req))
+
+    def abort(self, request_id: str) -> GenerateEvent | None:
+        r = self.requests.get(request_id)
+        if r is None:
+            return None
+        return self._finish(r, "abort", "")
+
+    # --- the step --------------------------------------------------------------------------
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[GenerateEvent]:
+        batch = self.scheduler.schedule()
+        if batch.empty:
+            return []
+        sampled = batch.sampled()
+        tokens = self.runner.execute(batch)
+        for req, n in batch.entries:
+            if req.num_computed < len(req.prompt_ids):
+                self.prompt_tokens_computed += min(n, len(req.prompt_ids) - req.num_computed)
+            req.num_computed += n
+        self.num_steps += 1
+        return [self._append(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
+
+    def _append(self, r: Request, token: int) -> GenerateEvent:
+        now = time.monotonic()
+        if r.first_token_time is None:
+            r.first_token_time = now
+        r.output_ids.append(token)
+        self.generated_tokens += 1
+        detok = self._detok[r.request_id]
+        if token in r.stop_ids:
+            return self._finish(r, "stop", detok.flush(), (token,))
+        text = detok.push(token)
+        if detok.stopped:
+            return self._finish(r, "stop", text, (token,))
+        if len(r.output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len:
+            return self._finish(r, "length", text + detok.flush(), (token,))
+        return GenerateEvent(r.request_id, text, (token,))
+
+    def _finish(self, r: Request, reason: str, text: str, token_ids: tuple[int, ...] = ()) -> GenerateEvent:
+        self.scheduler.finish(r, reason)
+        del self.requests[r.request_id]
+        del self._detok[r.request_id]
+        ttft = None if r.first_token_time is None else r.first_token_time - r.arrival
+        usage = Usage(len(r.prompt_ids), len(r.output_ids), r.num_cached, ttft)
+        return GenerateEvent(r.request_id, text, token_ids, reason, usage)
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
+            kv_blocks_free=self.pool.num_free, num_steps=self.num_steps,
+            generated_tokens=self.generated_tokens, prompt_tokens_computed=self.prompt_tokens_computed)
+
+    # --- synchronous convenience -----------------------------------------------------------
+
+    def run(self, requests: list[GenerateRequest]) -> list[Completion]:
+        """Adds every request, steps until all finish, returns them in the order given."""
+        prepared = [self.prepare(r) for r in requests]  # all validated before any is queued
+        for r in prepared:
+            self.add(r)
+        parts: dict[str, list] = {r.request_id: ["", [], None, None] for r in prepared}
+        pending = len(prepared)
+        while pending:
+            for ev in self.step():
+                p = parts.get(ev.request_id)
+                if p is None:
+                    continue
+                p[0] += ev.text
+                p[1].extend(ev.token_ids)
+                if ev.finished:
+                    p[2], p[3] = ev.finish_reason, ev.usage
+                    pending -= 1
+        return [Completion(rid, *parts[rid]) for rid in (r.request_id for r in prepared)]

@@ -1,0 +1,141 @@
+"""Attention over the paged KV cache, torch path (CPU, and GPU until a Triton kernel replaces it).
+
+The runner describes one step's flat token batch once (`AttentionMetadata`); every layer reuses it.
+Decoding sequences (one query token each) are attended together in one padded SDPA call; prefill
+chunks are attended one sequence at a time, since their query lengths differ widely and padding
+them to a common length would waste most of the work.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class PrefillSeq:
+    """One sequence's prefill chunk: token rows [start, end) of the batch."""
+
+    start: int
+    end: int
+    # Flat cache slots of the whole context (earlier tokens and this chunk) [context], or None
+    # when the chunk is the whole context (no earlier tokens): then K/V come straight from the chunk.
+    gather: torch.Tensor | None
+    # [chunk, context] True where a query may attend (causal, aligned to the end), or None.
+    mask: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [tokens] flat slot (block * block_size + offset) to write K/V to
+    decode_rows: torch.Tensor | None  # [decodes] token rows that are single-token decodes
+    decode_all: bool  # every token of the batch is a decode (rows are 0..n-1)
+    decode_gather: torch.Tensor | None  # [decodes, max_context] flat slots, padded with 0
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_context] True = real context slot
+    prefills: list[PrefillSeq]
+
+
+def build_metadata(
+    seqs: list[tuple[int, int, list[int]]],
+    block_size: int,
+    device: torch.device,
+) -> AttentionMetadata:
+    """Describes a step. seqs: per sequence in batch order (num_computed, num_new, block_ids)."""
+    slot_parts: list[torch.Tensor] = []
+    decode_rows: list[int] = []
+    decode_seqs: list[tuple[int, list[int]]] = []  # (context length, blocks)
+    prefills: list[PrefillSeq] = []
+    row = 0
+    for computed, new, blocks in seqs:
+        total = computed + new
+        if new == 1 and computed > 0:
+            decode_rows.append(row)
+            decode_seqs.append((total, blocks))
+            slot_parts.append(torch.tensor([blocks[computed // block_size] * block_size
+                                             + computed % block_size]))
+        else:
+            ctx_slots = _slots(torch.tensor(blocks, dtype=torch.long), total, block_size)
+            slot_parts.append(ctx_slots[computed:])
+            if computed == 0:
+                prefills.append(PrefillSeq(row, row + new, None, None))
+            else:
+                q_pos = torch.arange(computed, total).unsqueeze(1)
+                k_pos = torch.arange(total).unsqueeze(0)
+                prefills.append(PrefillSeq(row, row + new, ctx_slots.to(device), (k_pos <= q_pos).to(device)))
+        row += new
+    dec_gather = dec_mask = dec_rows = None
+    if decode_seqs:
+        max_ctx = max(c for c, _ in decode_seqs)
+        max_blocks = -(-max_ctx // block_size)
+        table = torch.tensor([b[:max_blocks] + [0] * (max_blocks - len(b[:max_blocks]))
+                              for _, b in decode_seqs], dtype=torch.long)  # [decodes, max_blocks]
+        pos = torch.arange(max_ctx)
+        dec_gather = table[:, pos // block_size] * block_size + pos % block_size  # [decodes, max_ctx]
+        lens = torch.tensor([c for c, _ in decode_seqs])
+        dec_mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, max_ctx)
+        dec_gather, dec_mask = dec_gather.to(device), dec_mask.to(device)
+        dec_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
+    return AttentionMetadata(
+        slot_mapping=torch.cat(slot_parts).to(device),
+        decode_rows=dec_rows,
+        decode_all=not prefills and bool(decode_rows),
+        decode_gather=dec_gather,
+        decode_mask=dec_mask,
+        prefills=prefills,
+    )
+
+
+def _slots(blocks: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of positions 0..length-1 of a sequence that owns `blocks`."""
+    pos = torch.arange(length)
+    return blocks[pos // block_size] * block_size + pos % block_size
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+) -> torch.Tensor:
+    """Writes this step's K/V into the cache and attends every query token to its context.
+
+    q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim];
+    k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]. Returns [tokens, heads * head_dim].
+    """
+    n_tok, n_heads, head_dim = q.shape
+    n_kv = k.shape[1]
+    k_flat = k_cache.view(-1, n_kv, head_dim)  # [slots, kv_heads, head_dim]
+    v_flat = v_cache.view(-1, n_kv, head_dim)
+    k_flat.index_copy_(0, meta.slot_mapping, k)
+    v_flat.index_copy_(0, meta.slot_mapping, v)
+    gqa = n_heads != n_kv
+    if meta.decode_all:
+        return _decode(q, k_flat, v_flat, meta, gqa).reshape(n_tok, n_heads * head_dim)
+    out = q.new_empty(n_tok, n_heads, head_dim)
+    if meta.decode_rows is not None:
+        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_flat, v_flat, meta, gqa)
+    for p in meta.prefills:
+        qs = q[p.start:p.end].transpose(0, 1)  # [heads, chunk, head_dim]
+        if p.gather is None:
+            ks = k[p.start:p.end].transpose(0, 1)  # [kv_heads, chunk, head_dim]
+            vs = v[p.start:p.end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
+        else:
+            ks = k_flat[p.gather].transpose(0, 1)  # [kv_heads, context, head_dim]
+            vs = v_flat[p.gather].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=gqa)
+        out[p.start:p.end] = o.transpose(0, 1)
+    return out.view(n_tok, n_heads * head_dim)
+
+
+def _decode(q, k_flat, v_flat, meta: AttentionMetadata, gqa: bool) -> torch.Tensor:
+    # q: [decodes, heads, head_dim] -> [decodes, heads, head_dim]
+    qd = q.unsqueeze(2)  # [decodes, heads, 1, head_dim]
+    kd = k_flat[meta.decode_gather].transpose(1, 2)  # [decodes, kv_heads, context, head_dim]
+    vd = v_flat[meta.decode_gather].transpose(1, 2)
+    o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa)
+    return o.squeeze(2)

@@ -1,0 +1,216 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2) over a paged KV cache.
+
+Weights are held fused (q|k|v and gate|up) so a layer runs three big GEMMs plus the output
+projection. The forward pass takes a flat token batch (no padding): tokens of many requests,
+prefill chunks and decodes mixed, described by `AttentionMetadata` that the runner builds once
+per step and every layer shares.
+
+Internal weight names (what loaders produce):
+    embed                      [vocab, hidden]
+    layers.{i}.input_norm      [hidden]
+    layers.{i}.qkv             [(n_heads + 2 * n_kv_heads) * head_dim, hidden]
+    layers.{i}.qkv_bias        same rows as qkv (Qwen2 only)
+    layers.{i}.o               [hidden, n_heads * head_dim]
+    layers.{i}.post_norm       [hidden]
+    layers.{i}.gate_up         [2 * intermediate, hidden]
+    layers.{i}.down            [hidden, intermediate]
+    norm                       [hidden]
+    lm_head                    [vocab, hidden] (absent when tie_word_embeddings)
+Q and K rows are in Hugging Face order (rotate-half RoPE), not GGUF's interleaved order.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from loraplex.engine.models.attention import AttentionMetadata, paged_attention
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    # Llama 3.1 style frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
+    # "original_max_position_embeddings"}; None for plain RoPE.
+    rope_scaling: dict | None = field(default=None, hash=False, compare=False)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"model config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"model config: head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every weight the model needs, by internal name, with its shape."""
+        h, i = self.hidden_size, self.intermediate_size
+        shapes: dict[str, tuple[int, ...]] = {"embed": (self.vocab_size, h), "norm": (h,)}
+        if not self.tie_word_embeddings:
+            shapes["lm_head"] = (self.vocab_size, h)
+        qkv_rows = self.q_size + 2 * self.kv_size
+        for n in range(self.num_layers):
+            p = f"layers.{n}."
+            shapes[p + "input_norm"] = (h,)
+            shapes[p + "qkv"] = (qkv_rows, h)
+            if self.attention_bias:
+                shapes[p + "qkv_bias"] = (qkv_rows,)
+            shapes[p + "o"] = (h, self.q_size)
+            shapes[p + "post_norm"] = (h,)
+            shapes[p + "gate_up"] = (2 * i, h)
+            shapes[p + "down"] = (h, i)
+        return shapes
+
+    def num_params(self) -> int:
+        return sum(math.prod(s) for s in self.weight_shapes().values())
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        return 2 * self.num_layers * self.kv_size * torch.tensor([], dtype=dtype).element_size()
+
+
+def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
+    """Inverse frequencies [head_dim / 2], with Llama 3.1 scaling when configured."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    rs = config.rope_scaling
+    if rs and rs.get("rope_type", rs.get("type")) == "llama3":
+        factor = rs["factor"]
+        low, high = rs.get("low_freq_factor", 1.0), rs.get("high_freq_factor", 4.0)
+        old_len = rs.get("original_max_position_embeddings", 8192)
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        mid = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+        inv_freq = torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+    elif rs and rs.get("rope_type", rs.get("type")) not in (None, "default"):
+        raise ValueError(f"model config: unsupported rope_scaling {rs!r}")
+    return inv_freq
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [tokens, hidden]; statistics in fp32 whatever the model dtype.
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op on the fp32 path
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim] with each
+    half-frequency repeated twice, so x * cos + rotate_half(x) * sin is the rotation."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, torch.cat((-x2, x1), dim=-1), sin)
+
+
+class LlamaModel:
+    """The decoder as plain tensors; `forward` is one step over a flat token batch."""
+
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor]):
+        expected = config.weight_shapes()
+        missing = sorted(set(expected) - set(weights))
+        if missing:
+            raise ValueError(f"model weights: missing {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+        for name, shape in expected.items():
+            if tuple(weights[name].shape) != shape:
+                raise ValueError(
+                    f"model weights: {name} has shape {tuple(weights[name].shape)}, expected {shape}")
+        self.config = config
+        self.w = weights
+        self.dtype = weights["embed"].dtype
+        self.device = weights["embed"].device
+        self.lm_head = weights["embed"] if config.tie_word_embeddings else weights["lm_head"]
+        inv_freq = rope_inv_freq(config)
+        pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
+        angles = torch.outer(pos, inv_freq)  # [max_pos, head_dim / 2]
+        angles = torch.cat((angles, angles), dim=-1)  # [max_pos, head_dim]
+        self.rope_cos = angles.cos().to(self.dtype).to(self.device)
+        self.rope_sin = angles.sin().to(self.dtype).to(self.device)
+        self.layers = [self._layer_weights(n) for n in range(config.num_layers)]
+
+    def _layer_weights(self, n: int) -> tuple:
+        p = f"layers.{n}."
+        w = self.w
+        return (w[p + "input_norm"], w[p + "qkv"], w.get(p + "qkv_bias"), w[p + "o"],
+                w[p + "post_norm"], w[p + "gate_up"], w[p + "down"])
+
+    def weight_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.w.values())
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        logits_indices: torch.Tensor,
+        lora=None,
+    ) -> torch.Tensor:
+        """Runs every token once and returns logits [len(logits_indices), vocab] in fp32.
+
+        input_ids, positions: [tokens]; kv_caches[layer] = (k, v), each
+        [num_blocks, block_size, n_kv_heads, head_dim]; logits_indices: rows whose logits are needed.
+        `lora` (optional) adds per-token adapter deltas: lora.apply(layer, module, x, out).
+        """
+        cfg = self.config
+        eps = cfg.rms_norm_eps
+        q_size, kv_size = cfg.q_size, cfg.kv_size
+        inter = cfg.intermediate_size
+        n_qk_heads = cfg.num_heads + cfg.num_kv_heads
+        cos = self.rope_cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
+        sin = self.rope_sin[positions].unsqueeze(1)
+        h = self.w["embed"][input_ids]  # h: [tokens, hidden]
+        n_tok = h.shape[0]
+        for li, (in_norm, qkv_w, qkv_b, o_w, post_norm, gate_up_w, down_w) in enumerate(self.layers):
+            x = rms_norm(h, in_norm, eps)
+            qkv = F.linear(x, qkv_w, qkv_b)  # [tokens, q + 2 kv]
+            if lora is not None:
+                lora.apply(li, "qkv", x, qkv)
+            # q and k rotate together: [tokens, heads + kv_heads, head_dim]
+            qk = apply_rope(qkv[:, :q_size + kv_size].view(n_tok, n_qk_heads, cfg.head_dim), cos, sin)
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+            v = qkv[:, q_size + kv_size:].view(n_tok, cfg.num_kv_heads, cfg.head_dim)
+            k_cache, v_cache = kv_caches[li]
+            attn_out = paged_attention(q, k, v, k_cache, v_cache, attn)  # [tokens, q_size]
+            o = F.linear(attn_out, o_w)
+            if lora is not None:
+                lora.apply(li, "o", attn_out, o)
+            h = h + o
+            x = rms_norm(h, post_norm, eps)
+            gate_up = F.linear(x, gate_up_w)  # [tokens, 2 * intermediate]
+            if lora is not None:
+                lora.apply(li, "gate_up", x, gate_up)
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+            down = F.linear(act, down_w)
+            if lora is not None:
+                lora.apply(li, "down", act, down)
+            h = h + down
+        h = rms_norm(h[logits_indices], self.w["norm"], eps)
+        return F.linear(h, self.lm_head).float()

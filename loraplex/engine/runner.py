@@ -1,0 +1,54 @@
+"""Turns a scheduled batch into tensors, runs the model over the paged KV cache, samples.
+
+The batch is flat: every scheduled token of every request, in batch order, no padding.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.kv.block_pool import allocate_kv_tensors
+from loraplex.engine.models.attention import build_metadata
+from loraplex.engine.models.llama import LlamaModel
+from loraplex.engine.sampler import sample
+from loraplex.engine.sched.scheduler import ScheduledBatch
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+        cfg = model.config
+        self.model = model
+        self.device = model.device
+        self.block_size = block_size
+        self.kv_caches = allocate_kv_tensors(
+            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
+            model.dtype, model.device)
+
+    @torch.inference_mode()
+    def execute(self, batch: ScheduledBatch) -> list[int]:
+        """Computes the batch's tokens; returns the sampled token of each `batch.sampled()` request."""
+        ids: list[int] = []
+        positions: list[int] = []
+        seqs: list[tuple[int, int, list[int]]] = []
+        logits_rows: list[int] = []
+        sampled = []
+        for req, n in batch.entries:
+            start = req.num_computed
+            ids.extend(req.token_ids(start, start + n))
+            positions.extend(range(start, start + n))
+            seqs.append((start, n, req.blocks))
+            if start + n == req.num_tokens:
+                logits_rows.append(len(ids) - 1)
+                sampled.append(req)
+        dev = self.device
+        meta = build_metadata(seqs, self.block_size, dev)
+        logits = self.model.forward(
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            meta,
+            self.kv_caches,
+            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+        )  # [sampled, vocab]
+        if not sampled:
+            return []
+        return sample(logits, sampled)

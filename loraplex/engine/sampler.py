@@ -1,0 +1,57 @@
+"""Next-token sampling with per-request parameters.
+
+Greedy rows are one argmax over the batch. Sampled rows draw from their own request's
+torch.Generator, one draw per step, so a seeded request gives the same tokens whatever else
+shares its batch.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.sched.request import Request
+
+
+def apply_penalties(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    """OpenAI presence/frequency penalties over each request's generated tokens, in place.
+    logits: [reqs, vocab]."""
+    for i, r in enumerate(reqs):
+        sp = r.sampling
+        if (sp.presence_penalty == 0 and sp.frequency_penalty == 0) or not r.output_ids:
+            continue
+        ids = torch.tensor(r.output_ids, device=logits.device)
+        counts = torch.zeros(logits.shape[1], device=logits.device).index_add_(
+            0, ids, torch.ones(len(ids), device=logits.device))  # [vocab]
+        logits[i] -= sp.frequency_penalty * counts + sp.presence_penalty * (counts > 0).float()
+    return logits
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    # logits: [vocab] fp32, already divided by temperature
+    if top_k and top_k < logits.shape[0]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the tokens ranked above it already reach top_p; the first stays.
+        drop = probs.cumsum(-1) - probs >= top_p
+        logits = logits.clone()
+        logits[order[drop]] = float("-inf")
+    return logits
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    """logits: [reqs, vocab] fp32 -> one token id per request."""
+    apply_penalties(logits, reqs)
+    greedy = logits.argmax(-1).tolist()
+    out = []
+    for i, r in enumerate(reqs):
+        sp = r.sampling
+        if sp.temperature == 0:
+            out.append(greedy[i])
+            continue
+        row = _filter_top_k_top_p(logits[i] / sp.temperature, sp.top_k, sp.top_p)
+        probs = row.softmax(-1).cpu()
+        out.append(int(torch.multinomial(probs, 1, generator=r.generator)))
+    return out

@@ -1,0 +1,67 @@
+"""A request's state inside the engine: its tokens, its progress and its KV blocks."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from loraplex.engine.api import FinishReason, SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    """Token-count scheduling state (vLLM v1 style): there is no prefill or decode phase, only
+    `num_computed` tokens out of `num_tokens`; a step computes some of the rest."""
+
+    request_id: str
+    prompt_ids: list[int]
+    sampling: SamplingParams
+    max_tokens: int  # resolved: never beyond the context length
+    stop_ids: frozenset[int]
+    priority: str = "standard"
+    adapter: str | None = None
+    cache_salt: str | None = None
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_cached: int = 0  # prompt tokens served from the prefix cache
+    blocks: list[int] = field(default_factory=list)
+    status: Status = Status.WAITING
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None  # per-request RNG for seeded sampling
+
+    def __post_init__(self) -> None:
+        if self.sampling.temperature > 0:
+            self.generator = torch.Generator()
+            if self.sampling.seed is not None:
+                self.generator.manual_seed(self.sampling.seed)
+            else:
+                self.generator.seed()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        n_prompt = len(self.prompt_ids)
+        if end <= n_prompt:
+            return self.prompt_ids[start:end]
+        if start >= n_prompt:
+            return self.output_ids[start - n_prompt:end - n_prompt]
+        return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,82 @@
+"""Per-request sampling: seeds, top-k/top-p, penalties, stop strings and stop tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from loraplex.engine.api import GenerateRequest, SamplingParams
+from loraplex.engine.sampler import apply_penalties, sample
+from loraplex.engine.sched.request import Request
+from tests.conftest import make_core
+from tests.unit.test_engine_core import MODEL, greedy, mixed_prompts
+
+
+def sampled(rid: str, ids, seed: int | None, **kw) -> GenerateRequest:
+    sp = SamplingParams(max_tokens=20, temperature=kw.pop("temperature", 1.0), seed=seed, ignore_eos=True, **kw)
+    return GenerateRequest(rid, MODEL, prompt_token_ids=tuple(ids), sampling=sp)
+
+
+def test_seeded_request_is_reproducible_whatever_shares_its_batch():
+    prompt = [10, 20, 30, 40]
+    alone = make_core().run([sampled("s", prompt, seed=1234)])[0].token_ids
+    others = [sampled(f"o{i}", p, seed=None) for i, p in enumerate(mixed_prompts(7))]
+    in_batch = make_core().run(others[:3] + [sampled("s", prompt, seed=1234)] + others[3:])
+    assert in_batch[3].token_ids == alone
+    other_seed = make_core().run([sampled("s", prompt, seed=99)])[0].token_ids
+    assert other_seed != alone
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy():
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = make_core().run([greedy("g", prompt, max_tokens=20)])[0].token_ids
+    assert make_core().run([sampled("k", prompt, seed=5, top_k=1)])[0].token_ids == want
+    assert make_core().run([sampled("p", prompt, seed=5, top_p=1e-6)])[0].token_ids == want
+
+
+def test_stop_token_id_ends_with_stop():
+    prompt = [5, 6, 7]
+    free = make_core().run([greedy("f", prompt, max_tokens=20)])[0].token_ids
+    stop_tok = free[6]
+    first = free.index(stop_tok)
+    (done,) = make_core().run([greedy("s", prompt, max_tokens=20, stop_token_ids=(stop_tok,))])
+    assert done.finish_reason == "stop"
+    assert done.token_ids == free[: first + 1]
+
+
+def test_stop_string_is_cut_and_never_emitted():
+    # Prompt bytes steer the tiny byte-level model; whatever it writes, we stop on a piece of it.
+    prompt = list(b"hello world, hello world, hello")
+    (free,) = make_core().run([greedy("f", prompt, max_tokens=30)])
+    text = free.text
+    assert len(text) >= 6
+    stop = text[3:6]
+    (done,) = make_core().run([greedy("s", prompt, max_tokens=30, stop=(stop,))])
+    assert done.finish_reason == "stop"
+    assert done.text == text[: text.index(stop)]
+    assert stop not in done.text
+
+
+def test_max_tokens_ends_with_length():
+    (done,) = make_core().run([greedy("m", [1, 2, 3], max_tokens=7)])
+    assert done.finish_reason == "length" and len(done.token_ids) == 7
+
+
+def _req(**kw) -> Request:
+    return Request("r", [1], SamplingParams(**kw), max_tokens=10, stop_ids=frozenset())
+
+
+def test_penalties_follow_openai_formula():
+    r = _req(presence_penalty=0.5, frequency_penalty=0.25)
+    r.output_ids = [2, 2, 2, 3]
+    logits = torch.zeros(1, 6)
+    apply_penalties(logits, [r])
+    assert logits[0].tolist() == [0.0, 0.0, -(0.75 + 0.5), -(0.25 + 0.5), 0.0, 0.0]
+
+
+def test_greedy_and_top_k_sampling_pick_allowed_tokens():
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.9], [0.0, 5.0, 1.0, 4.9]])
+    g = _req(temperature=0.0)
+    k = _req(temperature=1.0, top_k=2, seed=0)
+    picks = {sample(logits.clone(), [g, k])[1] for _ in range(50)}
+    assert sample(logits.clone(), [g])[0] == 1
+    assert picks == {1, 3}
