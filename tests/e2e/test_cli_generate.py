@@ -1,0 +1,60 @@
+"""`loraplex generate` as a user runs it: a real process, its stdout and exit code."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+
+
+def loraplex(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loraplex.cli.main", *args], capture_output=True, text=True,
+                          env=ENV, timeout=300)
+
+
+def test_json_output_has_text_token_ids_and_usage():
+    out = loraplex("generate", "--model", "synthetic:tiny", "--prompt", "hello", "--max-tokens", "7", "--json")
+    assert out.returncode == 0, out.stderr
+    body = json.loads(out.stdout)
+    assert len(body["token_ids"]) == body["usage"]["completion_tokens"] <= 7
+    assert body["usage"]["prompt_tokens"] == 5  # five bytes with the byte-level tokenizer
+    assert isinstance(body["text"], str)
+    assert body["finish_reason"] in ("stop", "length")
+
+
+def test_seeded_sampling_is_reproducible_across_processes():
+    args = ("generate", "--model", "synthetic:tiny", "--prompt", "abc", "--temperature", "0.9", "--seed", "7",
+            "--max-tokens", "12", "--json")
+    first, second = loraplex(*args), loraplex(*args)
+    assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (("--prompt", ""), "prompt must not be empty"),
+        (("--prompt", "hi", "--max-tokens", "0"), "max_tokens"),
+        (("--prompt", "hi", "--temperature", "-1"), "temperature"),
+        (("--prompt", "hi", "--model", "nope"), "not found"),
+    ],
+)
+def test_bad_input_prints_one_line_and_exits_2(args, needle):
+    out = loraplex("generate", "--model", "synthetic:tiny", *args)
+    assert out.returncode == 2
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("loraplex: error:") and needle in lines[0]
+
+
+@pytest.mark.slow
+def test_default_model_chat_answers():
+    out = loraplex("generate", "--model", "smollm2-135m", "--chat", "--prompt", "What is the capital of France?",
+                   "--max-tokens", "32", "--json")
+    assert out.returncode == 0, out.stderr
+    body = json.loads(out.stdout)
+    assert "Paris" in body["text"]
+    assert body["usage"]["prompt_tokens"] > 10
