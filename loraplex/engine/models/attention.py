@@ -32,8 +32,10 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [tokens] flat slot (block * block_size + offset) to write K/V to
     decode_rows: torch.Tensor | None  # [decodes] token rows that are single-token decodes
     decode_all: bool  # every token of the batch is a decode (rows are 0..n-1)
-    decode_gather: torch.Tensor | None  # [decodes, max_context] flat slots, padded with 0
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_context] True = real context slot
+    # Block tables of the decodes [decodes, max_blocks], padded with block 0 (masked out): K/V are
+    # gathered a whole block at a time, far cheaper than slot by slot.
+    decode_blocks: torch.Tensor | None
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] True = real context
     prefills: list[PrefillSeq]
 
 
@@ -65,23 +67,21 @@ def build_metadata(
                 k_pos = torch.arange(total).unsqueeze(0)
                 prefills.append(PrefillSeq(row, row + new, ctx_slots.to(device), (k_pos <= q_pos).to(device)))
         row += new
-    dec_gather = dec_mask = dec_rows = None
+    dec_blocks = dec_mask = dec_rows = None
     if decode_seqs:
-        max_ctx = max(c for c, _ in decode_seqs)
-        max_blocks = -(-max_ctx // block_size)
-        table = torch.tensor([b[:max_blocks] + [0] * (max_blocks - len(b[:max_blocks]))
-                              for _, b in decode_seqs], dtype=torch.long)  # [decodes, max_blocks]
-        pos = torch.arange(max_ctx)
-        dec_gather = table[:, pos // block_size] * block_size + pos % block_size  # [decodes, max_ctx]
+        max_blocks = -(-max(c for c, _ in decode_seqs) // block_size)
+        table = [b[: -(-c // block_size)] for c, b in decode_seqs]
+        dec_blocks = torch.tensor([t + [0] * (max_blocks - len(t)) for t in table], dtype=torch.long)
+        pos = torch.arange(max_blocks * block_size)
         lens = torch.tensor([c for c, _ in decode_seqs])
-        dec_mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, max_ctx)
-        dec_gather, dec_mask = dec_gather.to(device), dec_mask.to(device)
+        dec_mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, -1)
+        dec_blocks, dec_mask = dec_blocks.to(device), dec_mask.to(device)
         dec_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
     return AttentionMetadata(
         slot_mapping=torch.cat(slot_parts).to(device),
         decode_rows=dec_rows,
         decode_all=not prefills and bool(decode_rows),
-        decode_gather=dec_gather,
+        decode_blocks=dec_blocks,
         decode_mask=dec_mask,
         prefills=prefills,
     )
@@ -114,10 +114,10 @@ def paged_attention(
     v_flat.index_copy_(0, meta.slot_mapping, v)
     gqa = n_heads != n_kv
     if meta.decode_all:
-        return _decode(q, k_flat, v_flat, meta, gqa).reshape(n_tok, n_heads * head_dim)
+        return _decode(q, k_cache, v_cache, meta, gqa).reshape(n_tok, n_heads * head_dim)
     out = q.new_empty(n_tok, n_heads, head_dim)
     if meta.decode_rows is not None:
-        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_flat, v_flat, meta, gqa)
+        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, gqa)
     for p in meta.prefills:
         qs = q[p.start:p.end].transpose(0, 1)  # [heads, chunk, head_dim]
         if p.gather is None:
@@ -132,10 +132,12 @@ def paged_attention(
     return out.view(n_tok, n_heads * head_dim)
 
 
-def _decode(q, k_flat, v_flat, meta: AttentionMetadata, gqa: bool) -> torch.Tensor:
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, gqa: bool) -> torch.Tensor:
     # q: [decodes, heads, head_dim] -> [decodes, heads, head_dim]
+    n, n_kv, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
     qd = q.unsqueeze(2)  # [decodes, heads, 1, head_dim]
-    kd = k_flat[meta.decode_gather].transpose(1, 2)  # [decodes, kv_heads, context, head_dim]
-    vd = v_flat[meta.decode_gather].transpose(1, 2)
+    # [decodes, max_blocks, block_size, kv_heads, head_dim] -> [decodes, kv_heads, context, head_dim]
+    kd = k_cache[meta.decode_blocks].view(n, -1, n_kv, head_dim).transpose(1, 2)
+    vd = v_cache[meta.decode_blocks].view(n, -1, n_kv, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa)
     return o.squeeze(2)
