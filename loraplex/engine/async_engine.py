@@ -38,6 +38,7 @@ class AsyncEngine:
         self._inbox: deque[tuple[str, object]] = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._removals: list[tuple[str, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
@@ -82,6 +83,18 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._post("abort", request_id)
 
+    def add_adapter(self, adapter_id: str, path: str) -> None:
+        """Validates and registers a PEFT directory (raises AdapterError; nothing changes then)."""
+        self.core.add_adapter(adapter_id, path)
+
+    async def remove_adapter(self, adapter_id: str) -> None:
+        """Returns once the adapter is gone; new requests for it are refused at once, running
+        ones finish first."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._post("remove", (adapter_id, loop, done))
+        await done
+
     def stats(self) -> EngineStats:
         return self.core.stats()
 
@@ -114,12 +127,30 @@ class AsyncEngine:
                 assert isinstance(payload, Request)
                 if payload.request_id in self._streams:
                     self.core.add(payload)
+            elif kind == "remove":
+                adapter_id, loop, done = payload
+                try:
+                    self.core.remove_adapter(adapter_id)
+                    self._removals.append((adapter_id, loop, done))
+                except Exception as exc:
+                    loop.call_soon_threadsafe(_settle, done, exc)
             else:
                 event = self.core.abort(str(payload))
                 if event is not None:
                     self._deliver(event)
                 else:
                     self._streams.pop(str(payload), None)
+        self._settle_removals()
+
+    def _settle_removals(self) -> None:
+        lora = self.core.lora
+        still = []
+        for adapter_id, loop, done in self._removals:
+            if lora is not None and adapter_id in lora:
+                still.append((adapter_id, loop, done))
+            else:
+                loop.call_soon_threadsafe(_settle, done, None)
+        self._removals = still
 
     def _run(self) -> None:
         while True:
@@ -136,6 +167,8 @@ class AsyncEngine:
                 events = self._fail_all(exc)
             for event in events:
                 self._deliver(event)
+            if self._removals:
+                self._settle_removals()
         for event in self._fail_all(RuntimeError("engine shut down")):
             self._deliver(event)
 
@@ -146,3 +179,12 @@ class AsyncEngine:
             usage = aborted.usage if aborted else Usage(0, 0)
             events.append(GenerateEvent(rid, "", (), "error", usage, f"engine error: {exc}"))
         return events
+
+
+def _settle(future: asyncio.Future, exc: Exception | None) -> None:
+    if future.done():
+        return
+    if exc is None:
+        future.set_result(None)
+    else:
+        future.set_exception(exc)

@@ -31,13 +31,19 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int = 512 * 1024 * 1024
     num_threads: int | None = None  # CPU: torch threads (None = torch's default)
+    # LoRA: device slots (distinct adapters in one step), largest rank, parsed adapters kept in memory.
+    # The slot buffers are allocated when the first adapter is registered.
+    max_loras: int = 8
+    max_lora_rank: int = 64
+    max_cpu_loras: int = 32
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"engine config: device must be auto, cpu or cuda[:n], got {self.device!r}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"engine config: dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes", "max_loras",
+                     "max_lora_rank", "max_cpu_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
         if self.max_model_len is not None and self.max_model_len < 2:

@@ -25,6 +25,7 @@ from loraplex.engine.api import (
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.kv.block_pool import BlockPool
+from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.llama import LlamaModel
 from loraplex.engine.models.loader import LoadedModel, load_model, resolve_model
 from loraplex.engine.runner import ModelRunner
@@ -70,6 +71,8 @@ class EngineCore:
         self.runner = ModelRunner(model, num_blocks, bs)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.lora: LoraSlots | None = None
+        self._removing: set[str] = set()  # adapters to unregister once their requests finish
         self.num_steps = 0
         self.generated_tokens = 0
         self.prompt_tokens_computed = 0
@@ -83,7 +86,8 @@ class EngineCore:
         req.validate()
         if req.model != self.model_name:
             raise ModelNotFoundError(f"model {req.model!r} not found", "model")
-        if req.adapter is not None:
+        if req.adapter is not None and (
+                self.lora is None or req.adapter not in self.lora or req.adapter in self._removing):
             raise ModelNotFoundError(f"adapter {req.adapter!r} not found", "model")
         if req.prompt_token_ids is not None:
             vocab = self.runner.model.config.vocab_size
@@ -126,6 +130,40 @@ class EngineCore:
             self.token_bytes, self.tokenizer.special_ids,
             skip_special_tokens=r.sampling.skip_special_tokens, stop=r.sampling.stop)
         self.scheduler.add(r)
+
+    # --- adapters ---------------------------------------------------------------------------
+
+    def add_adapter(self, adapter_id: str, path: str) -> None:
+        """Registers a PEFT adapter directory under `adapter_id`; validates it fully first
+        (AdapterError names the bad field or tensor, and nothing changes)."""
+        if self.lora is None:
+            cfg, model = self.config, self.runner.model
+            self.lora = LoraSlots(model.config, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras,
+                                  model.dtype, model.device)
+            self.runner.lora_slots = self.lora
+            self.scheduler.adapters = self.lora
+        self.lora.register(adapter_id, path)
+
+    def remove_adapter(self, adapter_id: str) -> bool:
+        """Unregisters an adapter. New requests for it are refused at once; if requests still use
+        it, it goes when the last one finishes. Returns True once it is gone."""
+        if self.lora is None or adapter_id not in self.lora:
+            raise ModelNotFoundError(f"adapter {adapter_id!r} not found", "adapter")
+        self._removing.add(adapter_id)
+        return self._reap_adapter(adapter_id)
+
+    def pin_adapter(self, adapter_id: str) -> None:
+        """Loads the adapter into a device slot that is never evicted."""
+        if self.lora is None or adapter_id not in self.lora:
+            raise ModelNotFoundError(f"adapter {adapter_id!r} not found", "adapter")
+        self.lora.pin(adapter_id)
+
+    def _reap_adapter(self, adapter_id: str) -> bool:
+        if any(r.adapter == adapter_id for r in self.requests.values()):
+            return False
+        self._removing.discard(adapter_id)
+        self.lora.unregister(adapter_id)
+        return True
 
     def add_request(self, req: GenerateRequest) -> None:
         self.add(self.prepare(req))
@@ -174,6 +212,8 @@ class EngineCore:
         self.scheduler.finish(r, reason)
         del self.requests[r.request_id]
         del self._detok[r.request_id]
+        if r.adapter in self._removing:
+            self._reap_adapter(r.adapter)
         ttft = None if r.first_token_time is None else r.first_token_time - r.arrival
         usage = Usage(len(r.prompt_ids), len(r.output_ids), r.num_cached, ttft)
         return GenerateEvent(r.request_id, text, token_ids, reason, usage)

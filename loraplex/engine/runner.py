@@ -7,11 +7,24 @@ from __future__ import annotations
 
 import torch
 
+from loraplex.engine.kernels.lora_ops import LoraBatchIndex
 from loraplex.engine.kv.block_pool import allocate_kv_tensors
+from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.attention import build_metadata
 from loraplex.engine.models.llama import LlamaModel
 from loraplex.engine.sampler import sample
 from loraplex.engine.sched.scheduler import ScheduledBatch
+
+
+class _StepLora:
+    """The adapters of one step, as LlamaModel.forward calls them: lora.apply(layer, module, x, out)."""
+
+    def __init__(self, slots: LoraSlots, index: LoraBatchIndex):
+        self.slots = slots
+        self.index = index
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
+        self.slots.apply(layer, module, x, out, self.index)
 
 
 class ModelRunner:
@@ -20,6 +33,7 @@ class ModelRunner:
         self.model = model
         self.device = model.device
         self.block_size = block_size
+        self.lora_slots: LoraSlots | None = None
         self.kv_caches = allocate_kv_tensors(
             cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
             model.dtype, model.device)
@@ -32,7 +46,9 @@ class ModelRunner:
         seqs: list[tuple[int, int, list[int]]] = []
         logits_rows: list[int] = []
         sampled = []
+        token_slots: list[int] = []
         for req, n in batch.entries:
+            token_slots.extend([req.lora_slot] * n)
             start = req.num_computed
             ids.extend(req.token_ids(start, start + n))
             positions.extend(range(start, start + n))
@@ -48,7 +64,13 @@ class ModelRunner:
             meta,
             self.kv_caches,
             torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            lora=self._step_lora(token_slots),
         )  # [sampled, vocab]
         if not sampled:
             return []
         return sample(logits, sampled)
+
+    def _step_lora(self, token_slots: list[int]) -> _StepLora | None:
+        if self.lora_slots is None or max(token_slots) < 0:
+            return None
+        return _StepLora(self.lora_slots, LoraBatchIndex.from_token_slots(token_slots, self.device))

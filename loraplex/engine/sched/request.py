@@ -29,6 +29,7 @@ class Request:
     stop_ids: frozenset[int]
     priority: str = "standard"
     adapter: str | None = None
+    lora_slot: int = -1  # device slot of the adapter while running; -1 = base model
     cache_salt: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)

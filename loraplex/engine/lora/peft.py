@@ -1,0 +1,308 @@
+"""PEFT LoRA adapters for Llama-family models: parse a PEFT directory and validate it against the base model.
+
+A PEFT LoRA directory holds `adapter_config.json` and `adapter_model.safetensors` with, per decoder layer
+and target module, `lora_A.weight` [r, in_features] and `lora_B.weight` [out_features, r]; the delta is
+scaling * B @ A with scaling = lora_alpha / r (lora_alpha / sqrt(r) with rsLoRA). Everything is checked
+here, before an adapter reaches a device slot, so a bad upload fails with one error naming the field or
+tensor and never mid-batch. Pickled weights (.bin, .pt, ...) are refused: loading them runs code.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from loraplex.engine.api import InvalidRequestError
+from loraplex.engine.models.llama import LlamaConfig
+
+CONFIG_FILE = "adapter_config.json"
+WEIGHTS_FILE = "adapter_model.safetensors"
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+# Short names (internal) in canonical order, with PEFT's module names and their parent block.
+MODULES = ("q", "k", "v", "o", "gate", "up", "down")
+PEFT_NAMES = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "o": "o_proj",
+              "gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+_SHORT = {p: s for s, p in PEFT_NAMES.items()}
+_PARENT = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_attn",
+           "gate": "mlp", "up": "mlp", "down": "mlp"}
+# Fused projections of llama.py, each a stack of modules in row order.
+FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
+
+_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.([\w-]+))?\.weight$")
+# Inits that rewrite the base weights (residual W - BA); such an adapter is only valid on that modified base.
+_RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
+
+
+class AdapterError(InvalidRequestError):
+    """An adapter cannot be used with this base model; nothing was registered or loaded."""
+
+    code = "invalid_adapter"
+
+    def __init__(self, message: str, param: str | None = "adapter"):
+        super().__init__(message, param)
+
+
+class AdapterNotFoundError(AdapterError):
+    code = "adapter_not_found"
+
+
+class AdapterInUseError(AdapterError):
+    """The adapter is acquired by running requests; retry once they release it."""
+
+    code = "adapter_in_use"
+
+
+def module_dims(config: LlamaConfig) -> dict[str, tuple[int, int]]:
+    """(in_features, out_features) of every LoRA-targetable module."""
+    h, i, q, kv = config.hidden_size, config.intermediate_size, config.q_size, config.kv_size
+    return {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, i), "up": (h, i), "down": (i, h)}
+
+
+def fused_rows(config: LlamaConfig, fused: str) -> list[tuple[str, int, int]]:
+    """(module, row offset, width) of each module inside fused projection `fused` (qkv, o, gate_up, down)."""
+    dims, rows, off = module_dims(config), [], 0
+    for m in FUSED[fused]:
+        rows.append((m, off, dims[m][1]))
+        off += dims[m][1]
+    return rows
+
+
+@dataclass
+class LoraWeights:
+    """One parsed, validated adapter. A and B are fp32 on CPU, unscaled (as PEFT stores them)."""
+
+    rank: int
+    alpha: float
+    scaling: float
+    target_modules: tuple[str, ...]  # short names, in MODULES order
+    layers: tuple[int, ...]  # decoder layers that carry deltas
+    lora_a: dict[tuple[int, str], torch.Tensor] = field(repr=False)  # (layer, module) -> A [rank, in]
+    lora_b: dict[tuple[int, str], torch.Tensor] = field(repr=False)  # (layer, module) -> B [out, rank]
+    use_rslora: bool = False
+    path: str = ""
+
+    def delta(self, layer: int, module: str) -> torch.Tensor | None:
+        """scaling * B @ A [out, in] in fp32, or None where the adapter leaves the module alone."""
+        a = self.lora_a.get((layer, module))
+        return None if a is None else self.scaling * (self.lora_b[(layer, module)] @ a)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for d in (self.lora_a, self.lora_b) for t in d.values())
+
+
+def load_peft_adapter(path: str | Path, config: LlamaConfig, max_rank: int = 64) -> LoraWeights:
+    """Parses and validates the PEFT LoRA directory at `path` for base model `config`.
+
+    Raises AdapterError naming the first bad file, field or tensor.
+    """
+    root = Path(path).expanduser()
+    where = f"adapter {str(path)!r}"
+    if not root.is_dir():
+        raise AdapterError(f"{where}: not a directory (expected {CONFIG_FILE} and {WEIGHTS_FILE} inside)")
+    cfg = _read_config(root, where)
+    rank, alpha, scaling, rslora, targets, layers = _check_config(cfg, config, max_rank, where)
+    weights = root / WEIGHTS_FILE
+    if not weights.is_file():
+        pickles = sorted(p.name for p in root.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
+        if pickles:
+            raise AdapterError(f"{where}: only pickled weights ({', '.join(pickles)}) and no {WEIGHTS_FILE}; "
+                               "pickle files are refused (they can run code), convert the adapter to safetensors")
+        raise AdapterError(f"{where}: {WEIGHTS_FILE} is missing")
+    lora_a, lora_b = _read_tensors(weights, config, rank, targets, layers, where)
+    return LoraWeights(rank=rank, alpha=alpha, scaling=scaling, target_modules=targets, layers=layers,
+                       lora_a=lora_a, lora_b=lora_b, use_rslora=rslora, path=str(root))
+
+
+def _read_config(root: Path, where: str) -> dict:
+    file = root / CONFIG_FILE
+    if not file.is_file():
+        raise AdapterError(f"{where}: {CONFIG_FILE} is missing")
+    try:
+        cfg = json.loads(file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise AdapterError(f"{where}: {CONFIG_FILE} is not valid JSON: {e}") from None
+    if not isinstance(cfg, dict):
+        raise AdapterError(f"{where}: {CONFIG_FILE} must hold a JSON object, got {type(cfg).__name__}")
+    return cfg
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_config(cfg: dict, config: LlamaConfig, max_rank: int,
+                  where: str) -> tuple[int, float, float, bool, tuple[str, ...], tuple[int, ...]]:
+    """Returns (rank, alpha, scaling, use_rslora, targets, layers) or raises naming the field."""
+    peft_type = cfg.get("peft_type")
+    if peft_type != "LORA":
+        raise AdapterError(f"{where}: peft_type is {peft_type!r}; only 'LORA' adapters are supported")
+    r = cfg.get("r")
+    if not _is_int(r) or not 1 <= r <= max_rank:
+        raise AdapterError(f"{where}: r must be an integer in [1, {max_rank}] (max_lora_rank), got {r!r}")
+    alpha = cfg.get("lora_alpha")
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not math.isfinite(alpha) or alpha <= 0:
+        raise AdapterError(f"{where}: lora_alpha must be a positive number, got {alpha!r}"
+                           if "lora_alpha" in cfg else f"{where}: lora_alpha is missing")
+    rslora = cfg.get("use_rslora", False)
+    if not isinstance(rslora, bool):
+        raise AdapterError(f"{where}: use_rslora must be true or false, got {rslora!r}")
+    _check_unsupported(cfg, where)
+    targets = _parse_targets(cfg.get("target_modules"), where)
+    layers = _parse_layers(cfg, config.num_layers, where)
+    scaling = alpha / math.sqrt(r) if rslora else alpha / r
+    return r, float(alpha), float(scaling), rslora, targets, layers
+
+
+def _check_unsupported(cfg: dict, where: str) -> None:
+    """LoRA variants whose math is not W + scaling * B @ A on the seven projections are refused."""
+    bias = cfg.get("bias", "none")
+    if bias not in (None, "none"):
+        raise AdapterError(f"{where}: bias is {bias!r}; only 'none' is supported (bias terms are not served)")
+    refused = {  # field: why; refused when the field is set (true, non-empty)
+        "use_dora": "DoRA adapters are not supported",
+        "fan_in_fan_out": "fan_in_fan_out (Conv1D-style transposed weights) is not supported for Llama",
+        "modules_to_save": "fully trained modules (modules_to_save) are not supported, only LoRA deltas",
+        "rank_pattern": "per-module ranks (rank_pattern) are not supported",
+        "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
+        "exclude_modules": "exclude_modules is not supported; list the target modules instead",
+        "layer_replication": "layer_replication is not supported",
+        "lora_bias": "lora_bias (a bias on lora_B) is not supported",
+        "target_parameters": "target_parameters (LoRA on raw parameters) is not supported",
+        "trainable_token_indices": "trainable token embeddings are not supported",
+        "alora_invocation_tokens": "activated LoRA (alora_invocation_tokens) is not supported",
+        "use_qalora": "QALoRA is not supported",
+        "use_bdlora": "block-diagonal LoRA (use_bdlora) is not supported",
+        "arrow_config": "Arrow routing is not supported",
+        "kasa_config": "KaSA adapters are not supported",
+        "monteclora_config": "MonteCLoRA adapters are not supported",
+        "loftq_config": "LoftQ adapters need their quantized base model and are not supported",
+    }
+    for name, why in refused.items():
+        if cfg.get(name):
+            raise AdapterError(f"{where}: {name} is set ({cfg[name]!r}); {why}")
+    init = cfg.get("init_lora_weights")
+    if isinstance(init, str) and init.lower().startswith(_RESIDUAL_INITS):
+        raise AdapterError(f"{where}: init_lora_weights is {init!r}, which modifies the base weights; save the "
+                           "adapter with path_initial_model_for_weight_conversion to get a plain LoRA")
+
+
+def _parse_targets(value: object, where: str) -> tuple[str, ...]:
+    supported = ", ".join(PEFT_NAMES.values())
+    if value is None:
+        raise AdapterError(f"{where}: target_modules is missing")
+    if isinstance(value, str):
+        if value == "all-linear":
+            return MODULES
+        if value not in _SHORT:
+            if re.fullmatch(r"\w+", value):
+                raise AdapterError(f"{where}: target module {value!r} is not supported (supported: {supported})")
+            raise AdapterError(f"{where}: target_modules is a regex pattern ({value!r}); regex targets are not "
+                               f"supported, list module names ({supported}) instead")
+        value = [value]
+    if not isinstance(value, list | tuple) or not value:
+        raise AdapterError(f"{where}: target_modules must be a non-empty list of module names, got {value!r}")
+    for name in value:
+        if name not in _SHORT:
+            raise AdapterError(f"{where}: target module {name!r} is not supported (supported: {supported})")
+    return tuple(m for m in MODULES if PEFT_NAMES[m] in value)
+
+
+def _parse_layers(cfg: dict, num_layers: int, where: str) -> tuple[int, ...]:
+    value = cfg.get("layers_to_transform")
+    if value is None:
+        return tuple(range(num_layers))
+    items = [value] if _is_int(value) else value
+    if not isinstance(items, list) or not items or not all(_is_int(i) for i in items):
+        raise AdapterError(f"{where}: layers_to_transform must be an integer or a non-empty list of integers, "
+                           f"got {value!r}")
+    bad = [i for i in items if not 0 <= i < num_layers]
+    if bad:
+        raise AdapterError(f"{where}: layers_to_transform has layer {bad[0]}, but the base model has "
+                           f"{num_layers} layers (0..{num_layers - 1})")
+    pattern = cfg.get("layers_pattern")
+    if pattern not in (None, "layers", ["layers"]):
+        raise AdapterError(f"{where}: layers_pattern {pattern!r} does not name Llama's decoder layers ('layers')")
+    return tuple(sorted(set(items)))
+
+
+def _key_of(layer: int, module: str, ab: str) -> str:
+    return f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{PEFT_NAMES[module]}.lora_{ab}.weight"
+
+
+def _read_tensors(file: Path, config: LlamaConfig, rank: int, targets: tuple[str, ...], layers: tuple[int, ...],
+                  where: str) -> tuple[dict, dict]:
+    """A and B per (layer, module), each checked for name, shape, dtype and finiteness; fp32 on CPU."""
+    try:
+        handle = safe_open(str(file), framework="pt", device="cpu")
+    except Exception as e:  # safetensors raises its own error types for a corrupt header
+        raise AdapterError(f"{where}: {WEIGHTS_FILE} cannot be read as safetensors: {e}") from None
+    with handle:
+        found = _read_checked(handle, where, config, rank, targets, layers)
+    for layer in layers:
+        for module in targets:
+            has_a, has_b = (layer, module) in found["A"], (layer, module) in found["B"]
+            if has_a != has_b:
+                missing = "B" if has_a else "A"
+                raise AdapterError(f"{where}: tensor {_key_of(layer, module, missing)!r} is missing "
+                                   f"({PEFT_NAMES[module]} of layer {layer} has lora_{'A' if has_a else 'B'} only)")
+            if not has_a:
+                raise AdapterError(f"{where}: tensor {_key_of(layer, module, 'A')!r} (and its lora_B) is missing: "
+                                   f"target_modules lists {PEFT_NAMES[module]} for layer {layer}")
+    return found["A"], found["B"]
+
+
+def _read_checked(handle, where: str, config: LlamaConfig, rank: int, targets: tuple[str, ...],
+                  layers: tuple[int, ...]) -> dict[str, dict[tuple[int, str], torch.Tensor]]:
+    """Every tensor of the open file, keyed "A"/"B" -> (layer, module), each checked before use."""
+    dims = module_dims(config)
+    found: dict[str, dict[tuple[int, str], torch.Tensor]] = {"A": {}, "B": {}}
+    adapter_names: set[str | None] = set()
+    for key in sorted(handle.keys()):
+        m = _KEY.match(key)
+        if m is None:
+            raise AdapterError(f"{where}: tensor {key!r} is not a LoRA A/B weight of a decoder layer projection "
+                               "(lm_head, embeddings, biases and DoRA magnitudes are not supported)")
+        layer, parent, peft_name, ab, adapter_name = int(m[1]), m[2], m[3], m[4], m[5]
+        module = _SHORT.get(peft_name)
+        if module is None or _PARENT[module] != parent:
+            raise AdapterError(f"{where}: tensor {key!r} is for an unknown module {parent}.{peft_name}")
+        if layer >= config.num_layers:
+            raise AdapterError(f"{where}: tensor {key!r} is for layer {layer}, but the base model has "
+                               f"{config.num_layers} layers")
+        if module not in targets:
+            raise AdapterError(f"{where}: tensor {key!r} is for {peft_name}, which is not in target_modules")
+        if layer not in layers:
+            raise AdapterError(f"{where}: tensor {key!r} is for layer {layer}, which is not in layers_to_transform")
+        adapter_names.add(adapter_name)
+        if len(adapter_names) > 1:
+            raise AdapterError(f"{where}: tensor {key!r} names adapter {adapter_name!r} but other tensors do not "
+                               "(one adapter per file)")
+        in_f, out_f = dims[module]
+        expected = [rank, in_f] if ab == "A" else [out_f, rank]
+        try:
+            view = handle.get_slice(key)
+            shape, dtype = list(view.get_shape()), view.get_dtype()
+        except Exception as e:
+            raise AdapterError(f"{where}: tensor {key!r} cannot be read: {e}") from None
+        if shape != expected:
+            raise AdapterError(f"{where}: tensor {key!r} has shape {shape}, expected {expected} (r={rank}; "
+                               f"{peft_name} is {in_f} -> {out_f} in the base model)")
+        if dtype not in _DTYPES:
+            raise AdapterError(f"{where}: tensor {key!r} has dtype {dtype}; expected float16, bfloat16 or float32")
+        try:
+            t = handle.get_tensor(key).to(torch.float32)
+        except Exception as e:
+            raise AdapterError(f"{where}: tensor {key!r} cannot be read: {e}") from None
+        if not bool(torch.isfinite(t).all()):
+            raise AdapterError(f"{where}: tensor {key!r} holds non-finite values (NaN or Inf)")
+        found[ab][(layer, module)] = t.contiguous()
+    return found

@@ -1,0 +1,269 @@
+"""Device slots for LoRA adapters of one base model: stacked kernel buffers, a registry, and two LRU tiers.
+
+Tiers: disk (the registered PEFT directory) -> CPU (`max_cpu_loras` parsed LoraWeights, LRU) -> device
+(`max_loras` slots, LRU among slots no running request holds and nobody pinned). The buffers are exactly
+what kernels/lora_ops.py takes, per layer and fused module (r = max_lora_rank):
+
+    qkv      A [max_loras, 3 * r, hidden]   B [max_loras, q_size + 2 * kv_size, r]
+    o        A [max_loras, r, q_size]       B [max_loras, hidden, r]
+    gate_up  A [max_loras, 2 * r, hidden]   B [max_loras, 2 * intermediate, r]
+    down     A [max_loras, r, intermediate] B [max_loras, hidden, r]
+
+with scaling folded into B, lower ranks zero-padded, untargeted modules zero, and `ranks` [max_loras]
+int32 holding each slot's true rank (0 = empty) so kernels skip the padding. The scheduler acquires a
+slot per request (None: every slot busy, wait) and releases it when the request leaves the batch.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora
+from loraplex.engine.lora.peft import (
+    FUSED,
+    AdapterError,
+    AdapterInUseError,
+    AdapterNotFoundError,
+    LoraWeights,
+    fused_rows,
+    load_peft_adapter,
+    module_dims,
+)
+from loraplex.engine.models.llama import LlamaConfig
+
+
+@dataclass
+class LoraSlotStats:
+    loads: int = 0  # adapters written into a device slot
+    evictions: int = 0  # loaded adapters pushed out of their slot for another
+    cpu_hits: int = 0  # slot loads served by the CPU tier
+    disk_loads: int = 0  # slot loads that re-read the adapter from disk
+    last_load_ms: float = 0.0  # wall time of the latest slot load (read + copy)
+
+
+class LoraSlots:
+    """Adapters of one base model, from registration to device slots. Thread-safe (one lock)."""
+
+    def __init__(self, config: LlamaConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        for name, value, low in (("max_loras", max_loras, 1), ("max_lora_rank", max_lora_rank, 1),
+                                 ("max_cpu_loras", max_cpu_loras, 0)):
+            if not isinstance(value, int) or value < low:
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+        self.config = config
+        self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
+        self.dtype, self.device = dtype, torch.device(device)
+        self._rows = {f: fused_rows(config, f) for f in FUSED}  # fused -> [(module, row offset, width)]
+        dims = module_dims(config)
+        self._in = {f: dims[FUSED[f][0]][0] for f in FUSED}
+        r = max_lora_rank
+        # Per layer, fused module -> stacked A [slots, S * r, in] and B [slots, out_total, r].
+        self.lora_a: list[dict[str, torch.Tensor]] = []
+        self.lora_b: list[dict[str, torch.Tensor]] = []
+        for _ in range(config.num_layers):
+            self.lora_a.append({f: torch.zeros(max_loras, len(rows) * r, self._in[f], dtype=dtype, device=device)
+                                for f, rows in self._rows.items()})
+            self.lora_b.append({f: torch.zeros(max_loras, sum(w for _, _, w in rows), r, dtype=dtype, device=device)
+                                for f, rows in self._rows.items()})
+        self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [slots], 0 = empty
+        self.stats = LoraSlotStats()
+        self._lock = threading.RLock()
+        self._paths: dict[str, str] = {}  # registered adapter -> its PEFT directory
+        self._cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, least recently used first
+        self._owner: list[str | None] = [None] * max_loras  # slot -> adapter
+        self._loaded: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
+        self._refs: dict[str, int] = {}  # adapter -> acquisitions not yet released
+        self._pinned: set[str] = set()
+
+    # ----------------------------------------------------------------------------------- layout
+
+    def slice_widths(self, module: str) -> tuple[int, ...]:
+        """Output widths of the slices of fused module (qkv: q, k, v; gate_up: gate, up; o, down: one)."""
+        return tuple(w for _, _, w in self._rows[module])
+
+    def buffers(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(A [slots, S * r_max, in], B [slots, out_total, r_max]) of one layer's fused module."""
+        return self.lora_a[layer][module], self.lora_b[layer][module]
+
+    def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, index: LoraBatchIndex) -> None:
+        """out += each token's adapter delta for this layer and module (what LlamaModel.forward wants per step)."""
+        apply_lora(x, out, self.lora_a[layer][module], self.lora_b[layer][module], index,
+                   slice_widths=self.slice_widths(module), ranks=self.ranks)
+
+    def nbytes(self) -> int:
+        """Device memory of the slot buffers."""
+        return sum(t.numel() * t.element_size() for layer in (*self.lora_a, *self.lora_b) for t in layer.values())
+
+    # --------------------------------------------------------------------------------- registry
+
+    def register(self, adapter_id: str, path: str | Path) -> LoraWeights:
+        """Parses and validates the adapter now, so a bad one is refused here and nothing changes."""
+        if not isinstance(adapter_id, str) or not adapter_id:
+            raise AdapterError(f"adapter id must be a non-empty string, got {adapter_id!r}")
+        with self._lock:
+            if adapter_id in self._paths:
+                raise AdapterError(f"adapter {adapter_id!r} is already registered; unregister it first")
+            lora = load_peft_adapter(path, self.config, self.max_lora_rank)
+            self._paths[adapter_id] = str(path)
+            self._remember(adapter_id, lora)
+            return lora
+
+    def unregister(self, adapter_id: str) -> None:
+        """Forgets the adapter and frees its slot; refused while requests hold it (AdapterInUseError)."""
+        with self._lock:
+            self._check_known(adapter_id)
+            if self._refs.get(adapter_id, 0):
+                raise AdapterInUseError(f"adapter {adapter_id!r} is in use by {self._refs[adapter_id]} running "
+                                        "request(s); unregister it once they finish")
+            slot = self._loaded.pop(adapter_id, None)
+            if slot is not None:
+                self._owner[slot] = None
+                self._clear_slot(slot)
+            self._pinned.discard(adapter_id)
+            self._refs.pop(adapter_id, None)
+            self._cpu.pop(adapter_id, None)
+            del self._paths[adapter_id]
+
+    def __contains__(self, adapter_id: object) -> bool:
+        return adapter_id in self._paths
+
+    def adapter_ids(self) -> list[str]:
+        return list(self._paths)
+
+    def slot_of(self, adapter_id: str) -> int | None:
+        """The device slot holding the adapter, or None when it is not loaded."""
+        return self._loaded.get(adapter_id)
+
+    def refcount(self, adapter_id: str) -> int:
+        return self._refs.get(adapter_id, 0)
+
+    def is_pinned(self, adapter_id: str) -> bool:
+        return adapter_id in self._pinned
+
+    def cpu_cached(self) -> list[str]:
+        """Adapters in the CPU tier, least recently used first."""
+        return list(self._cpu)
+
+    def loaded(self) -> list[str]:
+        """Adapters in device slots, least recently used first."""
+        return list(self._loaded)
+
+    # -------------------------------------------------------------------------------- residency
+
+    def acquire(self, adapter_id: str) -> int | None:
+        """A slot holding the adapter, loading it (evicting the LRU idle unpinned slot) if needed.
+
+        Returns None when every slot is held or pinned: the caller waits and retries. Each successful
+        call must be paired with `release`.
+        """
+        with self._lock:
+            slot = self._ensure_loaded(adapter_id)
+            if slot is not None:
+                self._refs[adapter_id] = self._refs.get(adapter_id, 0) + 1
+            return slot
+
+    def release(self, adapter_id: str) -> None:
+        with self._lock:
+            if self._refs.get(adapter_id, 0) < 1:
+                raise RuntimeError(f"release({adapter_id!r}) without a matching acquire")
+            self._refs[adapter_id] -= 1
+
+    def pin(self, adapter_id: str) -> int:
+        """Loads the adapter and keeps it in its slot until `unpin` or `unregister`; returns the slot."""
+        with self._lock:
+            slot = self._ensure_loaded(adapter_id)
+            if slot is None:
+                raise AdapterInUseError(f"cannot pin adapter {adapter_id!r}: all {self.max_loras} device slots are "
+                                        "in use or pinned")
+            self._pinned.add(adapter_id)
+            return slot
+
+    def unpin(self, adapter_id: str) -> None:
+        """Makes the adapter evictable again (it stays loaded until a slot is needed)."""
+        with self._lock:
+            self._check_known(adapter_id)
+            self._pinned.discard(adapter_id)
+
+    # --------------------------------------------------------------------------------- internals
+
+    def _check_known(self, adapter_id: str) -> None:
+        if adapter_id not in self._paths:
+            raise AdapterNotFoundError(f"adapter {adapter_id!r} is not registered")
+
+    def _remember(self, adapter_id: str, lora: LoraWeights) -> None:
+        """Puts the adapter in the CPU tier as most recently used, dropping the LRU beyond capacity."""
+        self._cpu[adapter_id] = lora
+        self._cpu.move_to_end(adapter_id)
+        while len(self._cpu) > self.max_cpu_loras:
+            self._cpu.popitem(last=False)
+
+    def _weights(self, adapter_id: str) -> LoraWeights:
+        lora = self._cpu.get(adapter_id)
+        if lora is not None:
+            self.stats.cpu_hits += 1
+            self._cpu.move_to_end(adapter_id)
+            return lora
+        # Re-read from disk; re-validated, since the directory may have changed since registration.
+        lora = load_peft_adapter(self._paths[adapter_id], self.config, self.max_lora_rank)
+        self.stats.disk_loads += 1
+        self._remember(adapter_id, lora)
+        return lora
+
+    def _ensure_loaded(self, adapter_id: str) -> int | None:
+        self._check_known(adapter_id)
+        slot = self._loaded.get(adapter_id)
+        if slot is not None:
+            self._loaded.move_to_end(adapter_id)
+            return slot
+        free = [s for s, owner in enumerate(self._owner) if owner is None]
+        victim = None
+        if not free:
+            victim = next((a for a in self._loaded if not self._refs.get(a) and a not in self._pinned), None)
+            if victim is None:
+                return None
+        start = time.perf_counter()
+        lora = self._weights(adapter_id)  # before evicting: a failed disk read leaves the slots as they were
+        if victim is not None:
+            slot = self._loaded.pop(victim)
+            self.stats.evictions += 1
+        else:
+            slot = free[0]
+        self._write_slot(slot, lora)
+        self._owner[slot] = adapter_id
+        self._loaded[adapter_id] = slot
+        self.stats.loads += 1
+        self.stats.last_load_ms = (time.perf_counter() - start) * 1000.0
+        return slot
+
+    def _clear_slot(self, slot: int) -> None:
+        self.ranks[slot] = 0
+        for layer in range(self.config.num_layers):
+            for f in FUSED:
+                self.lora_a[layer][f][slot].zero_()
+                self.lora_b[layer][f][slot].zero_()
+
+    def _write_slot(self, slot: int, lora: LoraWeights) -> None:
+        """Overwrites the whole slot: A and scaling * B in their rows, zeros everywhere else."""
+        r_max, rank = self.max_lora_rank, lora.rank
+        self.ranks[slot] = rank
+        for layer in range(self.config.num_layers):
+            for f, rows in self._rows.items():
+                a_buf, b_buf = self.lora_a[layer][f][slot], self.lora_b[layer][f][slot]
+                if not any((layer, m) in lora.lora_a for m, _, _ in rows):
+                    a_buf.zero_()
+                    b_buf.zero_()
+                    continue
+                a = torch.zeros(a_buf.shape, dtype=torch.float32)  # [S * r_max, in], staged on CPU
+                b = torch.zeros(b_buf.shape, dtype=torch.float32)  # [out_total, r_max]
+                for s, (m, off, width) in enumerate(rows):
+                    if (layer, m) in lora.lora_a:
+                        a[s * r_max:s * r_max + rank] = lora.lora_a[(layer, m)]  # [rank, in]
+                        b[off:off + width, :rank] = lora.lora_b[(layer, m)] * lora.scaling  # [width, rank]
+                a_buf.copy_(a)  # casts to the slot dtype and device
+                b_buf.copy_(b)

@@ -1,0 +1,140 @@
+"""Many LoRA adapters in one batch: each request matches its adapter merged into the weights."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+
+from loraplex.engine.api import GenerateRequest, ModelNotFoundError, SamplingParams
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import EngineCore
+from loraplex.engine.lora.merge import merged_weights
+from loraplex.engine.lora.peft import AdapterError, load_peft_adapter
+from tests.conftest import _loaded, make_core
+from tests.lora_factory import make_peft_dir
+from tests.unit.test_engine_core import MODEL, mixed_prompts
+
+RANKS = [4, 8, 16, 64, 4, 8, 16, 64]
+
+
+def req(rid: str, ids, adapter: str | None, max_tokens: int = 16) -> GenerateRequest:
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return GenerateRequest(rid, MODEL, prompt_token_ids=tuple(ids), sampling=sp, adapter=adapter)
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tmp_path_factory):
+    cfg = _loaded(MODEL).config
+    root = tmp_path_factory.mktemp("adapters")
+    return [make_peft_dir(root / f"a{i}", cfg, rank=r, alpha=2 * r, targets="all", seed=100 + i)
+            for i, r in enumerate(RANKS)]
+
+
+def merged_core(path) -> EngineCore:
+    base = _loaded(MODEL)
+    lora = load_peft_adapter(path, base.config)
+    loaded = dataclasses.replace(base, weights=merged_weights(base.weights, base.config, lora))
+    cfg = EngineConfig(model=MODEL, device="cpu", dtype="float32", num_kv_blocks=256)
+    return EngineCore(cfg, loaded=loaded)
+
+
+def test_mixed_batch_of_8_adapters_and_base_matches_merged_weights(adapter_dirs):
+    prompts = mixed_prompts(12, seed=7)
+    core = make_core()
+    for i, path in enumerate(adapter_dirs):
+        core.add_adapter(f"a{i}", str(path))
+    adapters = [f"a{i}" for i in range(8)] + [None] * 4
+    got = core.run([req(f"r{i}", p, a) for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))])
+    base_alone = make_core()
+    for i, (p, a) in enumerate(zip(prompts, adapters, strict=True)):
+        ref = merged_core(adapter_dirs[int(a[1:])]) if a else base_alone
+        want = ref.run([req(f"w{i}", p, None)])[0].token_ids
+        assert got[i].token_ids == want, f"request {i} (adapter {a})"
+    # the adapters really change the output
+    assert got[0].token_ids != base_alone.run([req("b", prompts[0], None)])[0].token_ids
+
+
+def test_more_adapters_than_slots_all_complete_correctly(adapter_dirs):
+    core = make_core(max_loras=2, max_lora_rank=64)
+    for i, path in enumerate(adapter_dirs[:6]):
+        core.add_adapter(f"a{i}", str(path))
+    prompts = mixed_prompts(12, seed=8)
+    got = core.run([req(f"r{i}", p, f"a{i % 6}") for i, p in enumerate(prompts)])
+    for i, p in enumerate(prompts):
+        want = merged_core(adapter_dirs[i % 6]).run([req("w", p, None)])[0].token_ids
+        assert got[i].token_ids == want
+    assert core.lora.stats.evictions > 0
+    assert core.pool.num_free == core.pool.num_blocks
+
+
+def test_pinned_adapter_is_never_evicted(adapter_dirs):
+    core = make_core(max_loras=2, max_lora_rank=64)
+    for i, path in enumerate(adapter_dirs[:5]):
+        core.add_adapter(f"a{i}", str(path))
+    core.pin_adapter("a0")
+    slot = core.lora.slot_of("a0")
+    core.run([req(f"r{i}", [1, 2, 3], f"a{1 + i % 4}") for i in range(8)])
+    assert core.lora.stats.evictions > 0
+    assert core.lora.slot_of("a0") == slot
+
+
+@pytest.mark.parametrize("breakage", ["pickle", "no_config", "rank", "target", "shape", "nan", "modules_to_save"])
+def test_bad_adapter_is_refused_and_engine_keeps_serving(tmp_path, adapter_dirs, breakage):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    cfg = _loaded(MODEL).config
+    path = make_peft_dir(tmp_path / "bad", cfg, rank=8, alpha=16, targets=["q", "v"], seed=1)
+    weights = path / "adapter_model.safetensors"
+    config = path / "adapter_config.json"
+    if breakage == "pickle":
+        weights.rename(path / "adapter_model.bin")
+    elif breakage == "no_config":
+        config.unlink()
+    elif breakage == "rank":
+        path = make_peft_dir(tmp_path / "big", cfg, rank=128, alpha=16, targets=["q"], seed=1)
+    elif breakage == "target":
+        path = make_peft_dir(tmp_path / "tgt", cfg, rank=8, alpha=16, targets=["q"], seed=1,
+                             target_modules=["q_proj", "lm_head"])
+    elif breakage in ("shape", "nan"):
+        tensors = load_file(weights)
+        key = next(k for k in tensors if "lora_A" in k)
+        tensors[key] = torch.full((8, 7), float("nan")) if breakage == "shape" else tensors[key] * float("nan")
+        save_file(tensors, weights)
+    elif breakage == "modules_to_save":
+        path = make_peft_dir(tmp_path / "mts", cfg, rank=8, alpha=16, targets=["q"], seed=1,
+                             modules_to_save=["lm_head"])
+    core = make_core()
+    core.add_adapter("good", str(adapter_dirs[0]))
+    with pytest.raises(AdapterError) as info:
+        core.add_adapter("bad", str(path))
+    assert info.value.message
+    with pytest.raises(ModelNotFoundError):
+        core.add_request(req("x", [1, 2], "bad"))
+    done = core.run([req("ok", [1, 2, 3], "good"), req("base", [1, 2, 3], None)])
+    assert all(len(c.token_ids) == 16 for c in done)
+
+
+def test_remove_adapter_waits_for_its_requests(adapter_dirs):
+    async def go():
+        engine = AsyncEngine(make_core())
+        try:
+            engine.add_adapter("a0", str(adapter_dirs[0]))
+            stream = engine.generate(req("long", [1, 2, 3], "a0", max_tokens=40))
+            first = await stream.__anext__()
+            removal = asyncio.ensure_future(engine.remove_adapter("a0"))
+            await asyncio.sleep(0.05)
+            assert not removal.done()  # its request is still running
+            with pytest.raises(ModelNotFoundError):
+                engine.generate(req("new", [1, 2, 3], "a0"))
+            rest = [e async for e in stream]
+            await asyncio.wait_for(removal, 10)
+            assert len(first.token_ids) + sum(len(e.token_ids) for e in rest) == 40
+            assert "a0" not in engine.core.lora
+        finally:
+            engine.shutdown()
+
+    asyncio.run(go())
