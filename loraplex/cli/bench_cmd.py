@@ -18,6 +18,16 @@ def add_parser(sub) -> None:
     e.add_argument("--batch", type=int, default=32)
     e.add_argument("--skip-hf", action="store_true", help="measure our engine only")
     e.set_defaults(func=_run_engine)
+    lo = bsub.add_parser("lora", help="multi-LoRA tokens/s (identical, zipf, distinct) vs base and HF PEFT")
+    lo.add_argument("--json", dest="json_path", required=True)
+    lo.add_argument("--model", default="smollm2-135m")
+    lo.add_argument("--batch", type=int, default=32)
+    lo.add_argument("--rank", type=int, default=16)
+    lo.add_argument("--new-tokens", type=int, default=64)
+    lo.add_argument("--peft-new-tokens", type=int, default=16,
+                    help="PEFT's mixed-adapter batch is slow: fewer tokens keep the run short (tok/s is reported)")
+    lo.add_argument("--skip-peft", action="store_true")
+    lo.set_defaults(func=_run_lora)
 
 
 def _write(path: str, results: dict) -> None:
@@ -33,4 +43,13 @@ def _run_engine(args: argparse.Namespace) -> int:
     _write(args.json_path, run_engine_bench(
         model=args.model, new_tokens=args.new_tokens, batch1_prompts=args.batch1_prompts,
         batch=args.batch, with_hf=not args.skip_hf))
+    return 0
+
+
+def _run_lora(args: argparse.Namespace) -> int:
+    from loraplex.cli.bench.lora import run_lora_bench
+
+    _write(args.json_path, run_lora_bench(
+        model=args.model, batch=args.batch, rank=args.rank, new_tokens=args.new_tokens,
+        peft_new_tokens=args.peft_new_tokens, with_peft=not args.skip_peft))
     return 0

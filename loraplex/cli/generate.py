@@ -24,6 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--adapter", help="a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, usage")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
@@ -35,21 +36,31 @@ def _request(args, prompt: str, chat: bool) -> GenerateRequest:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=tuple(args.stop))
     kind = {"messages": ({"role": "user", "content": prompt},)} if chat else {"prompt": prompt}
-    return GenerateRequest(request_id=uuid.uuid4().hex, model=args.model, sampling=sampling, **kind)
+    adapter = ADAPTER_ID if args.adapter else None
+    return GenerateRequest(request_id=uuid.uuid4().hex, model=args.model, sampling=sampling, adapter=adapter, **kind)
+
+
+ADAPTER_ID = "cli-adapter"
+
+
+def _engine(args) -> EngineCore:
+    core = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    if args.adapter:
+        core.add_adapter(ADAPTER_ID, args.adapter)
+    return core
 
 
 def run(args: argparse.Namespace) -> int:
     if args.prompt is None:
-        core = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
-        return _interactive(core, args)
+        return _interactive(_engine(args), args)
     request = _request(args, args.prompt, args.chat)
     request.validate()  # a bad flag fails before the model loads
-    core = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    core = _engine(args)
     if args.json:
         (done,) = core.run([request])
         u = done.usage
         print(json.dumps({
-            "model": args.model, "text": done.text, "token_ids": done.token_ids,
+            "model": args.model, "adapter": args.adapter, "text": done.text, "token_ids": done.token_ids,
             "finish_reason": done.finish_reason,
             "usage": {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                       "total_tokens": u.total_tokens, "cached_tokens": u.cached_tokens,

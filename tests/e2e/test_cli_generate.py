@@ -58,3 +58,19 @@ def test_default_model_chat_answers():
     body = json.loads(out.stdout)
     assert "Paris" in body["text"]
     assert body["usage"]["prompt_tokens"] > 10
+
+
+def test_adapter_flag_changes_output_and_bad_adapter_is_one_line(tmp_path):
+    from tests.conftest import _loaded
+    from tests.lora_factory import make_peft_dir
+
+    cfg = _loaded("synthetic:tiny").config
+    good = make_peft_dir(tmp_path / "good", cfg, rank=8, alpha=16, targets="all", seed=3)
+    base = ("generate", "--model", "synthetic:tiny", "--prompt", "hello there", "--max-tokens", "12", "--json")
+    plain = json.loads(loraplex(*base).stdout)
+    with_adapter = loraplex(*base, "--adapter", str(good))
+    assert with_adapter.returncode == 0, with_adapter.stderr
+    assert json.loads(with_adapter.stdout)["token_ids"] != plain["token_ids"]
+    bad = loraplex(*base, "--adapter", str(tmp_path / "missing"))
+    assert bad.returncode == 2
+    assert bad.stderr.strip().startswith("loraplex: error:") and len(bad.stderr.strip().splitlines()) == 1

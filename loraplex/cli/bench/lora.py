@@ -1,0 +1,129 @@
+"""Multi-LoRA throughput: one batch over 1, zipf-many or all-distinct adapters, against the base
+model alone and against HF PEFT's mixed-adapter batch, in one run.
+
+The adapters are made by PEFT itself (rank 16 on all seven projections, random non-zero A and B),
+saved to a temporary directory, and loaded by both systems from there.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from loraplex.cli.bench.engine import bench_prompts, hf_model
+from loraplex.engine.api import GenerateRequest, SamplingParams
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import EngineCore
+from loraplex.engine.lora.slots import LoraSlots
+from loraplex.engine.models.loader import load_model, resolve_model
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def zipf_choices(n_requests: int, n_adapters: int, s: float, seed: int = 0) -> list[int]:
+    """Adapter index per request, P(k) proportional to 1 / (k + 1)^s."""
+    weights = [1.0 / (k + 1) ** s for k in range(n_adapters)]
+    return random.Random(seed).choices(range(n_adapters), weights=weights, k=n_requests)
+
+
+def make_adapters(loaded, root: Path, count: int, rank: int):
+    """Saves `count` PEFT adapters and returns the PEFT model holding all of them (names a0..)."""
+    from peft import LoraConfig, get_peft_model
+
+    base = hf_model(loaded)
+    model = None
+    gen = torch.Generator().manual_seed(1234)
+    for i in range(count):
+        cfg = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS, lora_dropout=0.0)
+        if model is None:
+            model = get_peft_model(base, cfg, adapter_name=f"a{i}")
+        else:
+            model.add_adapter(f"a{i}", cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if f".a{i}." in name and ("lora_A" in name or "lora_B" in name):
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.04)
+    model.save_pretrained(root)  # PEFT writes each named adapter to root/<name>
+    return model.eval()
+
+
+def adapter_path(root: Path, i: int) -> Path:
+    return root / f"a{i}"
+
+
+def _ours(core: EngineCore, prompts, adapters, new_tokens: int, model: str, tag: str) -> float:
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    reqs = [GenerateRequest(f"{tag}{i}", model, prompt=p, sampling=sp, adapter=a)
+            for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))]
+    t0 = time.perf_counter()
+    generated = sum(len(c.token_ids) for c in core.run(reqs))
+    return generated / (time.perf_counter() - t0)
+
+
+@torch.inference_mode()
+def _peft(model, tokenizer, prompts, adapter_names, new_tokens: int) -> float:
+    encoded = [tokenizer.encode(p) for p in prompts]
+    width = max(len(e) for e in encoded)
+    ids = torch.tensor([[0] * (width - len(e)) + e for e in encoded])
+    mask = torch.tensor([[0] * (width - len(e)) + [1] * len(e) for e in encoded])
+    t0 = time.perf_counter()
+    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                         do_sample=False, pad_token_id=0, adapter_names=adapter_names)
+    return (out.shape[1] - width) * out.shape[0] / (time.perf_counter() - t0)
+
+
+def _load_ms(loaded, root: Path, count: int, rank: int) -> float:
+    """Median cold load: parse + validate one adapter from disk and write it into a device slot."""
+    slots = LoraSlots(loaded.config, max_loras=2, max_lora_rank=rank, max_cpu_loras=1,
+                      dtype=torch.float32, device=torch.device("cpu"))
+    times = []
+    for i in range(count):
+        t0 = time.perf_counter()
+        slots.register(f"cold{i}", adapter_path(root, i))
+        slots.acquire(f"cold{i}")
+        times.append((time.perf_counter() - t0) * 1000)
+        slots.release(f"cold{i}")
+        slots.unregister(f"cold{i}")
+    return statistics.median(times)
+
+
+def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_tokens: int, with_peft: bool) -> dict:
+    loaded = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
+    prompts = bench_prompts(batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        peft_model = make_adapters(loaded, root, batch, rank)
+        core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=batch,
+                                       max_num_batched_tokens=2048, max_loras=batch, max_lora_rank=rank),
+                          loaded=loaded)
+        for i in range(batch):
+            core.add_adapter(f"a{i}", str(adapter_path(root, i)))
+        zipf = [f"a{k}" for k in zipf_choices(batch, batch, 1.5)]
+        patterns = {"identical": ["a0"] * batch, "zipf": zipf, "distinct": [f"a{i}" for i in range(batch)]}
+        _ours(core, prompts[:2], [None, "a0"], 4, model, "warm")
+        results = {
+            "model": model, "dtype": "float32", "batch": batch, "rank": rank, "new_tokens": new_tokens,
+            "targets": "q,k,v,o,gate,up,down",
+            "base_tok_s": round(_ours(core, prompts, [None] * batch, new_tokens, model, "base"), 2),
+        }
+        for name, adapters in patterns.items():
+            results[name] = {"tok_s": round(_ours(core, prompts, adapters, new_tokens, model, name), 2),
+                             "distinct_adapters": len(set(adapters))}
+        results["adapter_load_ms"] = round(_load_ms(loaded, root, min(9, batch), rank), 2)
+        if with_peft:
+            names = patterns["distinct"]
+            results["peft_distinct"] = {"tok_s": round(_peft(peft_model, loaded.tokenizer, prompts, names,
+                                                             peft_new_tokens), 2),
+                                        "new_tokens": peft_new_tokens}
+    base = results["base_tok_s"]
+    results["ratios"] = {f"{k}_vs_base": round(results[k]["tok_s"] / base, 3)
+                         for k in ("identical", "zipf", "distinct")}
+    if with_peft:
+        results["ratios"]["distinct_vs_peft"] = round(results["distinct"]["tok_s"] / results["peft_distinct"]["tok_s"],
+                                                      2)
+    return results
