@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from loraplex.engine.api import InvalidRequestError
+from loraplex.engine.lora.st_reader import read_file, read_safetensors
 from loraplex.engine.models.llama import LlamaConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -36,6 +36,7 @@ _PARENT = {"q": "self_attn", "k": "self_attn", "v": "self_attn", "o": "self_attn
 FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
 _KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.([\w-]+))?\.weight$")
 # Inits that rewrite the base weights (residual W - BA); such an adapter is only valid on that modified base.
 _RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
@@ -241,12 +242,12 @@ def _key_of(layer: int, module: str, ab: str) -> str:
 def _read_tensors(file: Path, config: LlamaConfig, rank: int, targets: tuple[str, ...], layers: tuple[int, ...],
                   where: str) -> tuple[dict, dict]:
     """A and B per (layer, module), each checked for name, shape, dtype and finiteness; fp32 on CPU."""
-    try:
-        handle = safe_open(str(file), framework="pt", device="cpu")
-    except Exception as e:  # safetensors raises its own error types for a corrupt header
+    try:  # one read of the whole file; tensors are views into it
+        tensors, whole = read_safetensors(read_file(file))
+    except ValueError as e:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} cannot be read as safetensors: {e}") from None
-    with handle:
-        found = _read_checked(handle, where, config, rank, targets, layers)
+    found = _read_checked(tensors, where, config, rank, targets, layers)
+    _check_finite(found, whole, where)
     for layer in layers:
         for module in targets:
             has_a, has_b = (layer, module) in found["A"], (layer, module) in found["B"]
@@ -260,9 +261,27 @@ def _read_tensors(file: Path, config: LlamaConfig, rank: int, targets: tuple[str
     return found["A"], found["B"]
 
 
-def _read_checked(handle, where: str, config: LlamaConfig, rank: int, targets: tuple[str, ...],
-                  layers: tuple[int, ...]) -> dict[str, dict[tuple[int, str], torch.Tensor]]:
-    """Every tensor of the open file, keyed "A"/"B" -> (layer, module), each checked before use."""
+def _check_finite(found: dict[str, dict[tuple[int, str], torch.Tensor]], whole: torch.Tensor | None,
+                  where: str) -> None:
+    """One pass over every value (the file's whole data region when it has one dtype); only when
+    that fails are tensors checked one by one, to name the culprit."""
+    tensors = [t for part in found.values() for t in part.values()]
+    if whole is None:
+        whole = torch.cat([t.reshape(-1) for t in tensors]) if tensors else None
+    # NaN and Inf propagate through a sum, so a finite sum proves every value finite; a non-finite
+    # one (possibly mere overflow) falls through to the exact per-tensor check.
+    if whole is None or bool(whole.float().sum().isfinite()):
+        return
+    for ab, part in found.items():
+        for (layer, module), t in sorted(part.items()):
+            if not bool(torch.isfinite(t).all()):
+                raise AdapterError(f"{where}: tensor {_key_of(layer, module, ab)!r} holds non-finite values "
+                                   "(NaN or Inf)")
+
+
+def _read_checked(handle: dict[str, torch.Tensor], where: str, config: LlamaConfig, rank: int,
+                  targets: tuple[str, ...], layers: tuple[int, ...]) -> dict[str, dict[tuple[int, str], torch.Tensor]]:
+    """Every tensor of the file, keyed "A"/"B" -> (layer, module), each checked before use."""
     dims = module_dims(config)
     found: dict[str, dict[tuple[int, str], torch.Tensor]] = {"A": {}, "B": {}}
     adapter_names: set[str | None] = set()
@@ -288,21 +307,12 @@ def _read_checked(handle, where: str, config: LlamaConfig, rank: int, targets: t
                                "(one adapter per file)")
         in_f, out_f = dims[module]
         expected = [rank, in_f] if ab == "A" else [out_f, rank]
-        try:
-            view = handle.get_slice(key)
-            shape, dtype = list(view.get_shape()), view.get_dtype()
-        except Exception as e:
-            raise AdapterError(f"{where}: tensor {key!r} cannot be read: {e}") from None
+        tensor = handle[key]
+        shape, dtype = list(tensor.shape), _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
         if shape != expected:
             raise AdapterError(f"{where}: tensor {key!r} has shape {shape}, expected {expected} (r={rank}; "
                                f"{peft_name} is {in_f} -> {out_f} in the base model)")
         if dtype not in _DTYPES:
             raise AdapterError(f"{where}: tensor {key!r} has dtype {dtype}; expected float16, bfloat16 or float32")
-        try:
-            t = handle.get_tensor(key).to(torch.float32)
-        except Exception as e:
-            raise AdapterError(f"{where}: tensor {key!r} cannot be read: {e}") from None
-        if not bool(torch.isfinite(t).all()):
-            raise AdapterError(f"{where}: tensor {key!r} holds non-finite values (NaN or Inf)")
-        found[ab][(layer, module)] = t.contiguous()
+        found[ab][(layer, module)] = tensor.to(torch.float32).contiguous()
     return found

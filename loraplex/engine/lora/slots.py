@@ -255,15 +255,9 @@ class LoraSlots:
         for layer in range(self.config.num_layers):
             for f, rows in self._rows.items():
                 a_buf, b_buf = self.lora_a[layer][f][slot], self.lora_b[layer][f][slot]
-                if not any((layer, m) in lora.lora_a for m, _, _ in rows):
-                    a_buf.zero_()
-                    b_buf.zero_()
-                    continue
-                a = torch.zeros(a_buf.shape, dtype=torch.float32)  # [S * r_max, in], staged on CPU
-                b = torch.zeros(b_buf.shape, dtype=torch.float32)  # [out_total, r_max]
+                a_buf.zero_()  # [S * r_max, in]
+                b_buf.zero_()  # [out_total, r_max]
                 for s, (m, off, width) in enumerate(rows):
                     if (layer, m) in lora.lora_a:
-                        a[s * r_max:s * r_max + rank] = lora.lora_a[(layer, m)]  # [rank, in]
-                        b[off:off + width, :rank] = lora.lora_b[(layer, m)] * lora.scaling  # [width, rank]
-                a_buf.copy_(a)  # casts to the slot dtype and device
-                b_buf.copy_(b)
+                        a_buf[s * r_max:s * r_max + rank].copy_(lora.lora_a[(layer, m)])  # [rank, in]
+                        b_buf[off:off + width, :rank].copy_(lora.lora_b[(layer, m)]).mul_(lora.scaling)
