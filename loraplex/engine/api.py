@@ -155,6 +155,23 @@ class EngineStats:
     num_steps: int = 0
     generated_tokens: int = 0
     prompt_tokens_computed: int = 0
+    running_by_class: dict[str, int] = field(default_factory=dict)
+    waiting_by_class: dict[str, int] = field(default_factory=dict)
+    preemptions_by_class: dict[str, int] = field(default_factory=dict)
+    swapped_requests: int = 0
+    swap_blocks_used: int = 0
+    swapped_out_blocks: int = 0  # totals since start
+    swapped_in_blocks: int = 0
+    prefix_cached_blocks: int = 0
+    prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of which served from it
+    adapters_loaded: int = 0  # adapters resident in device slots
+    adapter_loads: int = 0
+    adapter_evictions: int = 0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
 class EngineClient(Protocol):

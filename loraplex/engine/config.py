@@ -33,6 +33,14 @@ class EngineConfig:
     num_threads: int | None = None  # CPU: torch threads (None = torch's default)
     # LoRA: device slots (distinct adapters in one step), largest rank, parsed adapters kept in memory.
     # The slot buffers are allocated when the first adapter is registered.
+    # Scheduling: admission weights of realtime:standard:batch, the wait after which any request goes
+    # first, what preemption does with a victim's KV ("recompute" or "swap" to a CPU space of
+    # swap_space_bytes), and prefix caching.
+    priority_weights: tuple[float, float, float] = (10.0, 5.0, 1.0)
+    priority_aging_s: float = 30.0
+    preemption_mode: str = "recompute"
+    swap_space_bytes: int = 256 * 1024 * 1024
+    enable_prefix_caching: bool = True
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int = 32
@@ -46,6 +54,12 @@ class EngineConfig:
                      "max_lora_rank", "max_cpu_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"engine config: preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
+        if len(self.priority_weights) != 3 or any(w <= 0 for w in self.priority_weights):
+            raise ValueError(f"engine config: priority_weights must be 3 positive numbers, got {self.priority_weights}")
+        if self.priority_aging_s <= 0:
+            raise ValueError(f"engine config: priority_aging_s must be > 0, got {self.priority_aging_s}")
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"engine config: max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:

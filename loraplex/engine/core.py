@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.api import (
+    PRIORITY_CLASSES,
     ContextLengthExceededError,
     EngineStats,
     GenerateEvent,
@@ -64,11 +65,17 @@ class EngineCore:
         self.max_model_len = min(
             config.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT),
             mcfg.max_position_embeddings,
-            num_blocks * bs,  # so that any admitted request fits in an empty pool
         )
         self.pool = BlockPool(num_blocks, bs)
-        self.scheduler = Scheduler(self.pool, config.max_num_seqs, config.max_num_batched_tokens)
-        self.runner = ModelRunner(model, num_blocks, bs)
+        swap_pool = None
+        if config.preemption_mode == "swap":
+            swap_blocks = max(1, config.swap_space_bytes // (bs * mcfg.kv_bytes_per_token(model.dtype)))
+            swap_pool = BlockPool(swap_blocks, bs)
+        self.scheduler = Scheduler(
+            self.pool, config.max_num_seqs, config.max_num_batched_tokens, model=config.model,
+            priority_weights=config.priority_weights, aging_s=config.priority_aging_s, swap_pool=swap_pool,
+            prefix_caching=config.enable_prefix_caching)
+        self.runner = ModelRunner(model, num_blocks, bs, swap_pool.num_blocks if swap_pool else 0)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.lora: LoraSlots | None = None
@@ -115,11 +122,18 @@ class EngineCore:
                 f"This model's maximum context length is {limit} tokens. However, you requested "
                 f"{asked} tokens ({len(ids)} in the prompt, {sp.max_tokens or 1} for the completion). "
                 "Please reduce the length of the prompt or the completion.", "messages")
+        capacity = self.pool.num_blocks * self.pool.block_size
+        need = len(ids) + (sp.max_tokens or 1)
+        if need > capacity:
+            raise InvalidRequestError(
+                f"this request needs {need} tokens of KV cache ({len(ids)} prompt + {sp.max_tokens or 1} "
+                f"completion) but the whole cache holds {capacity}; shorten it or give the engine a larger KV cache",
+                "max_tokens" if sp.max_tokens else "messages")
         stop_ids = frozenset(sp.stop_token_ids) | (
             frozenset() if sp.ignore_eos else self.tokenizer.eos_token_ids)
         return Request(
             request_id=req.request_id, prompt_ids=ids, sampling=sp,
-            max_tokens=sp.max_tokens or limit - len(ids), stop_ids=stop_ids,
+            max_tokens=sp.max_tokens or min(limit, capacity) - len(ids), stop_ids=stop_ids,
             priority=req.priority, adapter=req.adapter, cache_salt=req.cache_salt)
 
     def add(self, r: Request) -> None:
@@ -185,10 +199,9 @@ class EngineCore:
             return []
         sampled = batch.sampled()
         tokens = self.runner.execute(batch)
-        for req, n in batch.entries:
-            if req.num_computed < len(req.prompt_ids):
-                self.prompt_tokens_computed += min(n, len(req.prompt_ids) - req.num_computed)
-            req.num_computed += n
+        self.prompt_tokens_computed += sum(
+            min(n, len(r.prompt_ids) - r.num_computed) for r, n in batch.entries if r.num_computed < len(r.prompt_ids))
+        self.scheduler.update(batch)
         self.num_steps += 1
         return [self._append(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
 
@@ -219,11 +232,27 @@ class EngineCore:
         return GenerateEvent(r.request_id, text, token_ids, reason, usage)
 
     def stats(self) -> EngineStats:
+        sched, counters = self.scheduler, self.scheduler.counters
+        running = dict.fromkeys(PRIORITY_CLASSES, 0)
+        for r in list(sched.running):
+            running[r.priority] += 1
+        waiting = list(sched.waiting)
+        swap = sched.swap_pool
+        lora = self.lora
         return EngineStats(
-            running=len(self.scheduler.running), waiting=len(self.scheduler.waiting),
+            running=sum(running.values()), waiting=len(waiting),
             kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
             kv_blocks_free=self.pool.num_free, num_steps=self.num_steps,
-            generated_tokens=self.generated_tokens, prompt_tokens_computed=self.prompt_tokens_computed)
+            generated_tokens=self.generated_tokens, prompt_tokens_computed=self.prompt_tokens_computed,
+            running_by_class=running, waiting_by_class=sched.waiting.depth(),
+            preemptions_by_class=dict(counters.preemptions),
+            swapped_requests=sum(1 for r in waiting if r.swap_blocks),
+            swap_blocks_used=swap.num_used if swap else 0,
+            swapped_out_blocks=counters.swapped_out_blocks, swapped_in_blocks=counters.swapped_in_blocks,
+            prefix_cached_blocks=self.pool.num_cached, prefix_query_tokens=counters.prefix_query_tokens,
+            prefix_hit_tokens=counters.prefix_hit_tokens,
+            adapters_loaded=len(lora.loaded()) if lora else 0, adapter_loads=lora.stats.loads if lora else 0,
+            adapter_evictions=lora.stats.evictions if lora else 0)
 
     # --- synchronous convenience -----------------------------------------------------------
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex
-from loraplex.engine.kv.block_pool import allocate_kv_tensors
+from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.attention import build_metadata
 from loraplex.engine.models.llama import LlamaModel
@@ -28,19 +28,37 @@ class _StepLora:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0):
         cfg = model.config
         self.model = model
         self.device = model.device
         self.block_size = block_size
         self.lora_slots: LoraSlots | None = None
-        self.kv_caches = allocate_kv_tensors(
-            cfg.num_layers, num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim,
-            model.dtype, model.device)
+        shape = (cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim)
+        # [layers, 2, blocks, block_size, kv_heads, head_dim]: one op moves a block in every layer
+        self.kv_storage = allocate_kv_storage(shape[0], num_blocks, *shape[1:], model.dtype, model.device)
+        self.kv_caches = layer_views(self.kv_storage)
+        self.swap_storage = None
+        if num_swap_blocks:
+            self.swap_storage = allocate_kv_storage(shape[0], num_swap_blocks, *shape[1:], model.dtype,
+                                                    torch.device("cpu"))
+            if self.device.type == "cuda":
+                self.swap_storage = self.swap_storage.pin_memory()
+
+    def _swap(self, batch: ScheduledBatch) -> None:
+        """Copies preempted requests' KV out to the CPU swap space, and resumed ones' back in."""
+        for device_ids, cpu_ids in batch.swap_out:
+            src = torch.tensor(device_ids, device=self.device)
+            self.swap_storage[:, :, torch.tensor(cpu_ids)] = self.kv_storage[:, :, src].to("cpu")
+        for cpu_ids, device_ids in batch.swap_in:
+            dst = torch.tensor(device_ids, device=self.device)
+            self.kv_storage[:, :, dst] = self.swap_storage[:, :, torch.tensor(cpu_ids)].to(self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> list[int]:
         """Computes the batch's tokens; returns the sampled token of each `batch.sampled()` request."""
+        if batch.swap_out or batch.swap_in:
+            self._swap(batch)
         ids: list[int] = []
         positions: list[int] = []
         seqs: list[tuple[int, int, list[int]]] = []

@@ -14,6 +14,7 @@ from loraplex.engine.api import FinishReason, SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    SWAPPED = "swapped"  # preempted with its KV copied to the CPU swap space; waits to swap back in
     FINISHED = "finished"
 
 
@@ -36,6 +37,9 @@ class Request:
     num_computed: int = 0
     num_cached: int = 0  # prompt tokens served from the prefix cache
     blocks: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)  # content hashes of its full blocks, in order
+    num_registered: int = 0  # leading blocks already offered to the prefix cache
+    swap_blocks: list[int] = field(default_factory=list)  # CPU swap blocks while SWAPPED
     status: Status = Status.WAITING
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None

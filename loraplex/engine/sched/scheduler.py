@@ -1,31 +1,39 @@
-"""Token-budget scheduler: continuous batching with chunked prefill.
+"""Token-budget scheduler: continuous batching with chunked prefill, priority classes, preemption
+and prefix caching.
 
-Each step grants tokens under `max_num_batched_tokens`: running requests first (their decodes and
-unfinished prefill chunks), then waiting requests in arrival order while sequences and tokens
-remain. When the KV pool runs short, the newest running request is preempted (its blocks are
-freed and it is recomputed later), so the oldest always make progress.
+Each step grants tokens under `max_num_batched_tokens`: running requests first, highest class and
+oldest first (their decodes and unfinished prefill chunks), then waiting requests in weighted
+class order (queues.py) while sequences and tokens remain. When the KV pool runs short, the lowest
+class's newest running request is preempted: recompute (its blocks are freed, and it is prefilled
+again later, mostly from the prefix cache) or swap (its blocks are copied to a CPU swap space and
+back). A step that preempts admits nobody, so swap-outs and swap-ins never meet in one step.
 
 A request for a LoRA adapter holds a device slot while it runs. A step never needs more distinct
 adapters than there are slots: a waiting request whose adapter finds no free slot is passed over
-(keeping its place at the head of the queue) until a running request releases one.
+(keeping its place) until a running request releases one.
 """
 
 from __future__ import annotations
 
-from collections import deque
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from loraplex.engine.api import PRIORITY_CLASSES
 from loraplex.engine.kv.block_pool import BlockPool
+from loraplex.engine.kv.prefix_cache import chain_hashes, root_hash
+from loraplex.engine.sched.queues import RANK, PriorityQueues
 from loraplex.engine.sched.request import Request, Status
 
 
 @dataclass
 class ScheduledBatch:
-    """One step's work: (request, number of new tokens to compute) in batch order."""
+    """One step's work: (request, number of new tokens to compute) in batch order, and the KV block
+    copies the runner must do before the forward pass."""
 
     entries: list[tuple[Request, int]] = field(default_factory=list)
     num_tokens: int = 0
+    swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (device, cpu) blocks
+    swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (cpu, device) blocks
 
     @property
     def empty(self) -> bool:
@@ -42,38 +50,56 @@ class AdapterSlots(Protocol):
     def release(self, adapter_id: str) -> None: ...
 
 
+@dataclass
+class SchedulerCounters:
+    preemptions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIORITY_CLASSES, 0))
+    swapped_out_blocks: int = 0
+    swapped_in_blocks: int = 0
+    prefix_query_tokens: int = 0
+    prefix_hit_tokens: int = 0
+
+
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 model: str = "", priority_weights: tuple[float, ...] = (10.0, 5.0, 1.0),
+                 aging_s: float = 30.0, swap_pool: BlockPool | None = None, prefix_caching: bool = True):
         self.pool = pool
-        self.adapters: AdapterSlots | None = None  # set when the engine first registers an adapter
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.waiting: deque[Request] = deque()
+        self.model = model
+        self.swap_pool = swap_pool  # None: preemption recomputes
+        self.prefix_caching = prefix_caching
+        self.adapters: AdapterSlots | None = None  # set when the engine first registers an adapter
+        self.waiting = PriorityQueues(priority_weights, aging_s)
         self.running: list[Request] = []
-        self.num_preemptions = 0
+        self.counters = SchedulerCounters()
+
+    @property
+    def num_preemptions(self) -> int:
+        return sum(self.counters.preemptions.values())
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self.waiting.add(req)
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    # --- one step -------------------------------------------------------------------------------
+
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        self.running.sort(key=lambda r: (RANK[r.priority], r.arrival))
         preempted = False
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
             if not self._grow(req, n):
-                # Out of blocks: free the newest running request and retry; if that is this
-                # request itself, it waits for the others to finish.
-                victim = self.running[-1]
-                self._preempt(victim)
+                # Out of blocks: preempt the lowest class's newest (the sort put it last) and retry;
+                # if that is this request itself, the ones after it in the list are tried next.
+                self._preempt(self.running[-1], batch)
                 preempted = True
-                if victim is req:
-                    break
                 continue
             batch.entries.append((req, n))
             budget -= n
@@ -85,23 +111,91 @@ class Scheduler:
         batch.entries.sort(key=lambda e: e[0].lora_slot)
         return batch
 
+    def update(self, batch: ScheduledBatch) -> None:
+        """Records that the batch ran: advances progress and caches newly full blocks."""
+        bs = self.pool.block_size
+        for req, n in batch.entries:
+            req.num_computed += n
+            full = req.num_computed // bs
+            if self.prefix_caching and full > req.num_registered:
+                self._hashes(req, full)
+                for idx in range(req.num_registered, full):
+                    self.pool.register(req.blocks[idx], req.block_hashes[idx])
+                req.num_registered = full
+
+    # --- admission ------------------------------------------------------------------------------
+
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
-        """Moves waiting requests to running in arrival order while sequences, tokens and blocks last."""
-        for req in list(self.waiting):
+        """Moves waiting requests to running in weighted class order while sequences, tokens and
+        blocks last."""
+        for req in list(self.waiting.in_admission_order()):
             if budget <= 0 or len(self.running) >= self.max_num_seqs:
                 break
             if not self._take_adapter_slot(req):
                 continue  # its adapter waits for a free slot; later requests may still run
             n = min(req.num_tokens - req.num_computed, budget)
-            if not self._grow(req, n):
+            ok = self._swap_in(req, n, batch) if req.status is Status.SWAPPED else self._start(req, n)
+            if not ok:
                 self._drop_adapter_slot(req)
                 break
             self.waiting.remove(req)
+            self.waiting.admitted(req)
             req.status = Status.RUNNING
             self.running.append(req)
+            n = min(n, req.num_tokens - req.num_computed)  # a prefix-cache hit leaves fewer to compute
             batch.entries.append((req, n))
             budget -= n
         return budget
+
+    def _start(self, req: Request, n: int) -> bool:
+        """Reuses the longest cached prefix, then allocates for the first chunk (or takes nothing)."""
+        hits: list[int] = []
+        if self.prefix_caching and req.num_computed == 0:
+            usable = (req.num_tokens - 1) // self.pool.block_size  # the last token is always computed
+            hits = self.pool.lookup(self._hashes(req, usable)[:usable])
+            self.pool.take(hits)
+            req.blocks = list(hits)
+            req.num_computed = len(hits) * self.pool.block_size
+            req.num_registered = len(hits)
+        if self._grow(req, min(n, req.num_tokens - req.num_computed)):
+            if not req.output_ids:  # first admission: report prompt tokens served from the cache
+                req.num_cached = req.num_computed
+                self.counters.prefix_query_tokens += len(req.prompt_ids)
+                self.counters.prefix_hit_tokens += req.num_computed
+            return True
+        self.pool.free(hits)
+        req.blocks, req.num_computed, req.num_registered = [], 0, 0
+        return False
+
+    def _swap_in(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
+        held = len(req.swap_blocks)
+        if not self.pool.can_allocate(self.pool.blocks_for(req.num_computed + n)):  # held blocks + growth
+            return False
+        device = self.pool.allocate(held)
+        batch.swap_in.append((list(req.swap_blocks), list(device)))
+        self.swap_pool.free(req.swap_blocks)
+        self.counters.swapped_in_blocks += held
+        req.blocks, req.swap_blocks, req.num_registered = device, [], 0
+        return self._grow(req, n)
+
+    def _hashes(self, req: Request, n_blocks: int) -> list[bytes]:
+        """The content hashes of the request's first n_blocks full blocks (computed once each)."""
+        have = len(req.block_hashes)
+        if n_blocks > have:
+            parent = req.block_hashes[-1] if have else root_hash(self.model, req.adapter, req.cache_salt)
+            tokens = req.token_ids(have * self.pool.block_size, n_blocks * self.pool.block_size)
+            req.block_hashes.extend(chain_hashes(parent, tokens, self.pool.block_size, 0, n_blocks - have))
+        return req.block_hashes
+
+    def _grow(self, req: Request, n: int) -> bool:
+        """Gives `req` the blocks to hold n more tokens, or returns False having taken none."""
+        need = self.pool.blocks_for(req.num_computed + n) - len(req.blocks)
+        if need <= 0:
+            return True
+        if not self.pool.can_allocate(need):
+            return False
+        req.blocks.extend(self.pool.allocate(need))
+        return True
 
     def _take_adapter_slot(self, req: Request) -> bool:
         if req.adapter is None:
@@ -117,30 +211,29 @@ class Scheduler:
             self.adapters.release(req.adapter)
             req.lora_slot = -1
 
-    def _grow(self, req: Request, n: int) -> bool:
-        """Gives `req` the blocks to hold n more tokens, or returns False having taken none."""
-        need = self.pool.blocks_for(req.num_computed + n) - len(req.blocks)
-        if need <= 0:
-            return True
-        if not self.pool.can_allocate(need):
-            return False
-        req.blocks.extend(self.pool.allocate(need))
-        return True
+    # --- preemption and finishing ------------------------------------------------------------
 
-    def _preempt(self, req: Request) -> None:
+    def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         self.running.remove(req)
         self._drop_adapter_slot(req)
+        swap = self.swap_pool
+        if swap is not None and req.blocks and swap.can_allocate(len(req.blocks)):
+            req.swap_blocks = swap.allocate(len(req.blocks))
+            batch.swap_out.append((list(req.blocks), list(req.swap_blocks)))
+            self.counters.swapped_out_blocks += len(req.blocks)
+            req.status = Status.SWAPPED
+        else:  # recompute: its tokens stay known; the prefix cache may still hold its blocks
+            req.num_computed = 0
+            req.status = Status.WAITING
         self.pool.free(req.blocks)
         req.blocks = []
-        req.num_computed = 0
-        req.num_cached = 0
-        req.status = Status.WAITING
+        req.num_registered = 0
         req.num_preemptions += 1
-        self.num_preemptions += 1
-        self.waiting.appendleft(req)
+        self.counters.preemptions[req.priority] += 1
+        self.waiting.add(req, front=True)
 
     def finish(self, req: Request, reason: str) -> None:
-        """Ends a request wherever it is and returns its blocks to the pool."""
+        """Ends a request wherever it is and returns its blocks to the pools."""
         if req.status is Status.FINISHED:
             return
         if req.status is Status.RUNNING:
@@ -149,6 +242,8 @@ class Scheduler:
         else:
             self.waiting.remove(req)
         self.pool.free(req.blocks)
-        req.blocks = []
+        if req.swap_blocks:
+            self.swap_pool.free(req.swap_blocks)
+        req.blocks, req.swap_blocks = [], []
         req.status = Status.FINISHED
         req.finish_reason = reason
