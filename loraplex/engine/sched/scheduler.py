@@ -6,7 +6,9 @@ oldest first (their decodes and unfinished prefill chunks), then waiting request
 class order (queues.py) while sequences and tokens remain. When the KV pool runs short, the lowest
 class's newest running request is preempted: recompute (its blocks are freed, and it is prefilled
 again later, mostly from the prefix cache) or swap (its blocks are copied to a CPU swap space and
-back). A step that preempts admits nobody, so swap-outs and swap-ins never meet in one step.
+back). A step that preempts for blocks admits nobody. A waiting request may also preempt running
+requests of a lower class to get a sequence slot or blocks (priority preemption). The runner copies
+swap-outs before swap-ins, and swap space freed by a swap-in is only reused after the step.
 
 A request for a LoRA adapter holds a device slot while it runs. A step never needs more distinct
 adapters than there are slots: a waiting request whose adapter finds no free slot is passed over
@@ -15,6 +17,7 @@ adapters than there are slots: a waiting request whose adapter finds no free slo
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -73,6 +76,7 @@ class Scheduler:
         self.waiting = PriorityQueues(priority_weights, aging_s)
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
+        self._admitted_now: set[int] = set()  # ids of requests admitted during the current schedule()
 
     @property
     def num_preemptions(self) -> int:
@@ -89,6 +93,7 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         batch = ScheduledBatch()
         budget = self.max_num_batched_tokens
+        self._admitted_now: set[int] = set()
         self.running.sort(key=lambda r: (RANK[r.priority], r.arrival))
         preempted = False
         i = 0
@@ -113,6 +118,8 @@ class Scheduler:
 
     def update(self, batch: ScheduledBatch) -> None:
         """Records that the batch ran: advances progress and caches newly full blocks."""
+        for cpu_ids, _ in batch.swap_in:  # copied back now: the swap space may reuse them
+            self.swap_pool.free(cpu_ids)
         bs = self.pool.block_size
         for req, n in batch.entries:
             req.num_computed += n
@@ -127,14 +134,18 @@ class Scheduler:
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         """Moves waiting requests to running in weighted class order while sequences, tokens and
-        blocks last."""
+        blocks last. A request that finds no room may preempt running requests of a lower class."""
         for req in list(self.waiting.in_admission_order()):
-            if budget <= 0 or len(self.running) >= self.max_num_seqs:
+            if budget <= 0:
                 break
+            while len(self.running) >= self.max_num_seqs and (freed := self._make_room(req, batch)) is not None:
+                budget += freed
+            if len(self.running) >= self.max_num_seqs:
+                continue  # nothing below its class to displace; a higher class further on may be
             if not self._take_adapter_slot(req):
                 continue  # its adapter waits for a free slot; later requests may still run
-            n = min(req.num_tokens - req.num_computed, budget)
-            ok = self._swap_in(req, n, batch) if req.status is Status.SWAPPED else self._start(req, n)
+            while not (ok := self._place(req, budget, batch)) and (freed := self._make_room(req, batch)) is not None:
+                budget += freed
             if not ok:
                 self._drop_adapter_slot(req)
                 break
@@ -142,10 +153,36 @@ class Scheduler:
             self.waiting.admitted(req)
             req.status = Status.RUNNING
             self.running.append(req)
-            n = min(n, req.num_tokens - req.num_computed)  # a prefix-cache hit leaves fewer to compute
+            self._admitted_now.add(id(req))
+            n = min(budget, req.num_tokens - req.num_computed)
             batch.entries.append((req, n))
             budget -= n
         return budget
+
+    def _place(self, req: Request, budget: int, batch: ScheduledBatch) -> bool:
+        n = min(req.num_tokens - req.num_computed, budget)
+        return self._swap_in(req, n, batch) if req.status is Status.SWAPPED else self._start(req, n)
+
+    def _make_room(self, req: Request, batch: ScheduledBatch) -> int | None:
+        """Preempts the newest running request of the lowest class below req's; returns the tokens
+        its cancelled work gave back to the step budget, or None when there is nobody to preempt."""
+        # Never one admitted in this very step (its swap-in copy has not happened yet), nor one that
+        # has aged past the starvation bound: it has waited long enough.
+        now = time.monotonic()
+        below = [r for r in self.running
+                 if RANK[r.priority] > RANK[req.priority] and id(r) not in self._admitted_now
+                 and now - r.arrival < self.waiting.aging_s]
+        if not below:
+            return None
+        victim = max(below, key=lambda r: (RANK[r.priority], r.arrival))
+        freed = 0
+        for i, (r, n) in enumerate(batch.entries):
+            if r is victim:
+                del batch.entries[i]
+                freed = n
+                break
+        self._preempt(victim, batch)
+        return freed
 
     def _start(self, req: Request, n: int) -> bool:
         """Reuses the longest cached prefix, then allocates for the first chunk (or takes nothing)."""
@@ -172,8 +209,7 @@ class Scheduler:
         if not self.pool.can_allocate(self.pool.blocks_for(req.num_computed + n)):  # held blocks + growth
             return False
         device = self.pool.allocate(held)
-        batch.swap_in.append((list(req.swap_blocks), list(device)))
-        self.swap_pool.free(req.swap_blocks)
+        batch.swap_in.append((list(req.swap_blocks), list(device)))  # CPU blocks freed in update()
         self.counters.swapped_in_blocks += held
         req.blocks, req.swap_blocks, req.num_registered = device, [], 0
         return self._grow(req, n)
