@@ -28,6 +28,21 @@ def add_parser(sub) -> None:
                     help="PEFT's mixed-adapter batch is slow: fewer tokens keep the run short (tok/s is reported)")
     lo.add_argument("--skip-peft", action="store_true")
     lo.set_defaults(func=_run_lora)
+    px = bsub.add_parser("prefix", help="TTFT with a shared system prompt, prefix cache on vs off")
+    px.add_argument("--json", dest="json_path", required=True)
+    px.add_argument("--model", default="smollm2-135m")
+    px.add_argument("--requests", type=int, default=32)
+    px.add_argument("--system-tokens", type=int, default=500)
+    px.add_argument("--question-tokens", type=int, default=50)
+    px.set_defaults(func=_run_prefix)
+    pr = bsub.add_parser("priority", help="realtime TTFT under batch load, priority classes vs FCFS")
+    pr.add_argument("--json", dest="json_path", required=True)
+    pr.add_argument("--model", default="smollm2-135m")
+    pr.add_argument("--max-num-seqs", type=int, default=8)
+    pr.add_argument("--batch-tokens", type=int, default=96)
+    pr.add_argument("--realtime-requests", type=int, default=8)
+    pr.add_argument("--interval", type=float, default=0.5, help="seconds between realtime requests")
+    pr.set_defaults(func=_run_priority)
 
 
 def _write(path: str, results: dict) -> None:
@@ -52,4 +67,19 @@ def _run_lora(args: argparse.Namespace) -> int:
     _write(args.json_path, run_lora_bench(
         model=args.model, batch=args.batch, rank=args.rank, new_tokens=args.new_tokens,
         peft_new_tokens=args.peft_new_tokens, with_peft=not args.skip_peft))
+    return 0
+
+
+def _run_prefix(args: argparse.Namespace) -> int:
+    from loraplex.cli.bench.scheduling import run_prefix_bench
+
+    _write(args.json_path, run_prefix_bench(args.model, args.requests, args.system_tokens, args.question_tokens))
+    return 0
+
+
+def _run_priority(args: argparse.Namespace) -> int:
+    from loraplex.cli.bench.scheduling import run_priority_bench
+
+    _write(args.json_path, run_priority_bench(args.model, args.max_num_seqs, args.batch_tokens,
+                                              args.realtime_requests, args.interval))
     return 0
