@@ -1,8 +1,9 @@
-"""AsyncEngine: runs EngineCore on a background thread and bridges its events to asyncio.
+"""AsyncEngine: runs a ModelPool (one or more base models) on a background thread and bridges its
+events to asyncio.
 
-The engine loop owns the core; callers only post commands (add, abort) to its inbox. Torch
-releases the GIL inside its kernels, so the event loop stays responsive while a step runs.
-Validation and tokenization happen in the caller's `generate()` call, so a bad request raises
+The engine loop owns the engines; callers only post commands (add, abort, remove adapter) to its
+inbox. Torch releases the GIL inside its kernels, so the event loop stays responsive while a step
+runs. Validation and tokenization happen in the caller's `generate()` call, so a bad request raises
 there and is never queued.
 """
 
@@ -16,6 +17,7 @@ from collections import deque
 from collections.abc import AsyncIterator
 
 from loraplex.engine.api import (
+    PRIORITY_CLASSES,
     EngineStats,
     GenerateEvent,
     GenerateRequest,
@@ -25,20 +27,26 @@ from loraplex.engine.api import (
 )
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
-from loraplex.engine.sched.request import Request
+from loraplex.engine.pool import ModelPool
 
 log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    """An `EngineClient` over one in-process EngineCore."""
+    """An `EngineClient` over an in-process ModelPool."""
 
-    def __init__(self, core: EngineCore):
-        self.core = core
+    def __init__(self, engine: ModelPool | EngineCore):
+        if isinstance(engine, EngineCore):
+            pool = ModelPool(memory_budget=1.0, device=str(engine.config.torch_device))
+            pool.adopt(engine)
+            engine = pool
+        self.pool = engine
+        self.pool.on_ready = self._notify
+        self.default_model = next(iter(self.pool.models), None)
         self._inbox: deque[tuple[str, object]] = deque()
         self._wake = threading.Condition()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._removals: list[tuple[str, asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._removals: list[tuple[str, str, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
@@ -47,24 +55,29 @@ class AsyncEngine:
     def from_config(cls, config: EngineConfig) -> AsyncEngine:
         return cls(EngineCore(config))
 
+    @property
+    def core(self) -> EngineCore | None:
+        """The default model's engine while it is resident."""
+        return self.pool.models[self.default_model].core if self.default_model else None
+
     # --- EngineClient ------------------------------------------------------------------------
 
     def models(self) -> list[ModelInfo]:
-        return [self.core.model_info()]
+        return [e.frontend.info() for e in list(self.pool.models.values())]
 
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        return len(self.core.prepare(request).prompt_ids)
+        return len(self.pool.prepare(request)[1].prompt_ids)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         if self._stopping:
             raise RuntimeError("engine is shut down")
-        prepared = self.core.prepare(request)
+        entry, prepared = self.pool.prepare(request)
         rid = request.request_id
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", "request_id")
         queue: asyncio.Queue[GenerateEvent] = asyncio.Queue()
         self._streams[rid] = (asyncio.get_running_loop(), queue)
-        self._post("add", prepared)
+        self._post("add", (entry, prepared))
         return self._stream(rid, queue)
 
     async def _stream(self, rid: str, queue: asyncio.Queue) -> AsyncIterator[GenerateEvent]:
@@ -83,28 +96,73 @@ class AsyncEngine:
     async def abort(self, request_id: str) -> None:
         self._post("abort", request_id)
 
-    def add_adapter(self, adapter_id: str, path: str) -> None:
-        """Validates and registers a PEFT directory (raises AdapterError; nothing changes then)."""
-        self.core.add_adapter(adapter_id, path)
+    def add_adapter(self, adapter_id: str, path: str, base_model: str | None = None) -> None:
+        """Validates and registers a PEFT directory on `base_model` (default: the first model);
+        raises AdapterError and changes nothing when it is bad."""
+        self.pool.add_adapter(base_model or self.default_model, adapter_id, path)
 
-    async def remove_adapter(self, adapter_id: str) -> None:
+    async def remove_adapter(self, adapter_id: str, base_model: str | None = None) -> None:
         """Returns once the adapter is gone; new requests for it are refused at once, running
         ones finish first."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
-        self._post("remove", (adapter_id, loop, done))
+        self._post("remove", (base_model or self.default_model, adapter_id, loop, done))
         await done
 
     def stats(self) -> EngineStats:
-        return self.core.stats()
+        """Totals over the resident models' engines."""
+        cores = [e.core for e in list(self.pool.models.values()) if e.core is not None]
+        parts = [c.stats() for c in cores]
+        total: dict = {}
+        for s in parts:
+            for key, value in vars(s).items():
+                if isinstance(value, dict):
+                    merged = total.setdefault(key, dict.fromkeys(PRIORITY_CLASSES, 0))
+                    for k, v in value.items():
+                        merged[k] = merged.get(k, 0) + v
+                else:
+                    total[key] = total.get(key, 0) + value
+        waiting = sum(len(e.pending) for e in list(self.pool.models.values()))
+        if not parts:
+            return EngineStats(0, waiting, 0, 0, 0)
+        total["waiting"] += waiting
+        return EngineStats(**total)
+
+    # --- models (blocking calls: they read weights; from async code run them in a thread) ---------
+
+    def register_model(self, name: str, source: str | None = None, *, config: EngineConfig | None = None,
+                       pinned: bool = False) -> None:
+        self.pool.register_model(name, source, config=config, pinned=pinned)
+        self.default_model = self.default_model or name
+
+    def unregister_model(self, name: str) -> None:
+        self.pool.unregister_model(name)
+
+    def load(self, name: str) -> None:
+        self.pool.load(name)
+
+    def unload(self, name: str) -> None:
+        self.pool.unload(name)
+
+    def pin(self, name: str, pinned: bool = True) -> None:
+        self.pool.pin(name, pinned)
+
+    def model_stats(self) -> dict[str, dict]:
+        """Per model: tier (device, cpu, disk, loading), loads and evictions, last load time per tier."""
+        return self.pool.stats()
 
     def shutdown(self) -> None:
         with self._wake:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout=30)
+        self.pool.shutdown()
 
     # --- the engine thread -----------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
 
     def _post(self, kind: str, payload: object) -> None:
         with self._wake:
@@ -124,18 +182,18 @@ class AsyncEngine:
         while self._inbox:
             kind, payload = self._inbox.popleft()
             if kind == "add":
-                assert isinstance(payload, Request)
-                if payload.request_id in self._streams:
-                    self.core.add(payload)
+                entry, prepared = payload
+                if prepared.request_id in self._streams:
+                    self.pool.submit(entry, prepared)
             elif kind == "remove":
-                adapter_id, loop, done = payload
+                model, adapter_id, loop, done = payload
                 try:
-                    self.core.remove_adapter(adapter_id)
-                    self._removals.append((adapter_id, loop, done))
+                    self.pool.remove_adapter(model, adapter_id)
+                    self._removals.append((model, adapter_id, loop, done))
                 except Exception as exc:
                     loop.call_soon_threadsafe(_settle, done, exc)
             else:
-                event = self.core.abort(str(payload))
+                event = self.pool.abort(str(payload))
                 if event is not None:
                     self._deliver(event)
                 else:
@@ -143,11 +201,13 @@ class AsyncEngine:
         self._settle_removals()
 
     def _settle_removals(self) -> None:
-        lora = self.core.lora
+        if not self._removals:
+            return
+        self.pool.reap_adapters()
         still = []
-        for adapter_id, loop, done in self._removals:
-            if lora is not None and adapter_id in lora:
-                still.append((adapter_id, loop, done))
+        for model, adapter_id, loop, done in self._removals:
+            if self.pool.adapter_present(model, adapter_id):
+                still.append((model, adapter_id, loop, done))
             else:
                 loop.call_soon_threadsafe(_settle, done, None)
         self._removals = still
@@ -155,27 +215,26 @@ class AsyncEngine:
     def _run(self) -> None:
         while True:
             with self._wake:
-                while not self._stopping and not self._inbox and not self.core.has_work():
+                while not self._stopping and not self._inbox and not self.pool.runnable():
                     self._wake.wait()
                 if self._stopping:
                     break
             self._drain_inbox()
             try:
-                events = self.core.step()
+                events = self.pool.step()
             except Exception as exc:  # a failed step must not leave requests hanging
                 log.exception("engine step failed")
                 events = self._fail_all(exc)
             for event in events:
                 self._deliver(event)
-            if self._removals:
-                self._settle_removals()
+            self._settle_removals()
         for event in self._fail_all(RuntimeError("engine shut down")):
             self._deliver(event)
 
     def _fail_all(self, exc: Exception) -> list[GenerateEvent]:
         events = []
-        for rid in list(self.core.requests):
-            aborted = self.core.abort(rid)
+        for rid in self.pool.in_flight():
+            aborted = self.pool.abort(rid)
             usage = aborted.usage if aborted else Usage(0, 0)
             events.append(GenerateEvent(rid, "", (), "error", usage, f"engine error: {exc}"))
         return events

@@ -14,7 +14,6 @@ import torch
 
 from loraplex.engine.api import (
     PRIORITY_CLASSES,
-    ContextLengthExceededError,
     EngineStats,
     GenerateEvent,
     GenerateRequest,
@@ -25,6 +24,7 @@ from loraplex.engine.api import (
 )
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
+from loraplex.engine.frontend import RequestFrontend, kv_blocks
 from loraplex.engine.kv.block_pool import BlockPool
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.llama import LlamaModel
@@ -32,8 +32,6 @@ from loraplex.engine.models.loader import LoadedModel, load_model, resolve_model
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sched.request import Request
 from loraplex.engine.sched.scheduler import Scheduler
-
-MAX_DEFAULT_CONTEXT = 8192
 
 
 @dataclass
@@ -55,17 +53,15 @@ class EngineCore:
         if loaded is None:
             loaded = load_model(resolve_model(config.model), config.torch_dtype, config.torch_device)
         self.model_name = config.model
+        self.loaded = loaded  # the weights as loaded (the pool's CPU tier keeps them on eviction)
         self.tokenizer = loaded.tokenizer
         self.token_bytes = self.tokenizer.token_bytes()
         model = LlamaModel(loaded.config, loaded.weights)
         mcfg = loaded.config
         bs = config.block_size
-        num_blocks = config.num_kv_blocks or max(
-            1, config.kv_cache_bytes // (bs * mcfg.kv_bytes_per_token(model.dtype)))
-        self.max_model_len = min(
-            config.max_model_len or min(mcfg.max_position_embeddings, MAX_DEFAULT_CONTEXT),
-            mcfg.max_position_embeddings,
-        )
+        num_blocks = kv_blocks(config, mcfg)
+        self.frontend = RequestFrontend(config.model, loaded.tokenizer, mcfg, config, self._adapter_available)
+        self.max_model_len = self.frontend.max_model_len
         self.pool = BlockPool(num_blocks, bs)
         swap_pool = None
         if config.preemption_mode == "swap":
@@ -87,54 +83,14 @@ class EngineCore:
     # --- admission -------------------------------------------------------------------------
 
     def model_info(self) -> ModelInfo:
-        return ModelInfo(self.model_name, self.max_model_len, self.runner.model.config.vocab_size)
-
-    def tokenize(self, req: GenerateRequest) -> list[int]:
-        req.validate()
-        if req.model != self.model_name:
-            raise ModelNotFoundError(f"model {req.model!r} not found", "model")
-        if req.adapter is not None and (
-                self.lora is None or req.adapter not in self.lora or req.adapter in self._removing):
-            raise ModelNotFoundError(f"adapter {req.adapter!r} not found", "model")
-        if req.prompt_token_ids is not None:
-            vocab = self.runner.model.config.vocab_size
-            bad = [t for t in req.prompt_token_ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"prompt token id {bad[0]} is outside the vocabulary (0..{vocab - 1})",
-                                          "prompt")
-            return list(req.prompt_token_ids)
-        if req.messages is not None:
-            text = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True)
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        ids = self.tokenizer.encode(req.prompt)
-        if not ids:
-            raise InvalidRequestError("prompt encodes to no tokens", "prompt")
-        return ids
+        return self.frontend.info()
 
     def prepare(self, req: GenerateRequest) -> Request:
         """Validates and tokenizes; raises EngineError (nothing is queued)."""
-        ids = self.tokenize(req)
-        limit = self.max_model_len
-        sp = req.sampling
-        if len(ids) >= limit or (sp.max_tokens is not None and len(ids) + sp.max_tokens > limit):
-            asked = len(ids) + (sp.max_tokens or 1)
-            raise ContextLengthExceededError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{asked} tokens ({len(ids)} in the prompt, {sp.max_tokens or 1} for the completion). "
-                "Please reduce the length of the prompt or the completion.", "messages")
-        capacity = self.pool.num_blocks * self.pool.block_size
-        need = len(ids) + (sp.max_tokens or 1)
-        if need > capacity:
-            raise InvalidRequestError(
-                f"this request needs {need} tokens of KV cache ({len(ids)} prompt + {sp.max_tokens or 1} "
-                f"completion) but the whole cache holds {capacity}; shorten it or give the engine a larger KV cache",
-                "max_tokens" if sp.max_tokens else "messages")
-        stop_ids = frozenset(sp.stop_token_ids) | (
-            frozenset() if sp.ignore_eos else self.tokenizer.eos_token_ids)
-        return Request(
-            request_id=req.request_id, prompt_ids=ids, sampling=sp,
-            max_tokens=sp.max_tokens or min(limit, capacity) - len(ids), stop_ids=stop_ids,
-            priority=req.priority, adapter=req.adapter, cache_salt=req.cache_salt)
+        return self.frontend.prepare(req)
+
+    def _adapter_available(self, adapter_id: str) -> bool:
+        return self.lora is not None and adapter_id in self.lora and adapter_id not in self._removing
 
     def add(self, r: Request) -> None:
         if r.request_id in self.requests:

@@ -1,0 +1,91 @@
+"""Request validation and tokenization for one model, apart from the engine that runs it.
+
+The multi-model pool keeps a frontend for every registered model, resident or not, so a request
+for a model that is still on disk is validated (and refused with a clear error) at once, before it
+waits for the load. Nothing here touches engine state: callers may run it on their own thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from loraplex.engine.api import (
+    ContextLengthExceededError,
+    GenerateRequest,
+    InvalidRequestError,
+    ModelInfo,
+    ModelNotFoundError,
+)
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.models.llama import LlamaConfig
+from loraplex.engine.models.tokenizer import Tokenizer
+from loraplex.engine.sched.request import Request
+
+MAX_DEFAULT_CONTEXT = 8192
+
+
+def kv_blocks(config: EngineConfig, model: LlamaConfig) -> int:
+    """Blocks in a model's KV pool: `num_kv_blocks`, or as many as fit in `kv_cache_bytes`."""
+    per_block = config.block_size * model.kv_bytes_per_token(config.torch_dtype)
+    return config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
+
+
+def max_model_len(config: EngineConfig, model: LlamaConfig) -> int:
+    limit = config.max_model_len or min(model.max_position_embeddings, MAX_DEFAULT_CONTEXT)
+    return min(limit, model.max_position_embeddings)
+
+
+class RequestFrontend:
+    def __init__(self, name: str, tokenizer: Tokenizer, model: LlamaConfig, config: EngineConfig,
+                 adapter_available: Callable[[str], bool]):
+        self.name = name
+        self.tokenizer = tokenizer
+        self.vocab_size = model.vocab_size
+        self.max_model_len = max_model_len(config, model)
+        self.kv_capacity = kv_blocks(config, model) * config.block_size
+        self.adapter_available = adapter_available
+
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.name, self.max_model_len, self.vocab_size)
+
+    def tokenize(self, req: GenerateRequest) -> list[int]:
+        req.validate()
+        if req.model != self.name:
+            raise ModelNotFoundError(f"model {req.model!r} not found", "model")
+        if req.adapter is not None and not self.adapter_available(req.adapter):
+            raise ModelNotFoundError(f"adapter {req.adapter!r} not found", "model")
+        if req.prompt_token_ids is not None:
+            bad = [t for t in req.prompt_token_ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise InvalidRequestError(
+                    f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
+            return list(req.prompt_token_ids)
+        if req.messages is not None:
+            text = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        ids = self.tokenizer.encode(req.prompt)
+        if not ids:
+            raise InvalidRequestError("prompt encodes to no tokens", "prompt")
+        return ids
+
+    def prepare(self, req: GenerateRequest) -> Request:
+        """Validates and tokenizes; raises EngineError (nothing is queued)."""
+        ids = self.tokenize(req)
+        limit = self.max_model_len
+        sp = req.sampling
+        asked = sp.max_tokens or 1
+        if len(ids) >= limit or len(ids) + asked > limit:
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{len(ids) + asked} tokens ({len(ids)} in the prompt, {asked} for the completion). "
+                "Please reduce the length of the prompt or the completion.", "messages")
+        if len(ids) + asked > self.kv_capacity:
+            raise InvalidRequestError(
+                f"this request needs {len(ids) + asked} tokens of KV cache ({len(ids)} prompt + {asked} completion) "
+                f"but the whole cache holds {self.kv_capacity}; shorten it or give the engine a larger KV cache",
+                "max_tokens" if sp.max_tokens else "messages")
+        stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.tokenizer.eos_token_ids)
+        return Request(
+            request_id=req.request_id, prompt_ids=ids, sampling=sp,
+            max_tokens=sp.max_tokens or min(limit, self.kv_capacity) - len(ids), stop_ids=stop_ids,
+            priority=req.priority, adapter=req.adapter, cache_salt=req.cache_salt)

@@ -1,0 +1,363 @@
+"""Several base models under one device memory budget, multiplexed LRU.
+
+Tiers, fastest first: device (an EngineCore: weights on the device, its own KV pool, scheduler and
+adapter slots), CPU (the loaded weights kept in host memory, bounded by `cpu_budget_bytes`, LRU),
+disk (the source; GGUF weights come from the loader's safetensors cache, memory-mapped). Every
+registered model keeps its tokenizer and limits, so requests for a model on disk are validated at
+once and queue while it loads. A load runs on a worker thread and never blocks the other models'
+steps; making room evicts the least recently used idle model, never one with requests in flight or
+queued, and never a pinned one. Adapters are registered per model and replayed into its engine
+whenever it is loaded (evicting a model drops its adapter slots).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from loraplex.engine.api import EngineError, GenerateEvent, InvalidRequestError, ModelNotFoundError, Usage
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import EngineCore
+from loraplex.engine.frontend import RequestFrontend, kv_blocks
+from loraplex.engine.lora.peft import load_peft_adapter
+from loraplex.engine.models.llama import LlamaConfig
+from loraplex.engine.models.loader import LoadedModel, ModelSource, load_model, resolve_model
+from loraplex.engine.sched.request import Request
+
+TIERS = ("device", "cpu", "disk")
+
+
+@dataclass
+class ModelEntry:
+    """A registered model and where it lives now."""
+
+    name: str
+    source: ModelSource
+    config: EngineConfig
+    model_config: LlamaConfig
+    device_bytes: int  # weights + KV pool on the device
+    host_bytes: int  # weights in host memory (the CPU tier)
+    pinned: bool = False
+    frontend: RequestFrontend | None = None
+    tier: str = "disk"
+    core: EngineCore | None = None
+    host: LoadedModel | None = None
+    loading: Future | None = None
+    pending: list[Request] = field(default_factory=list)  # requests waiting for the load
+    adapters: dict[str, str] = field(default_factory=dict)  # adapter id -> PEFT directory
+    removing: set[str] = field(default_factory=set)
+    last_used: float = 0.0  # when a request for it last arrived (LRU order)
+    loads: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    last_load_ms: dict[str, float] = field(default_factory=dict)
+    evictions: int = 0
+    load_error: str | None = None
+
+    @property
+    def busy(self) -> bool:
+        return bool(self.pending) or (self.core is not None and self.core.has_work())
+
+
+def device_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+class ModelPool:
+    def __init__(self, memory_budget: int | float = 0.8, cpu_budget_bytes: int = 8 << 30,
+                 device: str = "auto", on_ready: Callable[[], None] | None = None):
+        """memory_budget: bytes, or a fraction (<= 1) of the device's memory."""
+        self.device = EngineConfig(device=device).torch_device
+        total = device_memory_bytes(self.device)
+        self.budget = int(memory_budget * total) if memory_budget <= 1 else int(memory_budget)
+        self.cpu_budget = cpu_budget_bytes
+        self.models: dict[str, ModelEntry] = {}
+        self.on_ready = on_ready or (lambda: None)  # called from the loader thread when a load ends
+        self._lock = threading.RLock()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-model-load")
+
+    # --- registry ------------------------------------------------------------------------------
+
+    def register_model(self, name: str, source: str | None = None, *, config: EngineConfig | None = None,
+                       pinned: bool = False) -> ModelEntry:
+        """Registers `name` served from `source` (a catalog name, path or synthetic spec; default:
+        the name itself). Reads config and tokenizer now: a corrupt source fails here, clearly."""
+        if name in self.models:
+            raise InvalidRequestError(f"model {name!r} is already registered", "model")
+        src = resolve_model(source or name)
+        cfg = replace(config or EngineConfig(), model=name, device=str(self.device))
+        try:
+            loaded = load_model(src, cfg.torch_dtype, torch.device("cpu"))
+        except (ValueError, OSError) as e:
+            raise InvalidRequestError(f"model {name!r} cannot be loaded from {source or name}: {e}", "model") from e
+        weight_bytes = loaded.config.num_params() * cfg.torch_dtype.itemsize
+        kv_bytes = kv_blocks(cfg, loaded.config) * cfg.block_size * loaded.config.kv_bytes_per_token(cfg.torch_dtype)
+        if weight_bytes + kv_bytes > self.budget:
+            raise InvalidRequestError(
+                f"model {name!r} needs {(weight_bytes + kv_bytes) / 2**20:.0f} MiB (weights + KV cache) but the "
+                f"whole model memory budget is {self.budget / 2**20:.0f} MiB", "model")
+        entry = ModelEntry(name, src, cfg, loaded.config, weight_bytes + kv_bytes, weight_bytes, pinned=pinned)
+        entry.frontend = RequestFrontend(name, loaded.tokenizer, loaded.config, cfg,
+                                         lambda a, e=entry: a in e.adapters and a not in e.removing)
+        with self._lock:
+            self.models[name] = entry
+            self._to_host_tier(entry, loaded)
+        return entry
+
+    def unregister_model(self, name: str) -> None:
+        entry = self.entry(name)
+        with self._lock:
+            if entry.busy or entry.loading is not None:
+                raise InvalidRequestError(f"model {name!r} has requests in flight; retry when they finish", "model")
+            self._evict(entry, keep_host=False)
+            del self.models[name]
+
+    def entry(self, name: str) -> ModelEntry:
+        entry = self.models.get(name)
+        if entry is None:
+            raise ModelNotFoundError(f"model {name!r} not found", "model")
+        return entry
+
+    def pin(self, name: str, pinned: bool = True) -> None:
+        """A pinned model is never evicted (it is loaded on its next request, or by `load`)."""
+        self.entry(name).pinned = pinned
+
+    # --- adapters ------------------------------------------------------------------------------
+
+    def add_adapter(self, model: str, adapter_id: str, path: str) -> None:
+        entry = self.entry(model)
+        with self._lock:
+            if adapter_id in entry.adapters:
+                raise InvalidRequestError(f"adapter {adapter_id!r} is already registered on {model!r}", "adapter")
+            if entry.core is not None:
+                entry.core.add_adapter(adapter_id, path)  # validates
+            else:
+                load_peft_adapter(path, entry.model_config, entry.config.max_lora_rank)  # validates
+            entry.adapters[adapter_id] = path
+
+    def remove_adapter(self, model: str, adapter_id: str) -> bool:
+        """Refuses new requests for the adapter at once; True once it is gone (else when its
+        running requests finish; `reap_adapters` completes it)."""
+        entry = self.entry(model)
+        if adapter_id not in entry.adapters:
+            raise ModelNotFoundError(f"adapter {adapter_id!r} not found", "adapter")
+        entry.removing.add(adapter_id)
+        return self._reap(entry, adapter_id)
+
+    def adapter_present(self, model: str, adapter_id: str) -> bool:
+        entry = self.models.get(model)
+        return entry is not None and adapter_id in entry.adapters
+
+    def _reap(self, entry: ModelEntry, adapter_id: str) -> bool:
+        core = entry.core
+        if core is not None and adapter_id in (core.lora or ()) and not core.remove_adapter(adapter_id):
+            return False
+        if any(r.adapter == adapter_id for r in entry.pending):
+            return False
+        entry.adapters.pop(adapter_id, None)
+        entry.removing.discard(adapter_id)
+        return True
+
+    def reap_adapters(self) -> None:
+        for entry in self.models.values():
+            for adapter_id in list(entry.removing):
+                self._reap(entry, adapter_id)
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def prepare(self, req) -> tuple[ModelEntry, Request]:
+        entry = self.entry(req.model)
+        return entry, entry.frontend.prepare(req)
+
+    def submit(self, entry: ModelEntry, req: Request) -> None:
+        entry.last_used = time.monotonic()
+        if entry.core is not None:
+            entry.core.add(req)
+        else:
+            entry.pending.append(req)  # the next step starts its load
+
+    def abort(self, request_id: str) -> GenerateEvent | None:
+        for entry in list(self.models.values()):
+            if entry.core is not None and request_id in entry.core.requests:
+                return entry.core.abort(request_id)
+            for r in entry.pending:
+                if r.request_id == request_id:
+                    entry.pending.remove(r)
+                    return GenerateEvent(request_id, "", (), "abort", Usage(len(r.prompt_ids), 0))
+        return None
+
+    def in_flight(self) -> list[str]:
+        ids = [r.request_id for e in self.models.values() for r in e.pending]
+        for e in self.models.values():
+            if e.core is not None:
+                ids.extend(e.core.requests)
+        return ids
+
+    def has_work(self) -> bool:
+        return any(e.busy for e in list(self.models.values()))
+
+    def runnable(self) -> bool:
+        """Whether `step` would do something now (False while the only work is a load in progress)."""
+        for e in list(self.models.values()):
+            if (e.core is not None and e.core.has_work()) or (e.loading is not None and e.loading.done()):
+                return True
+            if e.pending and e.loading is None:
+                return True
+        return False
+
+    def adopt(self, core: EngineCore, pinned: bool = False) -> ModelEntry:
+        """Registers an engine that is already built (resident) under its model name."""
+        name = core.model_name
+        if name in self.models:
+            raise InvalidRequestError(f"model {name!r} is already registered", "model")
+        mcfg = core.loaded.config
+        weight_bytes = mcfg.num_params() * core.runner.model.dtype.itemsize
+        kv_bytes = core.pool.num_blocks * core.pool.block_size * mcfg.kv_bytes_per_token(core.runner.model.dtype)
+        entry = ModelEntry(name, resolve_model(name), core.config, mcfg, weight_bytes + kv_bytes, weight_bytes,
+                           pinned=pinned, tier="device", core=core, last_used=time.monotonic())
+        entry.frontend = RequestFrontend(name, core.tokenizer, mcfg, core.config,
+                                         lambda a, e=entry: a in e.adapters and a not in e.removing)
+        with self._lock:
+            self.models[name] = entry
+        return entry
+
+    def step(self) -> list[GenerateEvent]:
+        """Installs finished loads, starts waiting ones, and runs one step of every model with work."""
+        events = self._install_loads()
+        for entry in list(self.models.values()):
+            if entry.pending and entry.loading is None and entry.core is None:
+                events.extend(self._start_load(entry))
+            if entry.core is not None and entry.core.has_work():
+                events.extend(entry.core.step())
+        return events
+
+    # --- loading and eviction ------------------------------------------------------------------------
+
+    def load(self, name: str, timeout: float | None = None) -> None:
+        """Makes the model resident now (blocking), evicting idle ones as needed."""
+        entry = self.entry(name)
+        self._start_load(entry)
+        if entry.loading is not None:
+            entry.loading.result(timeout)
+        self._install_loads()
+        if entry.core is None:
+            raise EngineError(entry.load_error or f"model {name!r} could not be loaded: no room in the budget")
+
+    def unload(self, name: str) -> None:
+        entry = self.entry(name)
+        with self._lock:
+            if entry.busy:
+                raise InvalidRequestError(f"model {name!r} has requests in flight", "model")
+            self._evict(entry, keep_host=True)
+
+    def _start_load(self, entry: ModelEntry) -> list[GenerateEvent]:
+        with self._lock:
+            if entry.core is not None or entry.loading is not None:
+                return []
+            if not self._make_room(entry.device_bytes, keep=entry):
+                if any(e.busy for e in self.models.values() if e is not entry):
+                    return []  # waits: a busy model will go idle and make room
+                # Only pinned (or loading) models hold the budget: nothing will ever make room.
+                error = (f"model {entry.name!r} cannot be loaded: pinned models fill the model memory budget "
+                         f"({self.budget / 2**20:.0f} MiB)")
+                return self._fail_pending(entry, error)
+            tier = "cpu" if entry.host is not None else "disk"
+            entry.tier = "loading"
+            entry.loading = self._loader.submit(self._build, entry, tier)
+            entry.loading.add_done_callback(lambda _f: self.on_ready())
+            return []
+
+    def _fail_pending(self, entry: ModelEntry, error: str) -> list[GenerateEvent]:
+        events = [GenerateEvent(r.request_id, "", (), "error", Usage(len(r.prompt_ids), 0), error)
+                  for r in entry.pending]
+        entry.pending.clear()
+        return events
+
+    def _build(self, entry: ModelEntry, tier: str) -> EngineCore:
+        t0 = time.perf_counter()
+        host = entry.host or load_model(entry.source, entry.config.torch_dtype, torch.device("cpu"))
+        loaded = host if self.device.type == "cpu" else LoadedModel(
+            host.name, host.config, {k: v.to(self.device) for k, v in host.weights.items()}, host.tokenizer)
+        core = EngineCore(entry.config, loaded=loaded)
+        for adapter_id, path in entry.adapters.items():
+            core.add_adapter(adapter_id, path)
+        entry.loads[tier] += 1
+        entry.last_load_ms[tier] = (time.perf_counter() - t0) * 1000
+        return core
+
+    def _install_loads(self) -> list[GenerateEvent]:
+        events: list[GenerateEvent] = []
+        with self._lock:
+            for entry in list(self.models.values()):
+                if entry.loading is None or not entry.loading.done():
+                    continue
+                future, entry.loading = entry.loading, None
+                try:
+                    entry.core = future.result()
+                except Exception as e:  # the model cannot load: its waiting requests end with an error
+                    entry.load_error = f"model {entry.name!r} failed to load: {e}"
+                    entry.tier = "cpu" if entry.host is not None else "disk"
+                    events.extend(self._fail_pending(entry, entry.load_error))
+                    continue
+                entry.tier, entry.load_error = "device", None
+                for r in entry.pending:
+                    entry.core.add(r)
+                entry.pending.clear()
+        return events
+
+    def _resident_bytes(self) -> int:
+        return sum(e.device_bytes for e in self.models.values() if e.core is not None or e.loading is not None)
+
+    def _make_room(self, need: int, keep: ModelEntry) -> bool:
+        """Evicts idle, unpinned models, least recently used first, until `need` bytes fit."""
+        while self._resident_bytes() + need > self.budget:
+            idle = [e for e in self.models.values()
+                    if e is not keep and e.core is not None and not e.busy and not e.pinned]
+            if not idle:
+                return False
+            self._evict(min(idle, key=lambda e: e.last_used), keep_host=True)
+        return True
+
+    def _evict(self, entry: ModelEntry, keep_host: bool) -> None:
+        if entry.core is None:
+            return
+        core, entry.core = entry.core, None
+        entry.evictions += 1
+        self._to_host_tier(entry, core_weights(core) if keep_host else None)
+
+    def _to_host_tier(self, entry: ModelEntry, loaded: LoadedModel | None) -> None:
+        """Keeps the weights in host memory if the CPU budget allows (evicting LRU there), else disk."""
+        entry.host, entry.tier = None, "disk"
+        if loaded is None or entry.host_bytes > self.cpu_budget:
+            return
+        while self._host_bytes() + entry.host_bytes > self.cpu_budget:
+            lru = min((e for e in self.models.values() if e.host is not None and e.core is None),
+                      key=lambda e: e.last_used, default=None)
+            if lru is None:
+                return
+            lru.host, lru.tier = None, "disk"
+        entry.host = LoadedModel(loaded.name, loaded.config,
+                                 {k: v.to("cpu") for k, v in loaded.weights.items()}, loaded.tokenizer)
+        entry.tier = "cpu"
+
+    def _host_bytes(self) -> int:
+        return sum(e.host_bytes for e in self.models.values() if e.host is not None)
+
+    def stats(self) -> dict[str, dict]:
+        return {name: {"tier": e.tier, "pinned": e.pinned, "loads": dict(e.loads), "evictions": e.evictions,
+                       "last_load_ms": dict(e.last_load_ms), "device_bytes": e.device_bytes,
+                       "pending": len(e.pending)} for name, e in self.models.items()}
+
+    def shutdown(self) -> None:
+        self._loader.shutdown(wait=True)
+
+
+def core_weights(core: EngineCore) -> LoadedModel:
+    """The weights an engine was built from (what the CPU tier keeps)."""
+    return core.loaded

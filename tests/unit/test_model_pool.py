@@ -1,0 +1,164 @@
+"""Several base models under one memory budget: LRU multiplexing, tiers, pinning, errors."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from loraplex.engine.api import GenerateRequest, InvalidRequestError, ModelNotFoundError, SamplingParams
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import EngineCore
+from loraplex.engine.pool import ModelPool
+from tests.conftest import _loaded
+from tests.lora_factory import make_peft_dir
+
+SMALL = EngineConfig(device="cpu", dtype="float32", num_kv_blocks=32)
+NAMES = ["m1", "m2", "m3"]
+
+
+def model_bytes() -> int:
+    cfg = _loaded("synthetic:tiny").config
+    return cfg.num_params() * 4 + 32 * 16 * cfg.kv_bytes_per_token(SMALL.torch_dtype)
+
+
+def make_pool(fit: float = 2.5, cpu_fit: float = 10.0) -> ModelPool:
+    pool = ModelPool(memory_budget=int(fit * model_bytes()), cpu_budget_bytes=int(cpu_fit * model_bytes()),
+                     device="cpu")
+    for i, name in enumerate(NAMES):
+        pool.register_model(name, f"synthetic:tiny:{i + 1}", config=SMALL)
+    return pool
+
+
+def req(rid: str, model: str, max_tokens: int = 8, adapter: str | None = None) -> GenerateRequest:
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return GenerateRequest(rid, model, prompt_token_ids=(3, 1, 4, 1, 5), sampling=sp, adapter=adapter)
+
+
+def run(pool: ModelPool, reqs: list[GenerateRequest]) -> dict[str, list[int]]:
+    """Submits every request and steps the pool until all finish (loads run on their thread)."""
+    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    for r in reqs:
+        pool.submit(*pool.prepare(r))
+    pending = set(out)
+    deadline = time.monotonic() + 120
+    while pending:
+        assert time.monotonic() < deadline, "pool did not finish"
+        if not pool.runnable():
+            time.sleep(0.005)
+            continue
+        for e in pool.step():
+            assert e.finish_reason != "error", e.error
+            if e.request_id not in out:
+                continue  # another test request still in flight
+            out[e.request_id].extend(e.token_ids)
+            if e.finished:
+                pending.discard(e.request_id)
+    return out
+
+
+def alone(name: str, seed: int, rid: str, max_tokens: int = 8) -> list[int]:
+    core = EngineCore(EngineConfig(model=f"synthetic:tiny:{seed}", device="cpu", dtype="float32", num_kv_blocks=32))
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return core.run([GenerateRequest(rid, f"synthetic:tiny:{seed}", prompt_token_ids=(3, 1, 4, 1, 5),
+                                     sampling=sp)])[0].token_ids
+
+
+def test_three_models_in_a_budget_for_two_rotate_lru_and_reload_identically():
+    pool = make_pool()
+    want = {name: alone(name, i + 1, "x") for i, name in enumerate(NAMES)}
+    assert len({tuple(v) for v in want.values()}) == 3  # three really different models
+    first = run(pool, [req("a1", "m1")])
+    run(pool, [req("b1", "m2")])
+    assert {n: s["tier"] for n, s in pool.stats().items()} == {"m1": "device", "m2": "device", "m3": "cpu"}
+    run(pool, [req("c1", "m3")])  # m1 is the least recently used: it goes
+    tiers = {n: s["tier"] for n, s in pool.stats().items()}
+    assert tiers == {"m1": "cpu", "m2": "device", "m3": "device"}
+    again = run(pool, [req("a2", "m1")])  # m2 goes now
+    assert again["a2"] == first["a1"] == want["m1"]
+    assert pool.stats()["m2"]["tier"] == "cpu"
+    rotating = run(pool, [req(f"r{i}", NAMES[i % 3]) for i in range(9)])
+    assert all(rotating[f"r{i}"] == want[NAMES[i % 3]] for i in range(9))
+    assert sum(s["evictions"] for s in pool.stats().values()) >= 3
+    assert pool.stats()["m1"]["loads"]["cpu"] >= 1
+
+
+def test_busy_model_is_not_evicted_even_when_least_recently_used():
+    pool = make_pool()
+    pool.submit(*pool.prepare(req("long", "m1", max_tokens=200)))
+    while pool.models["m1"].core is None or not pool.models["m1"].core.scheduler.running:
+        pool.step() if pool.runnable() else time.sleep(0.005)
+    run(pool, [req("b", "m2")])
+    run(pool, [req("c", "m3")])  # room must come from m2, the idle one, not from busy m1
+    tiers = {n: s["tier"] for n, s in pool.stats().items()}
+    assert tiers["m1"] == "device" and tiers["m2"] != "device" and tiers["m3"] == "device"
+    pool.abort("long")
+
+
+def test_pinned_model_is_never_evicted():
+    pool = make_pool()
+    pool.pin("m1")
+    run(pool, [req("a", "m1")])
+    for i in range(4):
+        run(pool, [req(f"b{i}", "m2"), req(f"c{i}", "m3")][i % 2:i % 2 + 1])
+    assert pool.stats()["m1"]["tier"] == "device" and pool.stats()["m1"]["evictions"] == 0
+
+
+def test_cpu_tier_is_bounded_and_falls_back_to_disk():
+    pool = make_pool(cpu_fit=1.2)  # room for one model's weights in host memory
+    tiers = [s["tier"] for s in pool.stats().values()]
+    assert tiers.count("cpu") == 1 and tiers.count("disk") == 2
+    out = run(pool, [req("a", "m1"), req("b", "m2"), req("c", "m3")])
+    assert [out[k] for k in "abc"] == [alone(n, i + 1, "x") for i, n in enumerate(NAMES)]
+    loads = {n: s["loads"] for n, s in pool.stats().items()}
+    assert sum(v["disk"] for v in loads.values()) >= 2
+
+
+def test_errors_are_clear_and_other_models_keep_serving(tmp_path):
+    pool = make_pool()
+    with pytest.raises(ModelNotFoundError):
+        pool.prepare(req("x", "nope"))
+    with pytest.raises(InvalidRequestError, match="budget"):
+        pool.register_model("huge", "synthetic:small", config=SMALL)
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 20)
+    with pytest.raises(InvalidRequestError, match="broken.gguf"):
+        pool.register_model("broken", str(bad), config=SMALL)
+    assert set(pool.models) == set(NAMES)
+    assert run(pool, [req("ok", "m2")])["ok"] == alone("m2", 2, "x")
+
+
+def test_adapters_belong_to_their_model_and_survive_eviction(tmp_path):
+    pool = make_pool()
+    path = make_peft_dir(tmp_path / "ad", _loaded("synthetic:tiny").config, rank=8, alpha=16, targets="all", seed=9)
+    pool.add_adapter("m1", "ad", str(path))  # validated while m1 is not even loaded
+    with pytest.raises(ModelNotFoundError):
+        pool.prepare(req("x", "m2", adapter="ad"))
+    before = run(pool, [req("a1", "m1", adapter="ad")])["a1"]
+    run(pool, [req("b", "m2")])
+    run(pool, [req("c", "m3")])  # m1 evicted: its adapter slots went with it
+    assert pool.stats()["m1"]["tier"] != "device"
+    after = run(pool, [req("a2", "m1", adapter="ad")])["a2"]
+    assert after == before != run(pool, [req("a3", "m1")])["a3"]
+
+
+def test_async_engine_serves_several_models():
+    pool = make_pool()
+
+    async def go():
+        engine = AsyncEngine(pool)
+        try:
+            assert [m.name for m in engine.models()] == NAMES
+
+            async def one(rid, model):
+                return [t for e in [e async for e in engine.generate(req(rid, model))] for t in e.token_ids]
+
+            return await asyncio.gather(*(one(f"q{i}", NAMES[i % 3]) for i in range(6)))
+        finally:
+            engine.shutdown()
+
+    got = asyncio.run(go())
+    want = [alone(n, i + 1, "x") for i, n in enumerate(NAMES)]
+    assert got == want + want
