@@ -28,6 +28,16 @@ def add_parser(sub) -> None:
                     help="PEFT's mixed-adapter batch is slow: fewer tokens keep the run short (tok/s is reported)")
     lo.add_argument("--skip-peft", action="store_true")
     lo.set_defaults(func=_run_lora)
+    gw = bsub.add_parser("gateway", help="latency the platform adds (auth, limits, routing, usage) and its max rps")
+    gw.add_argument("--json", dest="json_path", required=True)
+    gw.add_argument("--database-url", default="postgresql://postgres@localhost:5432/postgres",
+                    help="Postgres server for a scratch database (dropped after); 'sqlite' for embedded")
+    gw.add_argument("--redis-url", default="redis://localhost:6379/0", help="'none' for in-process counters")
+    gw.add_argument("--rate", type=float, default=200.0, help="open-loop requests/s for the latency figures")
+    gw.add_argument("--seconds", type=float, default=10.0)
+    gw.add_argument("--concurrency", type=int, default=32, help="connections for the max_rps run")
+    gw.add_argument("--tokens", type=int, default=16, help="tokens the fake engine returns per request")
+    gw.set_defaults(func=_run_gateway)
     px = bsub.add_parser("prefix", help="TTFT with a shared system prompt, prefix cache on vs off")
     px.add_argument("--json", dest="json_path", required=True)
     px.add_argument("--model", default="smollm2-135m")
@@ -43,6 +53,11 @@ def add_parser(sub) -> None:
     pr.add_argument("--realtime-requests", type=int, default=8)
     pr.add_argument("--interval", type=float, default=0.5, help="seconds between realtime requests")
     pr.set_defaults(func=_run_priority)
+    mx = bsub.add_parser("multiplex", help="model load times per tier, alternating two models vs one")
+    mx.add_argument("--json", dest="json_path", required=True)
+    mx.add_argument("--requests", type=int, default=8)
+    mx.add_argument("--new-tokens", type=int, default=32)
+    mx.set_defaults(func=_run_multiplex)
 
 
 def _write(path: str, results: dict) -> None:
@@ -82,4 +97,21 @@ def _run_priority(args: argparse.Namespace) -> int:
 
     _write(args.json_path, run_priority_bench(args.model, args.max_num_seqs, args.batch_tokens,
                                               args.realtime_requests, args.interval))
+    return 0
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    from loraplex.cli.bench.gateway import run_gateway_bench
+
+    _write(args.json_path, run_gateway_bench(
+        database_url=None if args.database_url == "sqlite" else args.database_url,
+        redis_url=None if args.redis_url == "none" else args.redis_url, rate=args.rate, seconds=args.seconds,
+        concurrency=args.concurrency, tokens=args.tokens))
+    return 0
+
+
+def _run_multiplex(args: argparse.Namespace) -> int:
+    from loraplex.cli.bench.multiplex import run_multiplex_bench
+
+    _write(args.json_path, run_multiplex_bench(args.requests, args.new_tokens))
     return 0
