@@ -17,8 +17,11 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# The embedded defaults: SQLite under ./.loraplex/, in-process counters, the default model, a demo
+# key printed once, http://127.0.0.1:8000/v1. LORAPLEX_DATABASE_URL / LORAPLEX_REDIS_URL switch to
+# Postgres and Redis.
 serve: $(STAMP)
-	$(VENV)/bin/loraplex generate --model smollm2-135m --chat
+	$(VENV)/bin/loraplex serve
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from loraplex.cli import bench_cmd, generate
+from loraplex.cli import bench_cmd, db, generate, keys, models, serve, tenants
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -13,6 +13,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     generate.add_parser(sub)
     bench_cmd.add_parser(sub)
+    serve.add_parser(sub)
+    db.add_parser(sub)
+    tenants.add_parser(sub)
+    keys.add_parser(sub)
+    models.add_parser(sub)
     return parser
 
 

@@ -154,7 +154,10 @@ class LlamaModel:
         # applied as x @ w: on CPU a decode step's GEMV streams that layout up to twice as fast as
         # F.linear over [out, in]. The narrow `down` projection is the other way round, so it keeps
         # [out, in] (measured on the 2-core dev machine, MKL; bench/RESULTS.md).
-        self.lm_head_t = _transposed(weights["embed"] if config.tie_word_embeddings else weights["lm_head"])
+        self.lm_head = weights["embed"] if config.tie_word_embeddings else weights["lm_head"]  # [vocab, hidden]
+        self.lm_head_t = _transposed(self.lm_head)
+        # For several rows at once F.linear over [vocab, hidden] is the faster GEMM; the loaded weight
+        # is held anyway (it is the embedding table when tied), so both layouts cost nothing extra.
         inv_freq = rope_inv_freq(config)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
         angles = torch.outer(pos, inv_freq)  # [max_pos, head_dim / 2]
@@ -222,4 +225,5 @@ class LlamaModel:
                 lora.apply(li, "down", act, down)
             h = h + down
         h = rms_norm(h[logits_indices], self.w["norm"], eps)
-        return (h @ self.lm_head_t).float()
+        logits = h @ self.lm_head_t if h.shape[0] == 1 else F.linear(h, self.lm_head)
+        return logits.float()

@@ -1,0 +1,94 @@
+"""`loraplex serve`: migrate, load the model, make a demo key, serve the API with uvicorn.
+
+With no configuration everything is embedded: a SQLite file under ./.loraplex/, in-process rate
+limit counters, the default model. LORAPLEX_DATABASE_URL / LORAPLEX_REDIS_URL switch to Postgres
+and Redis. The CLI builds the engine and hands it to the platform (create_app(settings, engine)).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import socket
+import sys
+
+from loraplex.cli.storage import run_db
+from loraplex.platform.db.database import session_factory
+from loraplex.platform.db.migrate import upgrade
+from loraplex.platform.settings import Settings
+from loraplex.platform.tenancy import keys, tenants
+
+DEMO_TENANT = "demo"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI-compatible API (embedded SQLite by default)")
+    p.add_argument("--model", default="smollm2-135m", help="the base model to serve (default smollm2-135m)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache size in MiB")
+    p.add_argument("--no-demo", action="store_true", help="do not create the demo tenant and key")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--access-log", action="store_true", help="log every request (paths only, never keys)")
+    p.set_defaults(func=run)
+
+
+def _check_port(host: str, port: int) -> None:
+    """Fails before the model loads if the address is taken."""
+    if not 0 < port < 65536:
+        raise ValueError(f"--port must be in 1..65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(infos[0][4])
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+
+
+async def _demo_key(engine) -> str:
+    """A new key for the demo tenant (made if missing): keys are shown once, so each start makes one."""
+    async with session_factory(engine)() as session:
+        if await tenants.find_tenant(session, DEMO_TENANT) is None:
+            await tenants.create_tenant(session, DEMO_TENANT, tier="demo")
+        _, secret = await keys.create_key(session, DEMO_TENANT, keys.KeySpec(name="demo", max_priority="realtime"))
+    return secret
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = Settings.from_env()
+    from loraplex.engine.config import EngineConfig
+
+    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                          kv_cache_bytes=args.kv_cache_mb * 1024 * 1024)
+    _check_port(args.host, args.port)
+    run_db(upgrade, settings)
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.models.loader import resolve_model
+
+    resolve_model(args.model)  # an unknown model name fails here, in one line
+    engine = AsyncEngine.from_config(config)
+    try:
+        return _serve(args, settings, engine)
+    finally:
+        engine.shutdown()
+
+
+def _serve(args: argparse.Namespace, settings: Settings, engine) -> int:
+    import uvicorn
+
+    from loraplex.platform.app import create_app
+
+    app = create_app(settings, engine)
+    if not args.no_demo:
+        print(f"demo api key: {run_db(_demo_key, settings)}", flush=True)
+    print(f"loraplex: serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=args.access_log, lifespan="on"))
+    server.run()
+    return 0

@@ -1,0 +1,41 @@
+"""`loraplex tenants create|list|disable|enable`."""
+
+from __future__ import annotations
+
+import argparse
+
+from loraplex.cli.storage import with_session
+from loraplex.platform.tenancy import tenants
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("tenants", help="manage tenants")
+    tsub = p.add_subparsers(dest="tenants_command", required=True)
+    c = tsub.add_parser("create", help="create a tenant")
+    c.add_argument("name")
+    c.add_argument("--tier", default="standard")
+    c.set_defaults(func=_create)
+    ls = tsub.add_parser("list", help="list tenants")
+    ls.set_defaults(func=_list)
+    for status, verb in (("disabled", "disable"), ("active", "enable")):
+        s = tsub.add_parser(verb, help=f"{verb} a tenant (its keys are refused while disabled)")
+        s.add_argument("name")
+        s.set_defaults(func=_set_status, status=status)
+
+
+def _create(args: argparse.Namespace) -> int:
+    t = with_session(lambda s: tenants.create_tenant(s, args.name, args.tier))
+    print(f"created tenant {t.name} (tier {t.tier})")
+    return 0
+
+
+def _list(args: argparse.Namespace) -> int:
+    for t in with_session(tenants.list_tenants):
+        print(f"{t.name}\t{t.tier}\t{t.status}")
+    return 0
+
+
+def _set_status(args: argparse.Namespace) -> int:
+    t = with_session(lambda s: tenants.set_status(s, args.name, args.status))
+    print(f"tenant {t.name} is {t.status}")
+    return 0

@@ -1,0 +1,156 @@
+"""The admin API under /admin/api/: tenants, keys, models, adapters, engine stats.
+
+Every call needs `Authorization: Bearer $LORAPLEX_ADMIN_TOKEN` (compared in constant time);
+without a configured token the admin API refuses everything.
+"""
+
+from __future__ import annotations
+
+import hmac
+from datetime import timedelta
+
+import msgspec
+from litestar import Router, get, post
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
+from litestar.params import FromPath, JSONBody
+
+from loraplex.engine.api import EngineError
+from loraplex.platform import admin_schemas as a
+from loraplex.platform.db.tables import Adapter, utcnow
+from loraplex.platform.errors import PlatformError, from_engine_error
+from loraplex.platform.state import Platform, PlatformDep
+from loraplex.platform.tenancy import catalog, keys, tenants
+
+
+def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    token = connection.app.state.platform.settings.admin_token
+    if not token:
+        raise PlatformError(403, "The admin API is disabled: set LORAPLEX_ADMIN_TOKEN to enable it.",
+                            code="admin_disabled")
+    scheme, _, given = (connection.headers.get("authorization") or "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+        raise PlatformError(401, "Invalid admin token.", code="invalid_admin_token")
+
+
+@post("/tenants", status_code=201)
+async def create_tenant(platform: PlatformDep, data: JSONBody[a.TenantIn]) -> a.TenantOut:
+    async with platform.sessions() as session:
+        return a.tenant_out(await tenants.create_tenant(session, data.name, data.tier))
+
+
+@get("/tenants")
+async def list_tenants(platform: PlatformDep) -> list[a.TenantOut]:
+    async with platform.sessions() as session:
+        return [a.tenant_out(t) for t in await tenants.list_tenants(session)]
+
+
+@get("/tenants/{name:str}")
+async def get_tenant(platform: PlatformDep, name: FromPath[str]) -> a.TenantOut:
+    async with platform.sessions() as session:
+        return a.tenant_out(await tenants.get_tenant(session, name))
+
+
+async def _set_status(platform: Platform, name: str, status: str) -> a.TenantOut:
+    async with platform.sessions() as session:
+        tenant = await tenants.set_status(session, name, status)
+    platform.catalog_changed()
+    return a.tenant_out(tenant)
+
+
+@post("/tenants/{name:str}/disable", status_code=200)
+async def disable_tenant(platform: PlatformDep, name: FromPath[str]) -> a.TenantOut:
+    return await _set_status(platform, name, "disabled")
+
+
+@post("/tenants/{name:str}/enable", status_code=200)
+async def enable_tenant(platform: PlatformDep, name: FromPath[str]) -> a.TenantOut:
+    return await _set_status(platform, name, "active")
+
+
+@post("/tenants/{name:str}/keys", status_code=201)
+async def create_key(platform: PlatformDep, name: FromPath[str], data: JSONBody[a.KeyIn]) -> a.KeyCreated:
+    if data.expires_at is not None and data.expires_in_s is not None:
+        raise PlatformError(400, "give expires_at or expires_in_s, not both", param="expires_in_s")
+    expires = data.expires_at or (utcnow() + timedelta(seconds=data.expires_in_s) if data.expires_in_s else None)
+    spec = keys.KeySpec(
+        name=data.name, expires_at=expires, max_priority=data.max_priority, rpm_limit=data.rpm_limit,
+        tpm_limit=data.tpm_limit,
+        allowed_models=tuple(data.allowed_models) if data.allowed_models is not None else None,
+        allowed_adapters=tuple(data.allowed_adapters) if data.allowed_adapters is not None else None)
+    async with platform.sessions() as session:
+        row, secret = await keys.create_key(session, name, spec)
+    return a.KeyCreated(**msgspec.structs.asdict(a.key_out(row)), key=secret)
+
+
+@get("/tenants/{name:str}/keys")
+async def list_keys(platform: PlatformDep, name: FromPath[str]) -> list[a.KeyOut]:
+    async with platform.sessions() as session:
+        return [a.key_out(k) for k in await keys.list_keys(session, name)]
+
+
+@post("/keys/{prefix:str}/revoke", status_code=200)
+async def revoke_key(platform: PlatformDep, prefix: FromPath[str]) -> a.KeyOut:
+    async with platform.sessions() as session:
+        row = await keys.revoke_key(session, prefix)
+    platform.catalog_changed()
+    return a.key_out(row)
+
+
+@get("/models")
+async def list_models(platform: PlatformDep) -> list[a.ModelOut]:
+    async with platform.sessions() as session:
+        return [a.model_out(m) for m in await catalog.list_models(session)]
+
+
+@post("/models", status_code=201)
+async def register_model(platform: PlatformDep, data: JSONBody[a.ModelIn]) -> a.ModelOut:
+    async with platform.sessions() as session:
+        row = await catalog.register_model(session, data.name, data.source)
+    platform.catalog_changed()
+    return a.model_out(row)
+
+
+@get("/tenants/{name:str}/adapters")
+async def list_adapters(platform: PlatformDep, name: FromPath[str]) -> list[a.AdapterOut]:
+    async with platform.sessions() as session:
+        tenant = await tenants.get_tenant(session, name)
+        return [a.adapter_out(x, name) for x in await catalog.list_adapters(session, tenant.id)]
+
+
+@post("/tenants/{name:str}/adapters", status_code=201)
+async def register_adapter(platform: PlatformDep, name: FromPath[str], data: JSONBody[a.AdapterIn]) -> a.AdapterOut:
+    """The engine validates the PEFT directory before the row is committed; a bad one leaves nothing
+    (and an adapter the engine took for a row that then failed to commit is taken back)."""
+    added: list[str] = []
+
+    async def validate(row: Adapter) -> None:
+        try:
+            await platform.adapters.add(row.engine_id, row.path)
+        except EngineError as exc:
+            raise PlatformError(400, f"adapter rejected by the engine: {from_engine_error(exc).message}",
+                                code="invalid_adapter", param="path") from None
+        added.append(row.engine_id)
+
+    try:
+        async with platform.sessions() as session:
+            row = await catalog.register_adapter(session, name, data.name, data.base_model, data.path, validate)
+    except BaseException:
+        for engine_id in added:
+            await platform.adapters.remove(engine_id)
+        raise
+    platform.catalog_changed()
+    return a.adapter_out(row, name)
+
+
+@get("/engine/stats")
+async def engine_stats(platform: PlatformDep) -> a.EngineStatsOut:
+    s = platform.engine.stats()
+    return a.EngineStatsOut(s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_used, s.kv_blocks_free,
+                            s.num_steps, s.generated_tokens, s.prompt_tokens_computed)
+
+
+admin_router = Router(
+    path="/admin/api", guards=[admin_guard], tags=["admin"],
+    route_handlers=[create_tenant, list_tenants, get_tenant, disable_tenant, enable_tenant, create_key, list_keys,
+                    revoke_key, list_models, register_model, list_adapters, register_adapter, engine_stats])

@@ -1,0 +1,112 @@
+"""Admin API bodies (msgspec structs), and the row -> body conversions shared with the CLI."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated
+
+from msgspec import Meta, Struct
+
+from loraplex.platform.db.tables import Adapter, ApiKey, Model, Tenant, as_utc
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+
+
+class TenantIn(Struct, kw_only=True):
+    name: str
+    tier: str = "standard"
+
+
+class TenantOut(Struct):
+    id: int
+    name: str
+    tier: str
+    status: str
+    created_at: datetime
+
+
+class KeyIn(Struct, kw_only=True):
+    """expires_at (an absolute time) or expires_in_s; lists None mean every model / adapter."""
+
+    name: str | None = None
+    expires_at: datetime | None = None
+    expires_in_s: PositiveInt | None = None
+    allowed_models: list[str] | None = None
+    allowed_adapters: list[str] | None = None
+    max_priority: str = "standard"
+    rpm_limit: PositiveInt | None = None
+    tpm_limit: PositiveInt | None = None
+
+
+class KeyOut(Struct):
+    prefix: str
+    tenant: str
+    name: str | None
+    created_at: datetime
+    expires_at: datetime | None
+    revoked_at: datetime | None
+    allowed_models: list[str] | None
+    allowed_adapters: list[str] | None
+    max_priority: str
+    rpm_limit: int | None
+    tpm_limit: int | None
+
+
+class KeyCreated(KeyOut):
+    key: str  # shown this once; only its sha256 is stored
+
+
+class ModelIn(Struct, kw_only=True):
+    name: str
+    source: str | None = None  # what the engine loads; defaults to the name
+
+
+class ModelOut(Struct):
+    id: int
+    name: str
+    source: str
+    created_at: datetime
+
+
+class AdapterIn(Struct, kw_only=True):
+    name: str
+    base_model: str
+    path: str  # a PEFT directory readable by the engine
+
+
+class AdapterOut(Struct):
+    id: int
+    tenant: str
+    name: str
+    base_model: str
+    path: str
+    engine_id: str
+    created_at: datetime
+
+
+class EngineStatsOut(Struct):
+    running: int
+    waiting: int
+    kv_blocks_total: int
+    kv_blocks_used: int
+    kv_blocks_free: int
+    num_steps: int
+    generated_tokens: int
+    prompt_tokens_computed: int
+
+
+def tenant_out(t: Tenant) -> TenantOut:
+    return TenantOut(t.id, t.name, t.tier, t.status, as_utc(t.created_at))
+
+
+def key_out(k: ApiKey) -> KeyOut:
+    return KeyOut(k.prefix, k.tenant.name, k.name, as_utc(k.created_at), as_utc(k.expires_at), as_utc(k.revoked_at),
+                  k.allowed_models, k.allowed_adapters, k.max_priority, k.rpm_limit, k.tpm_limit)
+
+
+def model_out(m: Model) -> ModelOut:
+    return ModelOut(m.id, m.name, m.source, as_utc(m.created_at))
+
+
+def adapter_out(a: Adapter, tenant: str) -> AdapterOut:
+    return AdapterOut(a.id, tenant, a.name, a.base_model.name, a.path, a.engine_id, as_utc(a.created_at))

@@ -1,0 +1,72 @@
+"""create_app(settings, engine): the Litestar app over an engine it is given.
+
+The caller owns the engine (the CLI builds an AsyncEngine; tests and benchmarks pass their own),
+so the platform imports nothing from the engine but its api module.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+
+from litestar import Litestar
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+from sqlalchemy.exc import DBAPIError, IntegrityError
+
+from loraplex.billing.usage import UsageSink
+from loraplex.engine.api import EngineClient
+from loraplex.platform.admin_api import admin_router
+from loraplex.platform.db.migrate import current_revision, head_revision
+from loraplex.platform.errors import PlatformError, handle_exception
+from loraplex.platform.middleware import response_hook
+from loraplex.platform.openai_api import openai_router
+from loraplex.platform.ops import ops_handlers
+from loraplex.platform.settings import Settings
+from loraplex.platform.state import Platform
+from loraplex.platform.tenancy.catalog import ensure_model
+
+log = logging.getLogger("loraplex.platform")
+
+
+def create_app(settings: Settings | None = None, engine: EngineClient | None = None, *,
+               usage_sink: UsageSink | None = None) -> Litestar:
+    """settings None: read LORAPLEX_* from the environment now. The engine is required."""
+    if engine is None:
+        raise ValueError("create_app needs an engine (an EngineClient); `loraplex serve` builds one")
+    settings = settings or Settings.from_env()
+    platform = Platform.build(settings, engine, usage_sink)
+
+    async def startup() -> None:
+        platform.not_ready = await _start(platform)
+
+    async def shutdown() -> None:
+        await platform.close()
+
+    return Litestar(
+        route_handlers=[openai_router, admin_router, *ops_handlers],
+        dependencies={"platform": Provide(lambda: platform, sync_to_thread=False)},
+        state=State({"platform": platform}),
+        exception_handlers={Exception: handle_exception},
+        before_send=[response_hook(platform.metrics)],
+        on_startup=[startup], on_shutdown=[shutdown],
+        openapi_config=OpenAPIConfig(title="loraplex", version="0.1.0", path="/schema",
+                                     description="OpenAI-compatible tenant API and admin API"),
+    )
+
+
+async def _start(platform: Platform) -> str | None:
+    """Checks the schema and registers the engine's models; returns why the app is not ready, or None."""
+    try:
+        current, head = await current_revision(platform.db), head_revision()
+        if current != head:
+            return f"database schema at {current or 'nothing'}, expected {head}: run `loraplex db upgrade`"
+        for info in platform.engine.models():
+            async with platform.sessions() as session:
+                with contextlib.suppress(IntegrityError, PlatformError):  # another instance was first
+                    await ensure_model(session, info.name)
+    except (DBAPIError, OSError) as exc:
+        log.error("database unreachable at startup: %s", type(exc).__name__)
+        return "database unreachable"
+    return None

@@ -1,0 +1,134 @@
+"""Bearer-key authentication with a short in-process cache.
+
+A key row is re-read from the database once its cache entry is `ttl_s` old (default 0.5 s), so a
+key revoked on any instance, or a tenant disabled there, is refused everywhere within that time
+without a message bus; expiry is checked on every request against the cached time, so it is
+exact. Unknown keys are cached too, so a flood of bad keys costs one query per key and TTL.
+Concurrent misses for the same key share one query.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass
+from datetime import datetime
+
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from loraplex.billing.ratelimit import Limits
+from loraplex.platform.db.tables import ApiKey, as_utc, utcnow
+from loraplex.platform.errors import unauthorized
+from loraplex.platform.tenancy.keys import find_by_secret_hash, hash_key, looks_like_key
+
+MISSING_KEY = ("You didn't provide an API key. Send it in the Authorization header: "
+               "'Authorization: Bearer lpx-...'.")
+WRONG_KEY = "Incorrect API key provided."
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who is calling and what their key allows."""
+
+    key_id: int
+    key_prefix: str
+    tenant_id: int
+    tenant: str
+    tier: str
+    max_priority: str
+    allowed_models: frozenset[str] | None
+    allowed_adapters: frozenset[str] | None
+    limits: Limits
+    expires_at: datetime | None
+
+    @property
+    def cache_salt(self) -> str:
+        """Prefix-cache isolation: blocks are shared only within a tenant."""
+        return hashlib.sha256(f"loraplex-tenant:{self.tenant_id}".encode()).hexdigest()[:32]
+
+    @property
+    def rate_subject(self) -> str:
+        return f"key:{self.key_id}"
+
+
+def principal_of(row: ApiKey) -> Principal | str:
+    """The principal for a key row, or the reason it is refused."""
+    if row.revoked_at is not None:
+        return "This API key has been revoked."
+    if row.tenant.status != "active":
+        return "This API key's tenant is disabled."
+    return Principal(
+        key_id=row.id, key_prefix=row.prefix, tenant_id=row.tenant_id, tenant=row.tenant.name, tier=row.tenant.tier,
+        max_priority=row.max_priority,
+        allowed_models=frozenset(row.allowed_models) if row.allowed_models is not None else None,
+        allowed_adapters=frozenset(row.allowed_adapters) if row.allowed_adapters is not None else None,
+        limits=Limits(rpm=row.rpm_limit, tpm=row.tpm_limit), expires_at=as_utc(row.expires_at))
+
+
+class AuthCache:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], ttl_s: float = 0.5, max_entries: int = 100_000,
+                 clock=time.monotonic):
+        self._sessions = sessions
+        self._ttl = ttl_s
+        self._max = max_entries
+        self._clock = clock
+        self._entries: dict[str, tuple[float, Principal | str]] = {}
+        self._pending: dict[str, asyncio.Future] = {}
+
+    async def authenticate(self, authorization: str | None) -> Principal:
+        key = _bearer(authorization)
+        if key is None:
+            raise unauthorized(MISSING_KEY)
+        if not looks_like_key(key):
+            raise unauthorized(WRONG_KEY)
+        found = await self._lookup(hash_key(key))
+        if isinstance(found, str):
+            raise unauthorized(found)
+        if found.expires_at is not None and found.expires_at <= utcnow():
+            raise unauthorized("This API key has expired.")
+        return found
+
+    def invalidate(self) -> None:
+        """Forgets every entry (after a revocation or a tenant change made on this instance)."""
+        self._entries.clear()
+
+    async def _lookup(self, secret_hash: str) -> Principal | str:
+        entry = self._entries.get(secret_hash)
+        if entry is not None and self._clock() - entry[0] < self._ttl:
+            return entry[1]
+        pending = self._pending.get(secret_hash)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future = asyncio.get_running_loop().create_future()
+        self._pending[secret_hash] = future
+        try:
+            result = await self._load(secret_hash)
+            future.set_result(result)
+        except BaseException as exc:
+            if isinstance(exc, asyncio.CancelledError):
+                future.cancel()
+            else:
+                future.set_exception(exc)
+                future.exception()  # retrieved here, so a lone caller leaves no "never retrieved" warning
+            raise
+        finally:
+            del self._pending[secret_hash]
+        if len(self._entries) >= self._max:
+            self._entries.clear()
+        self._entries[secret_hash] = (self._clock(), result)
+        return result
+
+    async def _load(self, secret_hash: str) -> Principal | str:
+        async with self._sessions() as session:
+            row = await find_by_secret_hash(session, secret_hash)
+        return WRONG_KEY if row is None else principal_of(row)
+
+
+def _bearer(header: str | None) -> str | None:
+    if not header:
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        return None
+    return value.strip()

@@ -1,0 +1,110 @@
+"""Every failure leaves as an OpenAI-shaped body: {"error": {"message", "type", "param", "code"}}.
+
+PlatformError is what our own code raises; the handlers below also turn Litestar's errors
+(validation, unknown route, wrong method), engine errors and storage outages into that shape.
+Messages never contain an API key or the Authorization header.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+from sqlalchemy.exc import DBAPIError, OperationalError
+
+from loraplex.engine.api import ContextLengthExceededError, EngineError, InvalidRequestError, ModelNotFoundError
+
+log = logging.getLogger("loraplex.platform")
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+          404: "invalid_request_error", 405: "invalid_request_error", 409: "conflict_error",
+          429: "rate_limit_error", 503: "service_unavailable"}
+
+
+class PlatformError(ValueError):
+    """An error with its HTTP status and OpenAI fields. A ValueError, so the CLI prints it as one line."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 type: str | None = None, headers: dict[str, str] | None = None):
+        super().__init__(message)
+        self.status, self.message, self.code, self.param = status, message, code, param
+        self.type = type or _TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+        self.headers = headers or {}
+
+
+def invalid(message: str, param: str | None = None, code: str | None = "invalid_value") -> PlatformError:
+    return PlatformError(400, message, code=code, param=param)
+
+
+def not_found(message: str, param: str | None = None, code: str = "not_found") -> PlatformError:
+    return PlatformError(404, message, code=code, param=param)
+
+
+def conflict(message: str, param: str | None = None) -> PlatformError:
+    return PlatformError(409, message, code="already_exists", param=param)
+
+
+def model_not_found(model: str) -> PlatformError:
+    """The one answer for a model that is missing, another tenant's, or not allowed to this key."""
+    return not_found(f"The model `{model}` does not exist or you do not have access to it.", "model",
+                     code="model_not_found")
+
+
+def unauthorized(message: str) -> PlatformError:
+    return PlatformError(401, message, code="invalid_api_key")
+
+
+def error_response(exc: PlatformError) -> Response:
+    body = {"error": {"message": exc.message, "type": exc.type, "param": exc.param, "code": exc.code}}
+    return Response(body, status_code=exc.status, headers=exc.headers)
+
+
+def from_engine_error(exc: EngineError) -> PlatformError:
+    if isinstance(exc, ContextLengthExceededError):
+        return invalid(exc.message, exc.param, code="context_length_exceeded")
+    if isinstance(exc, ModelNotFoundError):
+        return not_found(exc.message, exc.param or "model", code="model_not_found")
+    if isinstance(exc, InvalidRequestError):
+        return invalid(exc.message, exc.param, code=exc.code)
+    log.error("engine error: %s", exc.message)
+    return PlatformError(500, "The engine failed to process the request.", code=exc.code)
+
+
+def _from_http_exception(exc: HTTPException) -> PlatformError:
+    if isinstance(exc, ValidationException):
+        problems = [e for e in (exc.extra or []) if isinstance(e, dict)]
+        if problems:
+            message = str(problems[0].get("message", "invalid value"))
+            key = problems[0].get("key")
+            if key in (None, "data"):  # the body itself: name the missing field, if that is the problem
+                missing = _MISSING_FIELD.search(message)
+                key = missing.group(1) if missing else None
+            where = f" (at `{key}`)" if key else ""
+            return invalid(f"Invalid request body: {message}{where}", key)
+        return invalid(f"Invalid request: {exc.detail}")
+    status = exc.status_code
+    if status == 404:
+        return not_found("Unknown URL: no route matches this path.", code="unknown_url")
+    if status == 405:
+        return PlatformError(405, f"Method not allowed: {exc.detail}", code="method_not_allowed",
+                             headers=dict(exc.headers or {}))
+    return PlatformError(status, str(exc.detail), code=None, headers=dict(exc.headers or {}))
+
+
+def handle_exception(request: Request, exc: Exception) -> Response:
+    """Litestar's app-level handler for every exception."""
+    if isinstance(exc, PlatformError):
+        return error_response(exc)
+    if isinstance(exc, EngineError):
+        return error_response(from_engine_error(exc))
+    if isinstance(exc, HTTPException):
+        return error_response(_from_http_exception(exc))
+    if isinstance(exc, OperationalError | DBAPIError | ConnectionError | OSError):
+        log.error("storage unavailable on %s %s: %s", request.method, request.url.path, type(exc).__name__)
+        return error_response(PlatformError(503, "The platform's database is unavailable; try again later.",
+                                            code="database_unavailable"))
+    log.exception("internal error on %s %s", request.method, request.url.path)
+    return error_response(PlatformError(500, "Internal server error.", code="internal_error"))

@@ -1,0 +1,93 @@
+"""Prometheus metrics, in a registry per app (several apps can live in one process: tests, bench).
+
+Engine figures (running, waiting, KV blocks) are read from `engine.stats()` at scrape time.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from loraplex.engine.api import PRIORITY_CLASSES, EngineClient
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")
+
+
+def endpoint_label(path: str) -> str:
+    """A bounded label: known endpoints by path, the admin API as one, the rest as "other"."""
+    if path in KNOWN_ENDPOINTS:
+        return path
+    return "/admin/api" if path.startswith("/admin/api/") else "other"
+
+
+class EngineCollector:
+    def __init__(self, engine: EngineClient):
+        self._engine = engine
+
+    def collect(self):
+        s = self._engine.stats()
+        yield GaugeMetricFamily("loraplex_engine_requests_running", "Requests the engine is running", value=s.running)
+        yield GaugeMetricFamily("loraplex_engine_requests_waiting", "Requests queued in the engine (all classes)",
+                                value=s.waiting)
+        yield _by_class(GaugeMetricFamily, "loraplex_engine_queue_depth", "Requests waiting in the engine by class",
+                        s.waiting_by_class)
+        yield _by_class(GaugeMetricFamily, "loraplex_engine_running_by_class", "Requests running by class",
+                        s.running_by_class)
+        yield _by_class(CounterMetricFamily, "loraplex_engine_preemptions", "Requests preempted, by class",
+                        s.preemptions_by_class)
+        yield GaugeMetricFamily("loraplex_engine_swapped_requests", "Requests swapped out to CPU memory",
+                                value=s.swapped_requests)
+        yield GaugeMetricFamily("loraplex_kv_blocks_used", "KV cache blocks in use", value=s.kv_blocks_used)
+        yield GaugeMetricFamily("loraplex_kv_blocks_total", "KV cache blocks in the pool", value=s.kv_blocks_total)
+        yield GaugeMetricFamily("loraplex_kv_cache_usage_ratio", "Fraction of KV blocks in use",
+                                value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+        yield GaugeMetricFamily("loraplex_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
+                                value=s.prefix_cache_hit_rate)
+        yield CounterMetricFamily("loraplex_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
+                                  value=s.prefix_hit_tokens)
+        yield GaugeMetricFamily("loraplex_adapters_loaded", "Adapters resident in device slots",
+                                value=s.adapters_loaded)
+        yield CounterMetricFamily("loraplex_adapter_loads", "Adapter loads into device slots", value=s.adapter_loads)
+        yield CounterMetricFamily("loraplex_adapter_evictions", "Adapter evictions from device slots",
+                                  value=s.adapter_evictions)
+        yield CounterMetricFamily("loraplex_engine_generated_tokens", "Tokens the engine generated",
+                                  value=s.generated_tokens)
+        yield CounterMetricFamily("loraplex_engine_steps", "Engine steps run", value=s.num_steps)
+
+
+def _by_class(family, name: str, documentation: str, values: dict[str, int]):
+    metric = family(name, documentation, labels=["priority"])
+    for cls in PRIORITY_CLASSES:
+        metric.add_metric([cls], values.get(cls, 0))
+    return metric
+
+
+class Metrics:
+    def __init__(self, engine: EngineClient):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("loraplex_requests", "HTTP requests by endpoint and status code",
+                                ["endpoint", "status"], registry=r)
+        self.ttft = Histogram("loraplex_time_to_first_token_seconds", "Arrival to first generated token",
+                              ["model"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("loraplex_inter_token_latency_seconds", "Time between generated tokens",
+                             ["model"], buckets=_ITL_BUCKETS, registry=r)
+        self.latency = Histogram("loraplex_request_latency_seconds", "Arrival to the last byte of a generation",
+                                 ["endpoint", "status"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.tokens = Counter("loraplex_tokens", "Tokens by tenant, base model and kind (prompt, cached, completion)",
+                              ["tenant", "model", "kind"], registry=r)
+        self.rate_limited = Counter("loraplex_rate_limit_rejections", "Requests refused by a rate limit",
+                                    ["limit"], registry=r)
+        self.limiter_errors = Counter("loraplex_rate_limiter_errors", "Rate-limit store unreachable (Redis down)",
+                                      ["outcome"], registry=r)
+        self.in_flight = Gauge("loraplex_requests_in_flight", "Generations in flight (queue depth) by priority class",
+                               ["priority"], registry=r)
+        for cls in PRIORITY_CLASSES:
+            self.in_flight.labels(cls)
+        self.disconnects = Counter("loraplex_client_disconnects", "Streams the client left before the end",
+                                   registry=r)
+        r.register(EngineCollector(engine))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

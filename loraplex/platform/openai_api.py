@@ -1,0 +1,125 @@
+"""The tenant API: /v1/chat/completions, /v1/completions, /v1/models (OpenAI's shapes).
+
+A generation goes: key -> model resolution -> priority -> engine validation and prompt length ->
+rate-limit reservation -> engine stream -> response (JSON or SSE). Anything refused before the
+engine starts costs the caller nothing but, for 429s, the request itself.
+"""
+
+from __future__ import annotations
+
+import time
+
+from litestar import Request, Response, Router, get, post
+from litestar.background_tasks import BackgroundTask
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
+from litestar.params import FromPath, JSONBody
+from litestar.response import Stream
+
+from loraplex.engine.api import GenerateRequest, ModelNotFoundError
+from loraplex.platform import openai_convert as conv
+from loraplex.platform import openai_format as fmt
+from loraplex.platform import schemas as s
+from loraplex.platform.admission import effective_priority
+from loraplex.platform.auth import Principal
+from loraplex.platform.errors import invalid, model_not_found
+from loraplex.platform.generation import GenerationRun
+from loraplex.platform.middleware import request_hex
+from loraplex.platform.state import Platform, PlatformDep
+from loraplex.platform.tenancy.catalog import list_adapters, list_models
+
+SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
+
+
+async def authenticate(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """A guard, so the key is checked before the body is parsed: no 400 details for strangers."""
+    platform: Platform = connection.app.state.platform
+    connection.state.arrived = time.perf_counter()  # TTFT and latency count from here, auth included
+    connection.state.principal = await platform.auth.authenticate(connection.headers.get("authorization"))
+
+
+def _principal(request: Request) -> Principal:
+    return request.state.principal
+
+
+async def _generate(request: Request, platform: Platform, data: s.ChatCompletionRequest | s.CompletionRequest,
+                    prompt: dict, max_tokens: int | None, fmt_cls: type[fmt.Format], endpoint: str) -> Response:
+    principal = _principal(request)
+    conv.check_supported(data)
+    target = await platform.router.resolve(principal, data.model)
+    priority = effective_priority(principal.max_priority, request.headers.get("x-priority"))
+    if target.adapter is not None:
+        await platform.adapters.ensure(target.adapter)
+    rid = request_hex(request.scope)
+    gen = GenerateRequest(
+        request_id=f"req_{rid}", model=target.base_model, adapter=target.adapter.engine_id if target.adapter else None,
+        sampling=conv.sampling(data, max_tokens), priority=priority, cache_salt=principal.cache_salt, **prompt)
+    engine = platform.engine
+    try:
+        prompt_tokens = engine.count_prompt_tokens(gen)  # validates everything; a 400 costs no rate limit
+    except ModelNotFoundError:
+        raise model_not_found(data.model) from None
+    context = next((m.max_model_len for m in engine.models() if m.name == target.base_model), prompt_tokens)
+    ticket = await platform.admission.admit(principal, prompt_tokens, max_tokens or max(0, context - prompt_tokens))
+    run = GenerationRun(platform.runs, gen, principal, target, ticket, prompt_tokens, endpoint,
+                        request.state.arrived)
+    try:
+        run.start()
+    except BaseException:
+        await platform.admission.settle(ticket, 0)
+        raise
+    include_usage = bool(data.stream_options and data.stream_options.include_usage)
+    formatter = fmt_cls(rid, int(time.time()), data.model, include_usage)
+    if data.stream:
+        body = fmt.stream(run, formatter, include_usage)
+        # Litestar stops iterating when the client disconnects; the background task then closes
+        # the generator, whose `finally` aborts the engine request.
+        return Stream(body, media_type="text/event-stream", headers={**ticket.headers, **SSE_HEADERS},
+                      background=BackgroundTask(body.aclose))
+    return Response(await fmt.collect(run, formatter), headers=ticket.headers)
+
+
+@post("/chat/completions", status_code=200, summary="Create a chat completion")
+async def chat_completions(request: Request, platform: PlatformDep,
+                           data: JSONBody[s.ChatCompletionRequest]) -> Response:
+    return await _generate(request, platform, data, {"messages": conv.chat_messages(data)},
+                           conv.chat_max_tokens(data), fmt.ChatFormat, "/v1/chat/completions")
+
+
+@post("/completions", status_code=200, summary="Create a text completion")
+async def completions(request: Request, platform: PlatformDep, data: JSONBody[s.CompletionRequest]) -> Response:
+    if data.echo:
+        raise invalid("echo is not supported", "echo")
+    return await _generate(request, platform, data, conv.completion_prompt(data), conv.completion_max_tokens(data),
+                           fmt.TextFormat, "/v1/completions")
+
+
+async def _cards(platform: Platform, principal: Principal) -> list[s.ModelCard]:
+    async with platform.sessions() as session:
+        models = await list_models(session)
+        adapters = await list_adapters(session, principal.tenant_id)
+    allowed_models = principal.allowed_models
+    cards = [s.ModelCard(m.name, int(m.created_at.timestamp()), "loraplex") for m in models
+             if allowed_models is None or m.name in allowed_models]
+    cards += [s.ModelCard(a.name, int(a.created_at.timestamp()), principal.tenant) for a in adapters
+              if (allowed_models is None or a.base_model.name in allowed_models)
+              and (principal.allowed_adapters is None or a.name in principal.allowed_adapters)]
+    return cards
+
+
+@get("/models", summary="List the base models and the caller's adapters")
+async def models(request: Request, platform: PlatformDep) -> s.ModelList:
+    return s.ModelList(await _cards(platform, _principal(request)))
+
+
+@get("/models/{model_id:path}", summary="Retrieve one model")
+async def model(request: Request, platform: PlatformDep, model_id: FromPath[str]) -> s.ModelCard:
+    principal = _principal(request)
+    name = model_id.lstrip("/")
+    await platform.router.resolve(principal, name)  # 404 exactly as for a generation
+    card = next((c for c in await _cards(platform, principal) if c.id == name), None)
+    return card or s.ModelCard(name, 0, principal.tenant)
+
+
+openai_router = Router(path="/v1", route_handlers=[chat_completions, completions, models, model], tags=["openai"],
+                       guards=[authenticate])

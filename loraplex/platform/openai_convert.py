@@ -1,0 +1,67 @@
+"""OpenAI request fields -> the engine's GenerateRequest parts."""
+
+from __future__ import annotations
+
+from loraplex.engine.api import SamplingParams
+from loraplex.platform import schemas as s
+from loraplex.platform.errors import invalid
+
+MAX_STOP = 4
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
+
+
+def check_supported(data: s.ChatCompletionRequest | s.CompletionRequest) -> None:
+    if data.n != 1:
+        raise invalid("only n=1 is supported", "n")
+    if data.logprobs:
+        raise invalid("logprobs are not supported", "logprobs")
+    if data.stream_options is not None and not data.stream:
+        raise invalid("stream_options is only allowed when stream is true", "stream_options")
+
+
+def sampling(data: s.ChatCompletionRequest | s.CompletionRequest, max_tokens: int | None) -> SamplingParams:
+    stop = data.stop
+    stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+    if len(stops) > MAX_STOP:
+        raise invalid(f"stop may have at most {MAX_STOP} sequences, got {len(stops)}", "stop")
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if data.temperature is None else data.temperature,
+        top_p=1.0 if data.top_p is None else data.top_p,
+        seed=data.seed,
+        presence_penalty=data.presence_penalty or 0.0,
+        frequency_penalty=data.frequency_penalty or 0.0,
+        stop=stops)
+
+
+def chat_max_tokens(data: s.ChatCompletionRequest) -> int | None:
+    return data.max_completion_tokens if data.max_completion_tokens is not None else data.max_tokens
+
+
+def completion_max_tokens(data: s.CompletionRequest) -> int:
+    return COMPLETIONS_DEFAULT_MAX_TOKENS if data.max_tokens is None else data.max_tokens
+
+
+def chat_messages(data: s.ChatCompletionRequest) -> tuple[dict, ...]:
+    """Messages as the chat template wants them; content parts other than text are refused."""
+    out = []
+    for i, m in enumerate(data.messages):
+        content = m.content
+        if isinstance(content, list):
+            if any(p.type != "text" or p.text is None for p in content):
+                raise invalid("only text content parts are supported", f"messages[{i}].content")
+            content = "".join(p.text for p in content)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+    return tuple(out)
+
+
+def completion_prompt(data: s.CompletionRequest) -> dict:
+    """A string, a list of one string, or a list of token ids."""
+    prompt = data.prompt
+    if isinstance(prompt, str):
+        return {"prompt": prompt}
+    if prompt and all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+        return {"prompt_token_ids": tuple(prompt)}
+    if len(prompt) == 1 and isinstance(prompt[0], str):
+        return {"prompt": prompt[0]}
+    raise invalid("prompt must be a string, a list of one string, or a list of token ids", "prompt")

@@ -1,0 +1,131 @@
+"""Model resolution (DESIGN section 3) over a short-lived cache of the catalog, and adapter loading.
+
+`model` is "<base>", "<base>:<adapter>" or "<adapter>"; adapters are looked up in the caller's
+tenant only, and whatever the key may not use answers exactly as a model that does not exist.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+import anyio
+from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
+
+from loraplex.engine.api import EngineClient, EngineError
+from loraplex.platform.auth import Principal
+from loraplex.platform.errors import PlatformError, model_not_found
+from loraplex.platform.tenancy.catalog import find_adapter, list_models
+
+log = logging.getLogger("loraplex.platform")
+
+
+@dataclass(frozen=True)
+class AdapterRef:
+    name: str
+    base_model: str
+    engine_id: str
+    path: str
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a request goes: a base model, and maybe one of the tenant's adapters on it."""
+
+    requested: str
+    base_model: str
+    adapter: AdapterRef | None = None
+
+
+class ModelRouter:
+    def __init__(self, sessions: async_sessionmaker[AsyncSession], ttl_s: float = 2.0, clock=time.monotonic):
+        self._sessions = sessions
+        self._ttl = ttl_s
+        self._clock = clock
+        self._models: tuple[float, frozenset[str]] | None = None
+        self._adapters: dict[tuple[int, str], tuple[float, AdapterRef | None]] = {}
+
+    def invalidate(self) -> None:
+        self._models = None
+        self._adapters.clear()
+
+    async def base_models(self) -> frozenset[str]:
+        if self._models is None or self._clock() - self._models[0] >= self._ttl:
+            async with self._sessions() as session:
+                names = frozenset(m.name for m in await list_models(session))
+            self._models = (self._clock(), names)
+        return self._models[1]
+
+    async def adapter(self, tenant_id: int, name: str) -> AdapterRef | None:
+        cached = self._adapters.get((tenant_id, name))
+        if cached is not None and self._clock() - cached[0] < self._ttl:
+            return cached[1]
+        async with self._sessions() as session:
+            row = await find_adapter(session, tenant_id, name)
+            ref = None if row is None else AdapterRef(row.name, row.base_model.name, row.engine_id, row.path)
+        if len(self._adapters) > 100_000:
+            self._adapters.clear()
+        self._adapters[(tenant_id, name)] = (self._clock(), ref)
+        return ref
+
+    async def resolve(self, principal: Principal, requested: str) -> Target:
+        bases = await self.base_models()
+        if requested in bases:
+            if not _model_allowed(principal, requested):
+                raise model_not_found(requested)
+            return Target(requested, requested)
+        base, sep, name = requested.rpartition(":")
+        if sep and base not in bases:
+            raise model_not_found(requested)
+        ref = await self.adapter(principal.tenant_id, name) if name and ":" not in name else None
+        if ref is None or (sep and ref.base_model != base) or not _adapter_allowed(principal, ref):
+            raise model_not_found(requested)
+        return Target(requested, ref.base_model, ref)
+
+
+def _model_allowed(principal: Principal, model: str) -> bool:
+    return principal.allowed_models is None or model in principal.allowed_models
+
+
+def _adapter_allowed(principal: Principal, ref: AdapterRef) -> bool:
+    if not _model_allowed(principal, ref.base_model):
+        return False
+    return principal.allowed_adapters is None or ref.name in principal.allowed_adapters
+
+
+class EngineAdapters:
+    """Registers adapters with the engine the first time this instance needs them, so an adapter
+    registered through another instance (or before a restart) loads on demand."""
+
+    def __init__(self, engine: EngineClient):
+        self._engine = engine
+        self._loaded: set[str] = set()
+        self._lock = asyncio.Lock()
+
+    def mark_loaded(self, engine_id: str) -> None:
+        self._loaded.add(engine_id)
+
+    async def add(self, engine_id: str, path: str) -> None:
+        """Validates and registers (raises EngineError); parsing runs off the event loop."""
+        async with self._lock:
+            if engine_id not in self._loaded:
+                await anyio.to_thread.run_sync(self._engine.add_adapter, engine_id, path)
+                self._loaded.add(engine_id)
+
+    async def remove(self, engine_id: str) -> None:
+        async with self._lock:
+            if engine_id in self._loaded:
+                self._loaded.discard(engine_id)
+                await self._engine.remove_adapter(engine_id)
+
+    async def ensure(self, ref: AdapterRef) -> None:
+        if ref.engine_id in self._loaded:
+            return
+        try:
+            await self.add(ref.engine_id, ref.path)
+        except EngineError as exc:
+            log.error("adapter %s (%s) failed to load: %s", ref.name, ref.engine_id, exc.message)
+            raise PlatformError(503, f"Adapter `{ref.name}` could not be loaded; ask the operator to check it.",
+                                code="adapter_unavailable") from None

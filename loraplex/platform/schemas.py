@@ -1,0 +1,158 @@
+"""OpenAI request and response bodies as msgspec structs (validated by Litestar, shown in /schema).
+
+Fields OpenAI has and we do not use are accepted and ignored, as OpenAI-compatible servers do;
+fields whose meaning we cannot honour (n > 1, logprobs) are refused with a 400.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+from msgspec import UNSET, Meta, Struct, UnsetType
+
+NonNegInt = Annotated[int, Meta(ge=0)]
+PositiveInt = Annotated[int, Meta(ge=1)]
+
+
+class ContentPart(Struct):
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(Struct):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+
+
+class StreamOptions(Struct):
+    include_usage: bool = False
+
+
+class _Sampling(Struct, kw_only=True):
+    model: str
+    max_tokens: PositiveInt | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    n: int = 1
+    logprobs: bool | int | None = None
+
+
+class ChatCompletionRequest(_Sampling, kw_only=True):
+    messages: list[ChatMessage]
+    max_completion_tokens: PositiveInt | None = None
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    prompt: str | list[str | int]
+    echo: bool = False
+
+
+# --- responses --------------------------------------------------------------------------------
+
+
+class PromptTokensDetails(Struct):
+    cached_tokens: int = 0
+
+
+class UsageBody(Struct):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails
+
+
+class AssistantMessage(Struct):
+    content: str
+    role: str = "assistant"
+    refusal: None = None
+
+
+class ChatChoice(Struct):
+    index: int
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class ChatCompletion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: UsageBody
+    object: Literal["chat.completion"] = "chat.completion"
+    system_fingerprint: str | None = None
+
+
+class ChatDelta(Struct):
+    role: str | UnsetType = UNSET
+    content: str | UnsetType = UNSET
+
+
+class ChatChunkChoice(Struct):
+    index: int
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: None = None
+
+
+class ChatCompletionChunk(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    system_fingerprint: str | None = None
+    usage: UsageBody | None | UnsetType = UNSET  # present (null until the last chunk) only with include_usage
+
+
+class TextChoice(Struct):
+    index: int
+    text: str
+    finish_reason: str | None
+    logprobs: None = None
+
+
+class Completion(Struct):
+    id: str
+    created: int
+    model: str
+    choices: list[TextChoice]
+    usage: UsageBody | None | UnsetType = UNSET
+    object: Literal["text_completion"] = "text_completion"
+    system_fingerprint: str | None = None
+
+
+class ModelCard(Struct):
+    id: str
+    created: int
+    owned_by: str
+    object: Literal["model"] = "model"
+
+
+class ModelList(Struct):
+    data: list[ModelCard]
+    object: Literal["list"] = "list"
+
+
+class ErrorDetail(Struct):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(Struct):
+    error: ErrorDetail
+
+
+encode = msgspec.json.Encoder().encode

@@ -1,0 +1,83 @@
+"""Base models (name, source) and the adapters tenants register on them (name, base model, path)."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+from sqlalchemy import select
+from sqlalchemy.ext.asyncio import AsyncSession
+
+from loraplex.platform.db.tables import Adapter, Model
+from loraplex.platform.errors import conflict, invalid, not_found
+from loraplex.platform.tenancy.common import check_name, commit_or_conflict
+from loraplex.platform.tenancy.tenants import get_tenant
+
+
+def _check_model_name(name: str) -> str:
+    if not isinstance(name, str) or not name or len(name) > 200 or any(c.isspace() for c in name):
+        raise invalid(f"model name must be 1-200 characters without spaces, got {name!r}", "name")
+    return name
+
+
+async def find_model(session: AsyncSession, name: str) -> Model | None:
+    return (await session.execute(select(Model).where(Model.name == name))).scalar_one_or_none()
+
+
+async def register_model(session: AsyncSession, name: str, source: str | None = None) -> Model:
+    _check_model_name(name)
+    source = source or name
+    if await find_model(session, name) is not None:
+        raise conflict(f"model {name!r} already exists", "name")
+
+    async def work() -> Model:
+        row = Model(name=name, source=source)
+        session.add(row)
+        await session.flush()
+        return row
+
+    return await commit_or_conflict(session, f"model {name!r}", work)
+
+
+async def ensure_model(session: AsyncSession, name: str, source: str | None = None) -> Model:
+    """The model row, registered if missing (the server registers what its engine serves)."""
+    return await find_model(session, name) or await register_model(session, name, source)
+
+
+async def list_models(session: AsyncSession) -> list[Model]:
+    return list((await session.execute(select(Model).order_by(Model.id))).scalars())
+
+
+async def register_adapter(session: AsyncSession, tenant_name: str, name: str, base_model: str, path: str,
+                           validate: Callable[[Adapter], Awaitable[None]] | None = None) -> Adapter:
+    """Inserts the row, lets `validate` check it against the engine (it gets the row with its id),
+    and commits only if that passes: a bad adapter leaves no row."""
+    check_name(name, "adapter")
+    if not isinstance(path, str) or not path:
+        raise invalid("path must be the adapter's directory", "path")
+    tenant = await get_tenant(session, tenant_name)
+    model = await find_model(session, base_model)
+    if model is None:
+        raise not_found(f"base model {base_model!r} is not registered", "base_model", code="model_not_found")
+    if await find_adapter(session, tenant.id, name) is not None:
+        raise conflict(f"adapter {name!r} already exists for tenant {tenant_name!r}", "name")
+
+    async def work() -> Adapter:
+        row = Adapter(tenant_id=tenant.id, name=name, base_model_id=model.id, path=path)
+        session.add(row)
+        await session.flush()
+        row.base_model = model
+        if validate is not None:
+            await validate(row)
+        return row
+
+    return await commit_or_conflict(session, f"adapter {name!r}", work)
+
+
+async def find_adapter(session: AsyncSession, tenant_id: int, name: str) -> Adapter | None:
+    query = select(Adapter).where(Adapter.tenant_id == tenant_id, Adapter.name == name)
+    return (await session.execute(query)).scalar_one_or_none()
+
+
+async def list_adapters(session: AsyncSession, tenant_id: int) -> list[Adapter]:
+    query = select(Adapter).where(Adapter.tenant_id == tenant_id).order_by(Adapter.id)
+    return list((await session.execute(query)).scalars())

@@ -1,0 +1,84 @@
+"""`loraplex serve` on the embedded defaults and the tenant/key/model commands, as real processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from tests.e2e.server import start
+
+EMBEDDED = {"LORAPLEX_DATABASE_URL": "", "LORAPLEX_REDIS_URL": "", "LORAPLEX_ADMIN_TOKEN": ""}
+
+
+def loraplex(env: dict, *args: str) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "loraplex.cli.main", *args], capture_output=True, text=True,
+                          env={**os.environ, **EMBEDDED, **env}, timeout=120)
+
+
+def one_line_error(out: subprocess.CompletedProcess, needle: str) -> None:
+    assert out.returncode == 2, out
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("loraplex: error:") and needle in lines[0], out.stderr
+
+
+def models(server, key: str) -> int:
+    return httpx.get(f"{server.base_url}/v1/models", headers={"authorization": f"Bearer {key}"}).status_code
+
+
+@pytest.fixture(scope="module")
+def data_env(tmp_path_factory):
+    return {"LORAPLEX_DATA_DIR": str(tmp_path_factory.mktemp("embedded"))}
+
+
+def test_embedded_serve_prints_a_new_demo_key_each_start(data_env):
+    first = start({**EMBEDDED, **data_env})
+    try:
+        (key1,) = first.demo_keys
+        assert key1.startswith("lpx-") and models(first, key1) == 200
+    finally:
+        first.stop()
+    second = start({**EMBEDDED, **data_env})
+    try:
+        (key2,) = second.demo_keys
+        assert key2 != key1 and models(second, key2) == models(second, key1) == 200
+        assert models(second, "lpx-not-a-real-key-at-all-00000000") == 401
+    finally:
+        second.stop()
+
+
+def test_tenant_key_and_model_commands(data_env):
+    created = loraplex(data_env, "tenants", "create", "acme", "--tier", "gold")
+    assert created.returncode == 0, created.stderr
+    one_line_error(loraplex(data_env, "tenants", "create", "acme"), "already exists")
+    made = loraplex(data_env, "keys", "create", "--tenant", "acme", "--rpm", "5")
+    assert made.returncode == 0, made.stderr
+    key = made.stdout.strip().splitlines()[-1]
+    assert key.startswith("lpx-") and len(key) > 40
+    one_line_error(loraplex(data_env, "keys", "create", "--tenant", "nobody"), "not found")
+    listed = loraplex(data_env, "models", "list")
+    assert listed.returncode == 0 and "synthetic:tiny" in listed.stdout  # registered by the server above
+    server = start({**EMBEDDED, **data_env}, "--no-demo")
+    try:
+        assert not server.demo_keys and models(server, key) == 200
+        revoked = loraplex(data_env, "keys", "revoke", key[:12])
+        assert revoked.returncode == 0 and key[:12] in revoked.stdout
+        time.sleep(1.0)
+        assert models(server, key) == 401  # revoked by another process, refused within a second
+    finally:
+        server.stop()
+    one_line_error(loraplex(data_env, "keys", "revoke", "lpx-nothing0"), "no key")
+
+
+def test_commands_need_a_migrated_database_and_serve_checks_its_port(tmp_path):
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path)}
+    one_line_error(loraplex(env, "tenants", "create", "x"), "loraplex db upgrade")
+    up = loraplex(env, "db", "upgrade")
+    assert up.returncode == 0 and "at revision" in up.stdout
+    assert loraplex(env, "tenants", "create", "x").returncode == 0
+    one_line_error(loraplex(env, "serve", "--model", "synthetic:tiny", "--port", "0"), "--port")
