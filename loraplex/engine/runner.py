@@ -75,7 +75,7 @@ class ModelRunner:
                 logits_rows.append(len(ids) - 1)
                 sampled.append(req)
         dev = self.device
-        meta = build_metadata(seqs, self.block_size, dev)
+        meta = build_metadata(seqs, self.block_size, dev, self.model.dtype)
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

@@ -23,7 +23,8 @@ class PrefillSeq:
     # Flat cache slots of the whole context (earlier tokens and this chunk) [context], or None
     # when the chunk is the whole context (no earlier tokens): then K/V come straight from the chunk.
     gather: torch.Tensor | None
-    # [chunk, context] True where a query may attend (causal, aligned to the end), or None.
+    # [chunk, context] additive mask: 0 where a query may attend (causal, aligned to the end), -inf
+    # elsewhere; or None.
     mask: torch.Tensor | None
 
 
@@ -35,14 +36,21 @@ class AttentionMetadata:
     # Block tables of the decodes [decodes, max_blocks], padded with block 0 (masked out): K/V are
     # gathered a whole block at a time, far cheaper than slot by slot.
     decode_blocks: torch.Tensor | None
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_blocks * block_size] True = real context
+    # [decodes, 1, 1, max_blocks * block_size] additive: 0 on real context, -inf on padding. Built once
+    # per step in the model dtype, so no layer converts a boolean mask again.
+    decode_mask: torch.Tensor | None
     prefills: list[PrefillSeq]
+
+
+def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
 
 
 def build_metadata(
     seqs: list[tuple[int, int, list[int]]],
     block_size: int,
     device: torch.device,
+    dtype: torch.dtype = torch.float32,
 ) -> AttentionMetadata:
     """Describes a step. seqs: per sequence in batch order (num_computed, num_new, block_ids)."""
     slot_parts: list[torch.Tensor] = []
@@ -65,7 +73,8 @@ def build_metadata(
             else:
                 q_pos = torch.arange(computed, total).unsqueeze(1)
                 k_pos = torch.arange(total).unsqueeze(0)
-                prefills.append(PrefillSeq(row, row + new, ctx_slots.to(device), (k_pos <= q_pos).to(device)))
+                prefills.append(PrefillSeq(row, row + new, ctx_slots.to(device),
+                                           _additive(k_pos <= q_pos, dtype).to(device)))
         row += new
     dec_blocks = dec_mask = dec_rows = None
     if decode_seqs:
@@ -74,7 +83,7 @@ def build_metadata(
         dec_blocks = torch.tensor([t + [0] * (max_blocks - len(t)) for t in table], dtype=torch.long)
         pos = torch.arange(max_blocks * block_size)
         lens = torch.tensor([c for c, _ in decode_seqs])
-        dec_mask = (pos.unsqueeze(0) < lens.unsqueeze(1)).view(len(decode_seqs), 1, 1, -1)
+        dec_mask = _additive(pos.unsqueeze(0) < lens.unsqueeze(1), dtype).view(len(decode_seqs), 1, 1, -1)
         dec_blocks, dec_mask = dec_blocks.to(device), dec_mask.to(device)
         dec_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
     return AttentionMetadata(
@@ -125,8 +134,8 @@ def paged_attention(
             vs = v[p.start:p.end].transpose(0, 1)
             o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
         else:
-            ks = k_flat[p.gather].transpose(0, 1)  # [kv_heads, context, head_dim]
-            vs = v_flat[p.gather].transpose(0, 1)
+            ks = torch.index_select(k_flat, 0, p.gather).transpose(0, 1)  # [kv_heads, context, head_dim]
+            vs = torch.index_select(v_flat, 0, p.gather).transpose(0, 1)
             o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=gqa)
         out[p.start:p.end] = o.transpose(0, 1)
     return out.view(n_tok, n_heads * head_dim)
@@ -137,7 +146,9 @@ def _decode(q, k_cache, v_cache, meta: AttentionMetadata, gqa: bool) -> torch.Te
     n, n_kv, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
     qd = q.unsqueeze(2)  # [decodes, heads, 1, head_dim]
     # [decodes, max_blocks, block_size, kv_heads, head_dim] -> [decodes, kv_heads, context, head_dim]
-    kd = k_cache[meta.decode_blocks].view(n, -1, n_kv, head_dim).transpose(1, 2)
-    vd = v_cache[meta.decode_blocks].view(n, -1, n_kv, head_dim).transpose(1, 2)
+    # index_select copies whole rows, several times faster than advanced indexing on CPU
+    blocks = meta.decode_blocks.view(-1)
+    kd = torch.index_select(k_cache, 0, blocks).view(n, -1, n_kv, head_dim).transpose(1, 2)
+    vd = torch.index_select(v_cache, 0, blocks).view(n, -1, n_kv, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=gqa)
     return o.squeeze(2)

@@ -195,9 +195,9 @@ class LlamaModel:
         q_size, kv_size = cfg.q_size, cfg.kv_size
         inter = cfg.intermediate_size
         n_qk_heads = cfg.num_heads + cfg.num_kv_heads
-        cos = self.rope_cos[positions].unsqueeze(1)  # [tokens, 1, head_dim]
-        sin = self.rope_sin[positions].unsqueeze(1)
-        h = self.w["embed"][input_ids]  # h: [tokens, hidden]
+        cos = torch.index_select(self.rope_cos, 0, positions).unsqueeze(1)  # [tokens, 1, head_dim]
+        sin = torch.index_select(self.rope_sin, 0, positions).unsqueeze(1)
+        h = torch.index_select(self.w["embed"], 0, input_ids)  # h: [tokens, hidden]
         n_tok = h.shape[0]
         # qkv_w, o_w, gate_up_w: [in, out]; down_w: [out, in]
         for li, (in_norm, qkv_w, qkv_b, o_w, post_norm, gate_up_w, down_w) in enumerate(self.layers):
@@ -224,6 +224,6 @@ class LlamaModel:
             if lora is not None:
                 lora.apply(li, "down", act, down)
             h = h + down
-        h = rms_norm(h[logits_indices], self.w["norm"], eps)
+        h = rms_norm(torch.index_select(h, 0, logits_indices), self.w["norm"], eps)
         logits = h @ self.lm_head_t if h.shape[0] == 1 else F.linear(h, self.lm_head)
         return logits.float()
