@@ -168,6 +168,9 @@ class EngineStats:
     adapters_loaded: int = 0  # adapters resident in device slots
     adapter_loads: int = 0
     adapter_evictions: int = 0
+    models_resident: int = 0  # base models on the device (the rest wait on the CPU tier or disk)
+    model_loads: int = 0
+    model_evictions: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
@@ -187,13 +190,18 @@ class EngineClient(Protocol):
         """Validates (raising EngineError before anything is queued) and streams events."""
         ...
 
-    async def abort(self, request_id: str) -> None: ...
-
-    def add_adapter(self, adapter_id: str, path: str) -> None:
-        """Validates and registers a PEFT LoRA directory; raises EngineError (code invalid_adapter)."""
+    async def abort(self, request_id: str) -> Usage | None:
+        """Ends the request and returns what it consumed (None when it was not in flight)."""
         ...
 
-    async def remove_adapter(self, adapter_id: str) -> None:
+    def add_adapter(self, adapter_id: str, path: str, base_model: str | None = None) -> None:
+        """Validates and registers a PEFT LoRA directory on `base_model` (default: the engine's
+        first model); raises EngineError (code invalid_adapter)."""
+        ...
+
+    def has_adapter(self, adapter_id: str, base_model: str | None = None) -> bool: ...
+
+    async def remove_adapter(self, adapter_id: str, base_model: str | None = None) -> None:
         """Refuses new requests for the adapter at once; returns when its running requests are done."""
         ...
 

@@ -93,8 +93,14 @@ class AsyncEngine:
             if not finished:  # the consumer went away (disconnect, cancel): free its KV blocks
                 self._post("abort", rid)
 
-    async def abort(self, request_id: str) -> None:
-        self._post("abort", request_id)
+    async def abort(self, request_id: str) -> Usage | None:
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        self._post("abort", (request_id, loop, done))
+        return await done
+
+    def has_adapter(self, adapter_id: str, base_model: str | None = None) -> bool:
+        return self.pool.adapter_present(base_model or self.default_model, adapter_id)
 
     def add_adapter(self, adapter_id: str, path: str, base_model: str | None = None) -> None:
         """Validates and registers a PEFT directory on `base_model` (default: the first model);
@@ -122,10 +128,14 @@ class AsyncEngine:
                         merged[k] = merged.get(k, 0) + v
                 else:
                     total[key] = total.get(key, 0) + value
-        waiting = sum(len(e.pending) for e in list(self.pool.models.values()))
+        entries = list(self.pool.models.values())
+        waiting = sum(len(e.pending) for e in entries)
+        models = {"models_resident": len(cores), "model_loads": sum(sum(e.loads.values()) for e in entries),
+                  "model_evictions": sum(e.evictions for e in entries)}
         if not parts:
-            return EngineStats(0, waiting, 0, 0, 0)
+            return EngineStats(0, waiting, 0, 0, 0, **models)
         total["waiting"] += waiting
+        total.update(models)
         return EngineStats(**total)
 
     # --- models (blocking calls: they read weights; from async code run them in a thread) ---------
@@ -192,12 +202,15 @@ class AsyncEngine:
                     self._removals.append((model, adapter_id, loop, done))
                 except Exception as exc:
                     loop.call_soon_threadsafe(_settle, done, exc)
-            else:
-                event = self.pool.abort(str(payload))
+            else:  # abort: from abort() (with a future for its usage) or from a closed stream
+                rid, loop, done = payload if isinstance(payload, tuple) else (payload, None, None)
+                event = self.pool.abort(rid)
                 if event is not None:
                     self._deliver(event)
                 else:
-                    self._streams.pop(str(payload), None)
+                    self._streams.pop(rid, None)
+                if done is not None:
+                    loop.call_soon_threadsafe(_settle, done, None, event.usage if event else None)
         self._settle_removals()
 
     def _settle_removals(self) -> None:
@@ -240,10 +253,10 @@ class AsyncEngine:
         return events
 
 
-def _settle(future: asyncio.Future, exc: Exception | None) -> None:
+def _settle(future: asyncio.Future, exc: Exception | None, result: object = None) -> None:
     if future.done():
         return
     if exc is None:
-        future.set_result(None)
+        future.set_result(result)
     else:
         future.set_exception(exc)

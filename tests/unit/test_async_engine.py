@@ -69,12 +69,14 @@ def test_abort_mid_decode_frees_blocks(engine):
     async def go():
         stream = engine.generate(greedy("long", [1, 2, 3], max_tokens=500))
         got = []
+        usage = None
         async for e in stream:
             got.append(e)
             if len(got) == 3:
-                await engine.abort("long")
+                usage = await engine.abort("long")
         assert got[-1].finish_reason == "abort"
-        assert got[-1].usage.completion_tokens >= 3
+        assert got[-1].usage == usage and usage.completion_tokens >= 3 and usage.prompt_tokens == 3
+        assert await engine.abort("long") is None  # already gone
         await _wait_idle(engine)
 
     asyncio.run(go())
