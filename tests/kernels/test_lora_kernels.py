@@ -320,3 +320,39 @@ def test_bad_launcher_inputs_raise() -> None:
         with pytest.raises(ValueError):
             case()
             pytest.fail(f"case {i} did not raise")
+
+
+# ------------------------------------------------------------------------------ grouped torch path
+
+def sorted_batch(pattern: str, with_base: bool, seed: int) -> LoraBatchIndex:
+    """A decode batch sorted by slot, as the scheduler orders it: one run of tokens per slot."""
+    slots = sorted(request_slots(pattern, 16, with_base, np.random.default_rng(seed)))
+    return LoraBatchIndex.from_token_slots(slots)
+
+
+@pytest.mark.parametrize("module", ["qkv", "gate_up", "o", "down"])
+@pytest.mark.parametrize("pattern", ["distinct", "uniform", "zipf:1.5", "skewed"])
+@pytest.mark.parametrize("with_base", [False, True])
+def test_grouped_path_matches_reference(module: str, pattern: str, with_base: bool) -> None:
+    index = sorted_batch(pattern, with_base, seed=3)
+    assert index.grouped_layout is not None
+    run_and_check(lora_shrink_expand_torch, "grouped", index, module, 16, torch.float32)
+
+
+@pytest.mark.parametrize("pad_garbage", [False, True])
+def test_grouped_path_honours_ranks(pad_garbage: bool) -> None:
+    ranks = [4, 8, 16, 12] * (NUM_SLOTS // 4)
+    run_and_check(lora_shrink_expand_torch, "grouped", sorted_batch("distinct", True, 5), "qkv", 16, torch.float32,
+                  ranks=ranks, pad_garbage=pad_garbage)
+
+
+def test_grouped_path_is_skipped_for_sparse_or_split_slots() -> None:
+    assert LoraBatchIndex.from_token_slots([0, 0, 1]).grouped_layout is None  # too few adapters
+    assert LoraBatchIndex.from_token_slots([0, 1, 0, 2]).grouped_layout is None  # slot 0 in two runs
+    assert LoraBatchIndex.from_token_slots([0, 1, 2, 40]).grouped_layout is None  # range far wider than used
+
+
+def test_grouped_path_without_padding_adds_in_place() -> None:
+    index = LoraBatchIndex.from_token_slots(list(range(8)))  # one token per slot, every token adapted
+    assert index.grouped_layout.identity
+    run_and_check(lora_shrink_expand_torch, "grouped", index, "gate_up", 16, torch.float32)

@@ -24,17 +24,23 @@ Math per token t with slot p >= 0 (reference.py is the executable version):
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.kernels.lora_grouped import GroupLayout, group_layout, grouped_shrink_expand
+
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 INDEX_DTYPES = (torch.int32, torch.int64)
 # Dispatch: mean tokens per LoRA segment at or above which the segment (GEMM-shaped) kernels are used;
 # below it the per-token (GEMV-shaped) ones. A starting point to tune on a GPU, not a measured crossover.
 SGMV_MIN_AVG_SEGMENT = 8
+# CPU torch path: from this many adapter segments in one batch on, the grouped path (one bmm over slot
+# views) replaces a matmul per segment.
+GROUPED_MIN_SEGMENTS = 3
 # Slices per fused projection the kernels take (qkv = 3, gate_up = 2, o / down = 1).
 MAX_SLICES = 4
 
@@ -99,6 +105,18 @@ class LoraBatchIndex:
                    num_tokens=starts[-1], max_seg_len=max((e - b for b, e, _ in bounds), default=0),
                    max_slot=max(slots, default=-1), lora_segments=lora,
                    num_lora_tokens=sum(e - b for b, e, _ in lora))
+
+    @functools.cached_property
+    def grouped_layout(self) -> GroupLayout | None:
+        """The padded layout of lora_grouped.py when it is the better CPU path: several adapters,
+        one run of tokens per slot, over a slot range not much wider than the slots used."""
+        segs = self.lora_segments
+        slots = {s for _, _, s in segs}
+        if len(segs) < GROUPED_MIN_SEGMENTS or len(slots) != len(segs):
+            return None
+        if max(slots) - min(slots) + 1 > 2 * len(slots) + 8:  # unused slots in the range cost reads
+            return None
+        return group_layout(segs, self.num_tokens, self.token_slots.device)
 
     @property
     def prefers_segments(self) -> bool:
@@ -289,15 +307,22 @@ def lora_shrink_expand_torch(x: torch.Tensor, out: torch.Tensor, lora_a: torch.T
     """Torch-ops version of lora_shrink_expand (CPU serving): out += LoRA deltas, in place.
 
     kernel "segments": per contiguous segment, mm on views (prefill-shaped); "gather": one bmm over
-    per-token gathered weights (decode-shaped); "auto" picks by index.prefers_segments.
+    per-token gathered weights (decode-shaped); "grouped": one bmm per slice over slot views with
+    tokens padded per slot (many adapters, see lora_grouped.py); "auto" takes grouped when the index
+    allows it, else picks by index.prefers_segments.
     Math runs in x's dtype (fp32 on CPU by default).
     """
     num_slices, r_max, widths = check_call(x, out, lora_a, lora_b, index, slice_widths, ranks)
-    if kernel not in ("auto", "segments", "gather"):
-        raise ValueError(f"kernel must be 'auto', 'segments' or 'gather', got {kernel!r}")
+    if kernel not in ("auto", "segments", "gather", "grouped"):
+        raise ValueError(f"kernel must be 'auto', 'segments', 'gather' or 'grouped', got {kernel!r}")
     if index.num_lora_tokens == 0:
         return
     offs = [sum(widths[:s]) for s in range(num_slices)]
+    if kernel == "grouped" and index.grouped_layout is None:
+        raise ValueError("kernel 'grouped' needs one run of tokens per slot over a compact slot range")
+    if kernel in ("auto", "grouped") and index.grouped_layout is not None:
+        grouped_shrink_expand(x, out, lora_a, lora_b, index.grouped_layout, offs, widths, r_max, ranks)
+        return
     if kernel == "segments" or (kernel == "auto" and index.prefers_segments):
         rank_list = ranks.tolist() if ranks is not None else None
         for start, end, slot in index.lora_segments:
