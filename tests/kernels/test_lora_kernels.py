@@ -335,8 +335,19 @@ def sorted_batch(pattern: str, with_base: bool, seed: int) -> LoraBatchIndex:
 @pytest.mark.parametrize("with_base", [False, True])
 def test_grouped_path_matches_reference(module: str, pattern: str, with_base: bool) -> None:
     index = sorted_batch(pattern, with_base, seed=3)
-    assert index.grouped_layout is not None
-    run_and_check(lora_shrink_expand_torch, "grouped", index, module, 16, torch.float32)
+    if pattern == "distinct":
+        assert index.grouped_layout is not None
+    kernel = "grouped" if index.grouped_layout is not None else "auto"
+    run_and_check(lora_shrink_expand_torch, kernel, index, module, 16, torch.float32)
+
+
+@pytest.mark.parametrize("with_base", [False, True])
+def test_grouped_path_leaves_long_runs_to_their_own_gemm(with_base: bool) -> None:
+    slots = ([-1] * 3 if with_base else []) + [0] * 9 + [1, 2, 3, 4, 6]
+    index = LoraBatchIndex.from_token_slots(slots)
+    assert [seg[2] for seg in index.heavy_segments] == [0]
+    assert index.grouped_layout is not None and index.grouped_layout.max_len == 1
+    run_and_check(lora_shrink_expand_torch, "grouped", index, "gate_up", 16, torch.float32)
 
 
 @pytest.mark.parametrize("pad_garbage", [False, True])

@@ -41,6 +41,8 @@ SGMV_MIN_AVG_SEGMENT = 8
 # CPU torch path: from this many adapter segments in one batch on, the grouped path (one bmm over slot
 # views) replaces a matmul per segment.
 GROUPED_MIN_SEGMENTS = 3
+# CPU torch path: a segment of this many tokens or more gets its own GEMM instead of joining the group.
+HEAVY_SEGMENT = 4
 # Slices per fused projection the kernels take (qkv = 3, gate_up = 2, o / down = 1).
 MAX_SLICES = 4
 
@@ -107,10 +109,17 @@ class LoraBatchIndex:
                    num_lora_tokens=sum(e - b for b, e, _ in lora))
 
     @functools.cached_property
+    def heavy_segments(self) -> tuple[tuple[int, int, int], ...]:
+        """LoRA segments long enough for a GEMM of their own (the CPU torch path's split)."""
+        return tuple(seg for seg in self.lora_segments if seg[1] - seg[0] >= HEAVY_SEGMENT)
+
+    @functools.cached_property
     def grouped_layout(self) -> GroupLayout | None:
-        """The padded layout of lora_grouped.py when it is the better CPU path: several adapters,
-        one run of tokens per slot, over a slot range not much wider than the slots used."""
-        segs = self.lora_segments
+        """The padded layout of lora_grouped.py for the short segments, when it is the better CPU
+        path: several adapters, one run of tokens per slot, over a slot range not much wider than
+        the slots used. Long segments stay out of it: padding every slot to their length would
+        multiply the work."""
+        segs = [seg for seg in self.lora_segments if seg[1] - seg[0] < HEAVY_SEGMENT]
         slots = {s for _, _, s in segs}
         if len(segs) < GROUPED_MIN_SEGMENTS or len(slots) != len(segs):
             return None
@@ -319,22 +328,13 @@ def lora_shrink_expand_torch(x: torch.Tensor, out: torch.Tensor, lora_a: torch.T
         return
     offs = [sum(widths[:s]) for s in range(num_slices)]
     if kernel == "grouped" and index.grouped_layout is None:
-        raise ValueError("kernel 'grouped' needs one run of tokens per slot over a compact slot range")
+        raise ValueError("kernel 'grouped' needs short runs of one token group per slot over a compact slot range")
     if kernel in ("auto", "grouped") and index.grouped_layout is not None:
         grouped_shrink_expand(x, out, lora_a, lora_b, index.grouped_layout, offs, widths, r_max, ranks)
+        _segment_gemms(x, out, lora_a, lora_b, index.heavy_segments, offs, widths, r_max, ranks)
         return
     if kernel == "segments" or (kernel == "auto" and index.prefers_segments):
-        rank_list = ranks.tolist() if ranks is not None else None
-        for start, end, slot in index.lora_segments:
-            rk = r_max if rank_list is None else max(0, min(int(rank_list[slot]), r_max))
-            if rk == 0:
-                continue
-            xs, a, b = x[start:end], lora_a[slot], lora_b[slot]
-            y = xs @ a.t() if rk == r_max else None  # all slices in one GEMM when there is no padding
-            for s, (off, w) in enumerate(zip(offs, widths, strict=True)):
-                lo = s * r_max
-                ys = y[:, lo:lo + r_max] if y is not None else xs @ a[lo:lo + rk].t()
-                out[start:end, off:off + w].addmm_(ys, b[off:off + w, :rk].t())
+        _segment_gemms(x, out, lora_a, lora_b, index.lora_segments, offs, widths, r_max, ranks)
         return
     sel = torch.nonzero(index.token_slots >= 0).squeeze(1)
     slots = index.token_slots[sel].long()
@@ -347,6 +347,23 @@ def lora_shrink_expand_torch(x: torch.Tensor, out: torch.Tensor, lora_a: torch.T
         ys = y[:, s * r_max:(s + 1) * r_max]
         delta[:, off:off + w] = torch.bmm(lora_b[slots, off:off + w], ys).squeeze(2)
     out.index_add_(0, sel, delta)
+
+
+def _segment_gemms(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                   segments: Sequence[tuple[int, int, int]], offs: Sequence[int], widths: Sequence[int], r_max: int,
+                   ranks: torch.Tensor | None) -> None:
+    """A GEMM per segment on views of its slot's weights (shrink all slices at once, expand per slice)."""
+    rank_list = ranks.tolist() if ranks is not None and segments else None
+    for start, end, slot in segments:
+        rk = r_max if rank_list is None else max(0, min(int(rank_list[slot]), r_max))
+        if rk == 0:
+            continue
+        xs, a, b = x[start:end], lora_a[slot], lora_b[slot]
+        y = xs @ a.t() if rk == r_max else None  # all slices in one GEMM when there is no padding
+        for s, (off, w) in enumerate(zip(offs, widths, strict=True)):
+            lo = s * r_max
+            ys = y[:, lo:lo + r_max] if y is not None else xs @ a[lo:lo + rk].t()
+            out[start:end, off:off + w].addmm_(ys, b[off:off + w, :rk].t())
 
 
 # -------------------------------------------------------------------------------------- dispatch
