@@ -103,7 +103,7 @@ def _hf(model, tokenizer, prompts: list[str], new_tokens: int, batch: int) -> fl
     return generated / (time.perf_counter() - t0)
 
 
-def run_engine_bench(model: str, new_tokens: int, batch1_prompts: int, batch: int, with_hf: bool) -> dict:
+def run_engine_bench(model: str, new_tokens: int, batch1_prompts: int, batch: int, skip_hf: bool = False) -> dict:
     torch.manual_seed(0)
     loaded = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
     core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=max(batch, 1),
@@ -127,7 +127,7 @@ def run_engine_bench(model: str, new_tokens: int, batch1_prompts: int, batch: in
             "roofline_tok_s": round(roof["gemm_gflops"] * 1e9
                                     / flops_per_token(cfg, int(avg_prompt + new_tokens / 2)), 2)},
     }
-    if with_hf:
+    if not skip_hf:
         hf = hf_model(loaded)
         _hf(hf, loaded.tokenizer, prompts1[:1], 8, 1)  # warm-up
         results["batch1"]["hf_tok_s"] = round(_hf(hf, loaded.tokenizer, prompts1, new_tokens, 1), 2)

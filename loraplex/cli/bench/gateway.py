@@ -265,8 +265,10 @@ async def _wait_ready(port: int, proc, timeout_s: float = 60) -> None:
 
 def run_gateway_bench(database_url: str | None, redis_url: str | None, rate: float = 200.0, seconds: float = 10.0,
                       concurrency: int = 32, tokens: int = 16) -> dict:
-    """database_url: a Postgres server to make a scratch database on (dropped after), or None for
-    SQLite in a temporary directory; redis_url None: in-process counters."""
+    """database_url: a Postgres server to make a scratch database on (dropped after), or None (or
+    "sqlite") for SQLite in a temporary directory; redis_url None (or "none"): in-process counters."""
+    database_url = None if database_url == "sqlite" else database_url
+    redis_url = None if redis_url == "none" else redis_url
     import tempfile
 
     from loraplex.platform.db.provision import create_database, drop_database

@@ -92,7 +92,8 @@ def _load_ms(loaded, root: Path, count: int, rank: int) -> float:
     return statistics.median(times)
 
 
-def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_tokens: int, with_peft: bool) -> dict:
+def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_tokens: int,
+                   skip_peft: bool = False) -> dict:
     loaded = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
     prompts = bench_prompts(batch)
     with tempfile.TemporaryDirectory() as tmp:
@@ -115,7 +116,7 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
             results[name] = {"tok_s": round(_ours(core, prompts, adapters, new_tokens, model, name), 2),
                              "distinct_adapters": len(set(adapters))}
         results["adapter_load_ms"] = round(_load_ms(loaded, root, min(9, batch), rank), 2)
-        if with_peft:
+        if not skip_peft:
             names = patterns["distinct"]
             results["peft_distinct"] = {"tok_s": round(_peft(peft_model, loaded.tokenizer, prompts, names,
                                                              peft_new_tokens), 2),
@@ -123,7 +124,7 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
     base = results["base_tok_s"]
     results["ratios"] = {f"{k}_vs_base": round(results[k]["tok_s"] / base, 3)
                          for k in ("identical", "zipf", "distinct")}
-    if with_peft:
+    if not skip_peft:
         results["ratios"]["distinct_vs_peft"] = round(results["distinct"]["tok_s"] / results["peft_distinct"]["tok_s"],
                                                       2)
     return results

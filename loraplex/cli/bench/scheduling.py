@@ -99,17 +99,17 @@ async def _priority_round(engine: AsyncEngine, model: str, with_priority: bool, 
 
 
 def run_priority_bench(model: str, max_num_seqs: int, batch_tokens: int, realtime_requests: int,
-                       interval_s: float) -> dict:
+                       interval: float) -> dict:
     loaded = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
     results: dict = {"model": model, "max_num_seqs": max_num_seqs, "batch_requests": 2 * max_num_seqs,
-                     "batch_tokens": batch_tokens, "realtime_requests": realtime_requests, "interval_s": interval_s,
+                     "batch_tokens": batch_tokens, "realtime_requests": realtime_requests, "interval_s": interval,
                      "realtime_ttft_ms": {}}
     for label, with_priority in (("fcfs", False), ("with_priority", True)):
         engine = AsyncEngine(EngineCore(EngineConfig(model=model, device="cpu", dtype="float32",
                                                      max_num_seqs=max_num_seqs), loaded=loaded))
         try:
             ttfts = asyncio.run(_priority_round(engine, model, with_priority, 2 * max_num_seqs, batch_tokens,
-                                                realtime_requests, interval_s))
+                                                realtime_requests, interval))
             stats = engine.stats()
         finally:
             engine.shutdown()

@@ -1,0 +1,32 @@
+"""`loraplex bench ...` runs end to end and writes the JSON keys the issues name (tiny settings)."""
+
+from __future__ import annotations
+
+import json
+
+from tests.e2e.test_cli_generate import loraplex
+
+
+def run_bench(tmp_path, *args: str) -> dict:
+    out = tmp_path / "result.json"
+    done = loraplex("bench", *args, "--json", str(out))
+    assert done.returncode == 0, done.stderr
+    return json.loads(out.read_text())
+
+
+def test_bench_engine_reports_ours_and_roofline(tmp_path):
+    r = run_bench(tmp_path, "engine", "--model", "synthetic:tiny", "--skip-hf", "--batch", "4",
+                  "--batch1-prompts", "1", "--new-tokens", "4")
+    assert r["roofline"]["mem_read_gbs"] > 0 and r["roofline"]["gemm_gflops"] > 0
+    for key in ("batch1", "batch4"):
+        assert r[key]["ours_tok_s"] > 0 and r[key]["roofline_tok_s"] > 0
+
+
+def test_bench_prefix_and_priority_compare_both_sides(tmp_path):
+    r = run_bench(tmp_path, "prefix", "--model", "synthetic:tiny", "--requests", "4", "--system-tokens", "64",
+                  "--question-tokens", "8")
+    assert set(r["ttft_ms"]) == {"uncached_p50", "cached_p50"}
+    assert r["cached_prompt_tokens_total"]["cached"] > 0 == r["cached_prompt_tokens_total"]["uncached"]
+    r = run_bench(tmp_path, "priority", "--model", "synthetic:tiny", "--max-num-seqs", "2", "--batch-tokens", "8",
+                  "--realtime-requests", "2", "--interval", "0.05")
+    assert {"with_priority_p99", "fcfs_p99"} <= set(r["realtime_ttft_ms"])
