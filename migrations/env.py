@@ -11,10 +11,10 @@ from logging.config import fileConfig
 
 from alembic import context
 
-from loraplex.platform.db.tables import Base
+from loraplex.platform.db.tables import METADATA
 
 config = context.config
-target_metadata = Base.metadata
+target_metadata = list(METADATA)
 
 
 def _url() -> str:

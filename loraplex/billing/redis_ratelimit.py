@@ -2,7 +2,8 @@
 
 The script reads the clock with Redis TIME, so instances with skewed clocks agree. A bucket is a
 hash {l: level, t: time}; it expires once it would be full again, and a missing bucket is full.
-Both keys of a subject share a hash tag, so the script also works on a Redis cluster.
+Both keys of a subject share a hash tag, so the script also works on a Redis cluster. `COMMON` and
+`BUCKETS` are Lua fragments that the budget counters (redis_counters.py) build their scripts from.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from redis.exceptions import RedisError
 
 from loraplex.billing.ratelimit import Decision, Limits, RateLimiterUnavailable, window
 
-_COMMON = """
+COMMON = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local function level(key, cap)
@@ -27,42 +28,76 @@ local function save(key, l, cap)
 end
 """
 
-# KEYS: request bucket, token bucket. ARGV: rpm (0 = none), tpm (0 = none), tokens.
+# take(): one request and `tokens` (capped at the TPM limit) from both buckets, or from neither.
 # Returns {allowed, request level, token level, seconds to wait, tokens reserved}.
-ACQUIRE = _COMMON + """
-local rpm, tpm = tonumber(ARGV[1]), tonumber(ARGV[2])
-local cost = 0
-local lr, lt, wait = -1, -1, 0
-if rpm > 0 then
-  lr = level(KEYS[1], rpm)
-  wait = math.max(wait, (1 - lr) * 60 / rpm)
+# give(): `n` tokens back to a token bucket (negative: a debt). The budget counters' scripts
+# (redis_counters.py) run the same functions inside their own, so both stores agree.
+BUCKETS = """
+local function take(kreq, ktok, rpm, tpm, tokens)
+  local cost, lr, lt, wait = 0, -1, -1, 0
+  if rpm > 0 then
+    lr = level(kreq, rpm)
+    wait = math.max(wait, (1 - lr) * 60 / rpm)
+  end
+  if tpm > 0 then
+    cost = math.min(tokens, tpm)
+    lt = level(ktok, tpm)
+    wait = math.max(wait, (cost - lt) * 60 / tpm)
+  end
+  local ok = wait <= 0
+  if ok then
+    if rpm > 0 then lr = lr - 1; save(kreq, lr, rpm) end
+    if tpm > 0 then lt = lt - cost; save(ktok, lt, tpm) end
+  else
+    cost = 0
+  end
+  return {ok and 1 or 0, tostring(lr), tostring(lt), tostring(math.max(wait, 0)), cost}
 end
-if tpm > 0 then
-  cost = math.min(tonumber(ARGV[3]), tpm)
-  lt = level(KEYS[2], tpm)
-  wait = math.max(wait, (cost - lt) * 60 / tpm)
+local function give(ktok, tpm, n)
+  save(ktok, math.min(tpm, level(ktok, tpm) + n), tpm)
 end
-local ok = wait <= 0
-if ok then
-  if rpm > 0 then lr = lr - 1; save(KEYS[1], lr, rpm) end
-  if tpm > 0 then lt = lt - cost; save(KEYS[2], lt, tpm) end
-else
-  cost = 0
-end
-return {ok and 1 or 0, tostring(lr), tostring(lt), tostring(math.max(wait, 0)), cost}
+"""
+
+# KEYS: request bucket, token bucket. ARGV: rpm (0 = none), tpm (0 = none), tokens.
+ACQUIRE = COMMON + BUCKETS + """
+return take(KEYS[1], KEYS[2], tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3]))
 """
 
 # KEYS: token bucket. ARGV: tpm, tokens to give back (negative: a debt).
-SETTLE = _COMMON + """
-local tpm = tonumber(ARGV[1])
-save(KEYS[1], math.min(tpm, level(KEYS[1], tpm) + tonumber(ARGV[2])), tpm)
+SETTLE = COMMON + BUCKETS + """
+give(KEYS[1], tonumber(ARGV[1]), tonumber(ARGV[2]))
 return 1
 """
 
 
-class RedisRateLimiter:
-    def __init__(self, client: Redis, prefix: str = "loraplex:"):
+def decision(limits: Limits, ok: int, lr: str, lt: str, wait: str, cost: int = 0) -> Decision:
+    """A Decision from what take() returned."""
+    return Decision(
+        allowed=bool(ok),
+        requests=window(limits.rpm, float(lr)) if limits.rpm else None,
+        tokens=window(limits.tpm, float(lt)) if limits.tpm else None,
+        retry_after_s=float(wait), reserved_tokens=int(cost))
+
+
+class RedisStore:
+    """What every store on a Redis client shares: ping and close."""
+
+    def __init__(self, client: Redis):
         self._client = client
+
+    async def ping(self) -> bool:
+        try:
+            return bool(await self._client.ping())
+        except (RedisError, OSError):
+            return False
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class RedisRateLimiter(RedisStore):
+    def __init__(self, client: Redis, prefix: str = "loraplex:"):
+        super().__init__(client)
         self._prefix = prefix
         self._acquire = client.register_script(ACQUIRE)
         self._settle = client.register_script(SETTLE)
@@ -82,11 +117,7 @@ class RedisRateLimiter:
                 keys=self._keys(subject), args=[limits.rpm or 0, limits.tpm or 0, max(0, tokens)])
         except (RedisError, OSError) as exc:
             raise RateLimiterUnavailable(str(exc)) from None
-        return Decision(
-            allowed=bool(ok),
-            requests=window(limits.rpm, float(lr)) if limits.rpm else None,
-            tokens=window(limits.tpm, float(lt)) if limits.tpm else None,
-            retry_after_s=float(wait), reserved_tokens=int(cost))
+        return decision(limits, ok, lr, lt, wait, cost)
 
     async def settle(self, subject: str, limits: Limits, reserved: int, used: int) -> None:
         if not limits.tpm or reserved == used:
@@ -95,12 +126,3 @@ class RedisRateLimiter:
             await self._settle(keys=self._keys(subject)[1:], args=[limits.tpm, reserved - used])
         except (RedisError, OSError) as exc:
             raise RateLimiterUnavailable(str(exc)) from None
-
-    async def ping(self) -> bool:
-        try:
-            return bool(await self._client.ping())
-        except (RedisError, OSError):
-            return False
-
-    async def close(self) -> None:
-        await self._client.aclose()

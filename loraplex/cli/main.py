@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from loraplex.cli import bench_cmd, db, generate, keys, models, serve, tenants
+from loraplex.cli import bench_cmd, billing, budgets, db, generate, keys, models, prices, serve, tenants
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,9 @@ def build_parser() -> argparse.ArgumentParser:
     tenants.add_parser(sub)
     keys.add_parser(sub)
     models.add_parser(sub)
+    budgets.add_parser(sub)
+    prices.add_parser(sub)
+    billing.add_parser(sub)
     return parser
 
 

@@ -51,3 +51,16 @@ async def require_migrated(engine: AsyncEngine) -> None:
     current, head = await current_revision(engine), head_revision()
     if current != head:
         raise ValueError(f"the database schema is at {current or 'nothing'}, not {head}: run `loraplex db upgrade`")
+
+
+def positive_int(text: str | None, flag: str) -> int | None:
+    """Parses a flag's value ourselves, so that a bad one is one `loraplex: error:` line."""
+    if text is None:
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise ValueError(f"{flag} must be a positive integer, got {text!r}") from None
+    if value < 1:
+        raise ValueError(f"{flag} must be a positive integer, got {text!r}")
+    return value

@@ -1,10 +1,10 @@
-"""`loraplex tenants create|list|disable|enable`."""
+"""`loraplex tenants create|list|update|disable|enable`."""
 
 from __future__ import annotations
 
 import argparse
 
-from loraplex.cli.storage import with_session
+from loraplex.cli.storage import positive_int, with_session
 from loraplex.platform.tenancy import tenants
 
 
@@ -14,7 +14,12 @@ def add_parser(sub) -> None:
     c = tsub.add_parser("create", help="create a tenant")
     c.add_argument("name")
     c.add_argument("--tier", default="standard")
+    c.add_argument("--default-max-tokens", help="what a request without max_tokens may generate (and reserve)")
     c.set_defaults(func=_create)
+    u = tsub.add_parser("update", help="change a tenant's settings")
+    u.add_argument("name")
+    u.add_argument("--default-max-tokens", required=True, help="a positive integer, or 'none' for the platform default")
+    u.set_defaults(func=_update)
     ls = tsub.add_parser("list", help="list tenants")
     ls.set_defaults(func=_list)
     for status, verb in (("disabled", "disable"), ("active", "enable")):
@@ -24,8 +29,17 @@ def add_parser(sub) -> None:
 
 
 def _create(args: argparse.Namespace) -> int:
-    t = with_session(lambda s: tenants.create_tenant(s, args.name, args.tier))
+    cap = positive_int(args.default_max_tokens, "--default-max-tokens")
+    t = with_session(lambda s: tenants.create_tenant(s, args.name, args.tier, cap))
     print(f"created tenant {t.name} (tier {t.tier})")
+    return 0
+
+
+def _update(args: argparse.Namespace) -> int:
+    raw = args.default_max_tokens
+    cap = None if raw.strip().lower() == "none" else positive_int(raw, "--default-max-tokens")
+    t = with_session(lambda s: tenants.set_default_max_tokens(s, args.name, cap))
+    print(f"tenant {t.name}: default max_tokens {t.default_max_tokens or 'platform default'}")
     return 0
 
 

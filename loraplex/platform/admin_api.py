@@ -10,13 +10,14 @@ import hmac
 from datetime import timedelta
 
 import msgspec
-from litestar import Router, get, post
+from litestar import Router, get, patch, post
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 
 from loraplex.engine.api import EngineError
 from loraplex.platform import admin_schemas as a
+from loraplex.platform.billing_schemas import TenantPatch
 from loraplex.platform.db.tables import Adapter, utcnow
 from loraplex.platform.errors import PlatformError, from_engine_error
 from loraplex.platform.state import Platform, PlatformDep
@@ -36,7 +37,7 @@ def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
 @post("/tenants", status_code=201)
 async def create_tenant(platform: PlatformDep, data: JSONBody[a.TenantIn]) -> a.TenantOut:
     async with platform.sessions() as session:
-        return a.tenant_out(await tenants.create_tenant(session, data.name, data.tier))
+        return a.tenant_out(await tenants.create_tenant(session, data.name, data.tier, data.default_max_tokens))
 
 
 @get("/tenants")
@@ -49,6 +50,14 @@ async def list_tenants(platform: PlatformDep) -> list[a.TenantOut]:
 async def get_tenant(platform: PlatformDep, name: FromPath[str]) -> a.TenantOut:
     async with platform.sessions() as session:
         return a.tenant_out(await tenants.get_tenant(session, name))
+
+
+@patch("/tenants/{name:str}", status_code=200)
+async def update_tenant(platform: PlatformDep, name: FromPath[str], data: JSONBody[TenantPatch]) -> a.TenantOut:
+    async with platform.sessions() as session:
+        tenant = await tenants.set_default_max_tokens(session, name, data.default_max_tokens)
+    platform.catalog_changed()
+    return a.tenant_out(tenant)
 
 
 async def _set_status(platform: Platform, name: str, status: str) -> a.TenantOut:
@@ -152,5 +161,5 @@ async def engine_stats(platform: PlatformDep) -> a.EngineStatsOut:
 
 admin_router = Router(
     path="/admin/api", guards=[admin_guard], tags=["admin"],
-    route_handlers=[create_tenant, list_tenants, get_tenant, disable_tenant, enable_tenant, create_key, list_keys,
-                    revoke_key, list_models, register_model, list_adapters, register_adapter, engine_stats])
+    route_handlers=[create_tenant, list_tenants, get_tenant, update_tenant, disable_tenant, enable_tenant, create_key,
+                    list_keys, revoke_key, list_models, register_model, list_adapters, register_adapter, engine_stats])

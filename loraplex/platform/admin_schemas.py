@@ -15,6 +15,7 @@ PositiveInt = Annotated[int, Meta(ge=1)]
 class TenantIn(Struct, kw_only=True):
     name: str
     tier: str = "standard"
+    default_max_tokens: int | None = None  # caps requests without max_tokens (None: the platform default)
 
 
 class TenantOut(Struct):
@@ -23,6 +24,7 @@ class TenantOut(Struct):
     tier: str
     status: str
     created_at: datetime
+    default_max_tokens: int | None
 
 
 class KeyIn(Struct, kw_only=True):
@@ -96,7 +98,7 @@ class EngineStatsOut(Struct):
 
 
 def tenant_out(t: Tenant) -> TenantOut:
-    return TenantOut(t.id, t.name, t.tier, t.status, as_utc(t.created_at))
+    return TenantOut(t.id, t.name, t.tier, t.status, as_utc(t.created_at), t.default_max_tokens)
 
 
 def key_out(k: ApiKey) -> KeyOut:

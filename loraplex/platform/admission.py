@@ -1,8 +1,10 @@
-"""Admission: the priority class a request runs at, and its RPM/TPM reservation.
+"""Admission: the priority class a request runs at, and its budget and RPM/TPM reservation.
 
-A request reserves its prompt plus the most it may generate (max_tokens, else the rest of the
-context), capped at the key's TPM so that any request fits an idle key; the reservation is
-settled with the tokens actually used when the request ends.
+A request reserves its prompt plus the most it may generate (max_tokens, else what fits in the
+context, capped by the tenant's default) on its budget counters, and the same capped at the key's
+TPM in its token bucket, so that any request fits an idle key; both are checked and taken in one
+store operation (billing.quota), and settled with the tokens actually used when the request ends.
+Over a budget: 429 insufficient_quota; over a rate: 429 rate_limit_exceeded with retry-after.
 """
 
 from __future__ import annotations
@@ -11,8 +13,14 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from datetime import datetime
 
-from loraplex.billing.ratelimit import Decision, Limits, RateLimiter, RateLimiterUnavailable, Window
+from loraplex.billing.budgets import BudgetRule
+from loraplex.billing.counters import CountersUnavailable
+from loraplex.billing.ledger import LedgerWriter
+from loraplex.billing.quota import AdmitRequest, Quota
+from loraplex.billing.ratelimit import Decision, Window
+from loraplex.billing.tail import Charge
 from loraplex.engine.api import PRIORITY_CLASSES
 from loraplex.platform.auth import Principal
 from loraplex.platform.errors import PlatformError, invalid
@@ -54,61 +62,93 @@ def ratelimit_headers(decision: Decision) -> dict[str, str]:
 
 @dataclass
 class Ticket:
-    """An admitted request's reservation; `settle` hands back what it did not use."""
+    """An admitted request's charge on its budgets and buckets; `settle` replaces it by what it used."""
 
     principal: Principal
-    reserved: int
+    charge: Charge
+    at: datetime  # arrival: which periods it charges
     headers: dict[str, str]
     settled: bool = False
 
 
+def budget_label(principal: Principal, rule: BudgetRule) -> str:
+    scope = "tenant" if rule.scope == "tenant" else f"key {principal.key_prefix}"
+    return f"{scope} {rule.period}"
+
+
 class Admission:
-    def __init__(self, limiter: RateLimiter, metrics: Metrics, fail_open: bool = False):
-        self._limiter = limiter
+    """The budget and rate-limit checks of one request, and its settlement, in one store round trip each."""
+
+    def __init__(self, quota: Quota, ledger: LedgerWriter, metrics: Metrics, fail_open: bool = False,
+                 ledger_fail_open: bool = True):
+        self._quota = quota
+        self._ledger = ledger
         self._metrics = metrics
         self._fail_open = fail_open
+        self._ledger_fail_open = ledger_fail_open
         self._last_warning = 0.0
 
-    async def admit(self, principal: Principal, prompt_tokens: int, max_new_tokens: int) -> Ticket:
-        limits: Limits = principal.limits
-        if not limits.any:
-            return Ticket(principal, 0, {})
+    async def admit(self, principal: Principal, request_id: str, at: datetime, prompt_tokens: int,
+                    max_new_tokens: int) -> Ticket:
+        if not self._ledger_fail_open and self._ledger.down:
+            raise PlatformError(503, "Usage cannot be recorded right now (the ledger database is unreachable), so "
+                                     "requests are refused. Try again shortly.", code="ledger_unavailable")
+        tokens = prompt_tokens + max_new_tokens
+        req = AdmitRequest(request_id, principal.tenant_id, principal.key_id, at, tokens, principal.budgets,
+                           principal.limits, tokens)
         try:
-            decision = await self._limiter.acquire(principal.rate_subject, limits, prompt_tokens + max_new_tokens)
-        except RateLimiterUnavailable as exc:
-            return self._unavailable(principal, exc)
-        headers = ratelimit_headers(decision)
-        if not decision.allowed:
-            kind = decision.refused
+            verdict = await self._quota.admit(req)
+        except CountersUnavailable as exc:
+            return self._unavailable(principal, req, exc)
+        headers = ratelimit_headers(verdict.decision) if verdict.decision else {}
+        if verdict.refused == "quota":
+            self._metrics.budget_rejections.labels(verdict.rule.scope).inc()
+            raise PlatformError(
+                429, f"You exceeded your token budget: the {budget_label(principal, verdict.rule)} budget allows "
+                     f"{verdict.rule.limit_tokens} tokens, {verdict.held} are used or reserved, and this request "
+                     f"needs up to {tokens} (prompt + max_tokens).",
+                code="insufficient_quota", type="insufficient_quota", headers=headers)
+        if verdict.refused:
+            kind = verdict.refused
             self._metrics.rate_limited.labels(kind).inc()
-            limit = limits.rpm if kind == "requests" else limits.tpm
+            limit = principal.limits.rpm if kind == "requests" else principal.limits.tpm
             raise PlatformError(
                 429, f"Rate limit reached for {kind} per minute (limit {limit}). "
                      f"Please try again in {headers['retry-after']}s.",
                 code="rate_limit_exceeded", type=kind, headers=headers)
-        return Ticket(principal, decision.reserved_tokens, headers)
+        return Ticket(principal, verdict.charge, at, headers)
 
     async def settle(self, ticket: Ticket, used_tokens: int) -> None:
+        """Exactly once per ticket, whatever ended the request."""
         if ticket.settled:
             return
         ticket.settled = True
-        if not ticket.principal.limits.tpm:
-            return
-        try:
-            await self._limiter.settle(ticket.principal.rate_subject, ticket.principal.limits, ticket.reserved,
-                                       used_tokens)
-        except RateLimiterUnavailable as exc:
-            self._warn(f"could not settle a token reservation: {exc}")
+        after = await self._quota.settle(ticket.charge, used_tokens)
+        for rule in ticket.principal.budgets:
+            total = after.get(rule.counter(ticket.charge.key_id, ticket.at))
+            if rule.soft_limit_tokens and total is not None:
+                self._soft_limit(ticket.principal, rule, total - used_tokens, total)
 
-    def _unavailable(self, principal: Principal, exc: RateLimiterUnavailable) -> Ticket:
-        if self._fail_open:
+    def _soft_limit(self, principal: Principal, rule: BudgetRule, before: int, after: int) -> None:
+        label = budget_label(principal, rule)
+        reached = after >= rule.soft_limit_tokens
+        self._metrics.soft_limit_reached.labels(principal.tenant, label).set(int(reached))
+        if reached and before < rule.soft_limit_tokens:
+            self._metrics.soft_limit_alerts.labels(principal.tenant, label).inc()
+            log.warning("tenant %s passed the soft limit of its %s budget: %d of %d tokens (limit %d)",
+                        principal.tenant, label, after, rule.soft_limit_tokens, rule.limit_tokens)
+
+    def _unavailable(self, principal: Principal, req: AdmitRequest, exc: CountersUnavailable) -> Ticket:
+        unlimited = not principal.limits.any and not principal.budgets
+        if self._fail_open or unlimited:  # nothing to enforce, or told to admit: count it once we can
             self._metrics.limiter_errors.labels("admitted").inc()
-            self._warn(f"rate limiter unavailable, admitting without limits (fail-open): {exc}")
-            return Ticket(principal, 0, {}, settled=True)
+            self._warn(f"budget and rate-limit counters unavailable, admitting and counting later: {exc}")
+            return Ticket(principal, self._quota.admit_unchecked(req), req.at, {})
         self._metrics.limiter_errors.labels("refused").inc()
-        self._warn(f"rate limiter unavailable, refusing requests (fail-closed): {exc}")
-        raise PlatformError(503, "Rate limiting is unavailable (its Redis store cannot be reached), so requests are "
-                                 "refused. Try again shortly.", code="rate_limiter_unavailable")
+        self._warn(f"budget and rate-limit counters unavailable, refusing requests (fail-closed): {exc}")
+        raise PlatformError(503, "Rate limiting and budgets are unavailable (their Redis store or the ledger cannot "
+                                 "be reached), so requests are refused. Try again shortly.",
+                            code="rate_limiter_unavailable")
 
     def _warn(self, message: str) -> None:
         now = time.monotonic()

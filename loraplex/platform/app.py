@@ -18,6 +18,7 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 from loraplex.billing.usage import UsageSink
 from loraplex.engine.api import EngineClient
 from loraplex.platform.admin_api import admin_router
+from loraplex.platform.admin_billing_api import admin_billing_router
 from loraplex.platform.db.migrate import current_revision, head_revision
 from loraplex.platform.errors import PlatformError, handle_exception
 from loraplex.platform.middleware import response_hook
@@ -32,20 +33,22 @@ log = logging.getLogger("loraplex.platform")
 
 def create_app(settings: Settings | None = None, engine: EngineClient | None = None, *,
                usage_sink: UsageSink | None = None) -> Litestar:
-    """settings None: read LORAPLEX_* from the environment now. The engine is required."""
+    """settings None: read LORAPLEX_* from the environment now. The engine is required. Usage
+    goes to the ledger; `usage_sink` also gets every event (tests, benchmarks)."""
     if engine is None:
         raise ValueError("create_app needs an engine (an EngineClient); `loraplex serve` builds one")
     settings = settings or Settings.from_env()
     platform = Platform.build(settings, engine, usage_sink)
 
     async def startup() -> None:
+        platform.start_billing()
         platform.not_ready = await _start(platform)
 
     async def shutdown() -> None:
         await platform.close()
 
     return Litestar(
-        route_handlers=[openai_router, admin_router, *ops_handlers],
+        route_handlers=[openai_router, admin_router, admin_billing_router, *ops_handlers],
         dependencies={"platform": Provide(lambda: platform, sync_to_thread=False)},
         state=State({"platform": platform}),
         exception_handlers={Exception: handle_exception},

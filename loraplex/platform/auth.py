@@ -4,7 +4,9 @@ A key row is re-read from the database once its cache entry is `ttl_s` old (defa
 key revoked on any instance, or a tenant disabled there, is refused everywhere within that time
 without a message bus; expiry is checked on every request against the cached time, so it is
 exact. Unknown keys are cached too, so a flood of bad keys costs one query per key and TTL.
-Concurrent misses for the same key share one query.
+Concurrent misses for the same key share one query. The principal carries the budgets of its
+tenant and key, so budget changes also reach every instance within the TTL. While the database
+is down, cached keys keep working for `outage_grace_s` (outage.py).
 """
 
 from __future__ import annotations
@@ -17,9 +19,12 @@ from datetime import datetime
 
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from loraplex.billing.budgets import BudgetRule
 from loraplex.billing.ratelimit import Limits
 from loraplex.platform.db.tables import ApiKey, as_utc, utcnow
 from loraplex.platform.errors import unauthorized
+from loraplex.platform.outage import load_or_stale
+from loraplex.platform.tenancy.budgets import rules_for_key
 from loraplex.platform.tenancy.keys import find_by_secret_hash, hash_key, looks_like_key
 
 MISSING_KEY = ("You didn't provide an API key. Send it in the Authorization header: "
@@ -41,6 +46,8 @@ class Principal:
     allowed_adapters: frozenset[str] | None
     limits: Limits
     expires_at: datetime | None
+    budgets: tuple[BudgetRule, ...] = ()
+    default_max_tokens: int | None = None  # the tenant's cap for requests without max_tokens
 
     @property
     def cache_salt(self) -> str:
@@ -52,7 +59,7 @@ class Principal:
         return f"key:{self.key_id}"
 
 
-def principal_of(row: ApiKey) -> Principal | str:
+def principal_of(row: ApiKey, budgets: tuple[BudgetRule, ...] = ()) -> Principal | str:
     """The principal for a key row, or the reason it is refused."""
     if row.revoked_at is not None:
         return "This API key has been revoked."
@@ -63,14 +70,16 @@ def principal_of(row: ApiKey) -> Principal | str:
         max_priority=row.max_priority,
         allowed_models=frozenset(row.allowed_models) if row.allowed_models is not None else None,
         allowed_adapters=frozenset(row.allowed_adapters) if row.allowed_adapters is not None else None,
-        limits=Limits(rpm=row.rpm_limit, tpm=row.tpm_limit), expires_at=as_utc(row.expires_at))
+        limits=Limits(rpm=row.rpm_limit, tpm=row.tpm_limit), expires_at=as_utc(row.expires_at), budgets=budgets,
+        default_max_tokens=row.tenant.default_max_tokens)
 
 
 class AuthCache:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], ttl_s: float = 0.5, max_entries: int = 100_000,
-                 clock=time.monotonic):
+                 clock=time.monotonic, outage_grace_s: float = 900.0):
         self._sessions = sessions
         self._ttl = ttl_s
+        self._grace = outage_grace_s
         self._max = max_entries
         self._clock = clock
         self._entries: dict[str, tuple[float, Principal | str]] = {}
@@ -103,7 +112,8 @@ class AuthCache:
         future = asyncio.get_running_loop().create_future()
         self._pending[secret_hash] = future
         try:
-            result = await self._load(secret_hash)
+            loaded_at, result = await load_or_stale(lambda: self._load(secret_hash), entry, self._clock(), self._grace,
+                                                    "API keys")
             future.set_result(result)
         except BaseException as exc:
             if isinstance(exc, asyncio.CancelledError):
@@ -116,13 +126,15 @@ class AuthCache:
             del self._pending[secret_hash]
         if len(self._entries) >= self._max:
             self._entries.clear()
-        self._entries[secret_hash] = (self._clock(), result)
+        self._entries[secret_hash] = (loaded_at, result)
         return result
 
     async def _load(self, secret_hash: str) -> Principal | str:
         async with self._sessions() as session:
             row = await find_by_secret_hash(session, secret_hash)
-        return WRONG_KEY if row is None else principal_of(row)
+            if row is None:
+                return WRONG_KEY
+            return principal_of(row, await rules_for_key(session, row.tenant_id, row.id))
 
 
 def _bearer(header: str | None) -> str | None:

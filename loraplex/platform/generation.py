@@ -1,19 +1,22 @@
 """One admitted request from engine submission to its usage event.
 
 `GenerationRun` wraps the engine's event stream: it times the first token and the gaps between
-tokens, counts what was generated, and `close()` (idempotent, shielded from cancellation) does
-the ending exactly once whatever happened: aborts the engine request if the consumer left early
-(a disconnected client), settles the rate-limit reservation, emits the usage event and records
-the metrics.
+tokens, counts what was generated, stops a generation that outlives the request timeout or whose
+stream fails, and `close()` (idempotent, shielded from cancellation) does the ending exactly once
+whatever happened: aborts the engine request unless it finished (a disconnected client, a
+timeout, an engine failure), settles the budget and rate-limit reservation with the tokens
+actually used, emits the usage event and records the metrics.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from datetime import datetime
 
 import anyio
 
@@ -36,16 +39,23 @@ class RunContext:
     admission: Admission
     metrics: Metrics
     usage: UsageSink
+    request_timeout_s: float = 0.0  # 0: none
+
+
+# How a stream that ran to its end ended, by the engine's finish reason.
+_OUTCOMES = {"stop": "ok", "length": "ok", "abort": "aborted", "error": "error"}
 
 
 class GenerationRun:
     def __init__(self, ctx: RunContext, request: GenerateRequest, principal: Principal, target: Target,
-                 ticket: Ticket, prompt_tokens: int, endpoint: str, arrived: float):
+                 ticket: Ticket, prompt_tokens: int, endpoint: str, arrived: float, arrived_at: datetime):
         self.ctx, self.request, self.principal, self.target = ctx, request, principal, target
         self.ticket, self.prompt_tokens, self.endpoint, self.arrived = ticket, prompt_tokens, endpoint, arrived
+        self.arrived_at = arrived_at
         self.completion_tokens = 0
         self.cached_tokens = 0
         self.finish_reason: str | None = None
+        self.outcome: str | None = None  # ok, error, aborted, timeout; None while running or if the client left
         self.error: str | None = None
         self.ttft_s: float | None = None
         self._last_token_at = 0.0
@@ -60,10 +70,31 @@ class GenerationRun:
             raise model_not_found(self.target.requested) from None
         self.ctx.metrics.in_flight.labels(self.request.priority).inc()
 
+    async def _next(self, stream: AsyncIterator[GenerateEvent]) -> GenerateEvent:
+        """The next event, or TimeoutError once the request has run for request_timeout_s."""
+        limit = self.ctx.request_timeout_s
+        if not limit:
+            return await anext(stream)
+        async with asyncio.timeout(limit - (time.perf_counter() - self.arrived)):
+            return await anext(stream)
+
     async def events(self) -> AsyncIterator[GenerateEvent]:
         assert self._stream is not None, "start() first"
         model = self.target.base_model
-        async for event in self._stream:
+        while self.outcome is None:
+            try:
+                event = await self._next(self._stream)
+            except StopAsyncIteration:
+                self.outcome = "error"  # the engine's stream ended without a last event
+                break
+            except TimeoutError:
+                self.outcome = "timeout"
+                self.ctx.metrics.timeouts.inc()
+                break
+            except Exception as exc:  # the engine failed mid-stream: charge what it generated
+                self.outcome, self.error = "error", f"{type(exc).__name__}: {exc}"
+                log.error("generation %s failed: %s", self.request.request_id, self.error)
+                break
             n = len(event.token_ids)
             if n:
                 now = time.perf_counter()
@@ -78,6 +109,7 @@ class GenerationRun:
                 self.completion_tokens += n
             if event.finished:
                 self.finish_reason = event.finish_reason
+                self.outcome = _OUTCOMES.get(event.finish_reason, "error")
                 self.error = event.error
                 if event.usage is not None:
                     self.prompt_tokens = event.usage.prompt_tokens
@@ -87,9 +119,7 @@ class GenerationRun:
 
     @property
     def status(self) -> str:
-        if self.finish_reason is None:
-            return "client_disconnected"
-        return "error" if self.finish_reason in ("error", "abort") else "ok"
+        return self.outcome or "client_disconnected"
 
     async def close(self) -> None:
         if self._closed:
@@ -101,12 +131,16 @@ class GenerationRun:
             self.ctx.metrics.in_flight.labels(self.request.priority).dec()
             if self.finish_reason is None:
                 await self._abort()
+            else:
+                with contextlib.suppress(RuntimeError):
+                    await self._stream.aclose()
             await self.ctx.admission.settle(self.ticket, self.prompt_tokens + self.completion_tokens)
             self._report()
 
     async def _abort(self) -> None:
         """Closing the stream aborts the request in AsyncEngine; abort() covers any other engine."""
-        self.ctx.metrics.disconnects.inc()
+        if self.outcome is None:
+            self.ctx.metrics.disconnects.inc()
         with contextlib.suppress(RuntimeError):  # running in another task, whose cancellation closes it
             await self._stream.aclose()
         try:
@@ -127,7 +161,7 @@ class GenerationRun:
             key_prefix=p.key_prefix, model=model, adapter=adapter, priority=self.request.priority,
             prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
             completion_tokens=self.completion_tokens, ttft_s=self.ttft_s, latency_s=latency, status=self.status,
-            finish_reason=self.finish_reason, endpoint=self.endpoint)
+            finish_reason=self.finish_reason, endpoint=self.endpoint, created_at=self.arrived_at)
         try:
             self.ctx.usage.emit(event)
         except Exception:  # the sink must never fail a request that already ran

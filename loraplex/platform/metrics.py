@@ -1,6 +1,7 @@
 """Prometheus metrics, in a registry per app (several apps can live in one process: tests, bench).
 
-Engine figures (running, waiting, KV blocks) are read from `engine.stats()` at scrape time.
+Engine figures (running, waiting, KV blocks) are read from `engine.stats()` at scrape time, and
+the ledger's and budget counters' figures (queue depth, spool size, rebuilds) from those objects.
 """
 
 from __future__ import annotations
@@ -57,6 +58,32 @@ class EngineCollector:
         yield CounterMetricFamily("loraplex_engine_steps", "Engine steps run", value=s.num_steps)
 
 
+class BillingCollector:
+    def __init__(self, ledger, quota):
+        self._ledger, self._quota = ledger, quota
+
+    def collect(self):
+        ledger, spool = self._ledger, self._ledger.spool
+        yield GaugeMetricFamily("loraplex_ledger_queue_depth", "Usage events waiting for the ledger writer",
+                                value=ledger.queue_depth)
+        yield GaugeMetricFamily("loraplex_ledger_spool_events", "Usage events in the local spool (database down)",
+                                value=spool.events)
+        yield GaugeMetricFamily("loraplex_ledger_spool_bytes", "Size of the local spool", value=spool.bytes)
+        yield GaugeMetricFamily("loraplex_ledger_down", "1 while the ledger database cannot be written",
+                                value=int(ledger.down))
+        yield CounterMetricFamily("loraplex_ledger_rows_written", "Usage rows written to the ledger",
+                                  value=ledger.rows_written)
+        yield CounterMetricFamily("loraplex_ledger_write_failures", "Ledger batches that could not be written",
+                                  value=ledger.write_failures)
+        yield CounterMetricFamily("loraplex_ledger_events_spooled", "Usage events written to the spool",
+                                  value=ledger.events_spooled)
+        yield CounterMetricFamily("loraplex_budget_counter_rebuilds",
+                                  "Tenants' budget counters rebuilt from the ledger", value=self._quota.rebuilds)
+        yield GaugeMetricFamily("loraplex_budget_unconfirmed_charges",
+                                "Requests whose usage the ledger does not hold yet (in flight or queued)",
+                                value=len(self._quota.tail))
+
+
 def _by_class(family, name: str, documentation: str, values: dict[str, int]):
     metric = family(name, documentation, labels=["priority"])
     for cls in PRIORITY_CLASSES:
@@ -87,7 +114,21 @@ class Metrics:
             self.in_flight.labels(cls)
         self.disconnects = Counter("loraplex_client_disconnects", "Streams the client left before the end",
                                    registry=r)
+        self.timeouts = Counter("loraplex_request_timeouts", "Generations aborted after the request timeout",
+                                registry=r)
+        self.budget_rejections = Counter("loraplex_budget_rejections",
+                                         "Requests refused by a token budget (429 insufficient_quota)", ["scope"],
+                                         registry=r)
+        self.soft_limit_reached = Gauge("loraplex_budget_soft_limit_reached",
+                                        "1 while a budget's soft limit is reached in its current period",
+                                        ["tenant", "budget"], registry=r)
+        self.soft_limit_alerts = Counter("loraplex_budget_soft_limit_alerts",
+                                         "Requests that took a budget past its soft limit", ["tenant", "budget"],
+                                         registry=r)
         r.register(EngineCollector(engine))
+
+    def watch_billing(self, ledger, quota) -> None:
+        self.registry.register(BillingCollector(ledger, quota))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

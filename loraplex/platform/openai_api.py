@@ -1,12 +1,15 @@
 """The tenant API: /v1/chat/completions, /v1/completions, /v1/models (OpenAI's shapes).
 
 A generation goes: key -> model resolution -> priority -> engine validation and prompt length ->
-rate-limit reservation -> engine stream -> response (JSON or SSE). Anything refused before the
-engine starts costs the caller nothing but, for 429s, the request itself.
+budget and rate-limit reservation -> engine stream -> response (JSON or SSE). Anything refused
+before the engine starts costs the caller nothing but, for 429s, the request itself. A request
+without max_tokens may generate what fits in the context, capped by its tenant's default (or
+LORAPLEX_DEFAULT_MAX_TOKENS), and that cap is what it reserves of its budgets.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from litestar import Request, Response, Router, get, post
@@ -16,6 +19,7 @@ from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
+from loraplex.billing.usage import utcnow
 from loraplex.engine.api import GenerateRequest, ModelNotFoundError
 from loraplex.platform import openai_convert as conv
 from loraplex.platform import openai_format as fmt
@@ -27,6 +31,7 @@ from loraplex.platform.generation import GenerationRun
 from loraplex.platform.middleware import request_hex
 from loraplex.platform.state import Platform, PlatformDep
 from loraplex.platform.tenancy.catalog import list_adapters, list_models
+from loraplex.platform.usage_api import usage
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 
@@ -35,6 +40,7 @@ async def authenticate(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     """A guard, so the key is checked before the body is parsed: no 400 details for strangers."""
     platform: Platform = connection.app.state.platform
     connection.state.arrived = time.perf_counter()  # TTFT and latency count from here, auth included
+    connection.state.arrived_at = utcnow()  # the request's time: its budget periods and its price
     connection.state.principal = await platform.auth.authenticate(connection.headers.get("authorization"))
 
 
@@ -60,9 +66,15 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
     except ModelNotFoundError:
         raise model_not_found(data.model) from None
     context = next((m.max_model_len for m in engine.models() if m.name == target.base_model), prompt_tokens)
-    ticket = await platform.admission.admit(principal, prompt_tokens, max_tokens or max(0, context - prompt_tokens))
+    room = max(0, context - prompt_tokens)
+    cap = principal.default_max_tokens or platform.settings.default_max_tokens
+    if max_tokens is None and cap and room:  # the engine must stop where the reservation ends
+        max_tokens = min(room, cap)
+        gen = dataclasses.replace(gen, sampling=dataclasses.replace(gen.sampling, max_tokens=max_tokens))
+    arrived_at = request.state.arrived_at
+    ticket = await platform.admission.admit(principal, gen.request_id, arrived_at, prompt_tokens, max_tokens or room)
     run = GenerationRun(platform.runs, gen, principal, target, ticket, prompt_tokens, endpoint,
-                        request.state.arrived)
+                        request.state.arrived, arrived_at)
     try:
         run.start()
     except BaseException:
@@ -121,5 +133,5 @@ async def model(request: Request, platform: PlatformDep, model_id: FromPath[str]
     return card or s.ModelCard(name, 0, principal.tenant)
 
 
-openai_router = Router(path="/v1", route_handlers=[chat_completions, completions, models, model], tags=["openai"],
-                       guards=[authenticate])
+openai_router = Router(path="/v1", route_handlers=[chat_completions, completions, models, model, usage],
+                       tags=["openai"], guards=[authenticate])

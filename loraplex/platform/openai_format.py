@@ -28,7 +28,11 @@ def usage_body(run: GenerationRun) -> s.UsageBody:
                        prompt_tokens_details=s.PromptTokensDetails(cached_tokens=run.cached_tokens))
 
 
-def _failure() -> PlatformError:
+def _failure(run: GenerationRun) -> PlatformError:
+    if run.status == "timeout":
+        return PlatformError(504, f"The request ran longer than this server's limit of "
+                                  f"{run.ctx.request_timeout_s:g}s and was stopped; it is charged for the tokens "
+                                  f"generated.", code="request_timeout", type="server_error")
     return PlatformError(503, "The engine stopped this request before it finished; try again.",
                          code="generation_failed", type="server_error")
 
@@ -92,7 +96,7 @@ async def collect(run: GenerationRun, fmt: Format):
     finally:
         await run.close()
     if run.status != "ok":
-        raise _failure()
+        raise _failure(run)
     return fmt.body("".join(parts), run.finish_reason, usage_body(run))
 
 
@@ -108,7 +112,7 @@ async def stream(run: GenerationRun, fmt: Format, include_usage: bool) -> AsyncI
             if event.finished and run.status == "ok":
                 yield fmt.last(event.finish_reason)
         if run.status != "ok":
-            err = _failure()
+            err = _failure(run)
             yield sse({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
         elif include_usage:
             yield fmt.usage(usage_body(run))

@@ -26,7 +26,7 @@ async def ready(platform: PlatformDep) -> Response:
     except Exception as exc:  # any failure means not ready; the body says which part
         checks["database"] = f"unreachable: {type(exc).__name__}"
     if platform.settings.redis_url is not None:
-        checks["redis"] = "ok" if await platform.limiter.ping() else "unreachable"
+        checks["redis"] = "ok" if await platform.quota.store.ping() else "unreachable"
     checks["models"] = ", ".join(m.name for m in platform.engine.models()) or "none loaded"
     ok = all(v == "ok" for k, v in checks.items() if k != "models") and bool(platform.engine.models())
     return Response({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)

@@ -24,17 +24,21 @@ def _flag(env: dict, name: str, default: bool) -> bool:
     return value in _TRUE
 
 
-def _number(env: dict, name: str, default: float, minimum: float) -> float:
+def _number(env: dict, name: str, default, minimum, kind=float):
     raw = env.get(name)
-    if raw is None or raw == "":
+    if raw is None or raw.strip() == "":
         return default
     try:
-        value = float(raw)
+        value = kind(raw)
     except ValueError:
-        raise ValueError(f"{name} must be a number, got {raw!r}") from None
+        raise ValueError(f"{name} must be {'an integer' if kind is int else 'a number'}, got {raw!r}") from None
     if value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {raw!r}")
     return value
+
+
+def _integer(env: dict, name: str, default: int | None, minimum: int) -> int | None:
+    return _number(env, name, default, minimum, int)
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,24 @@ class Settings:
     catalog_cache_ttl_s: float = 2.0
     rate_limit_fail_open: bool = False
     redis_timeout_s: float = 0.5
+    # The usage ledger: batches of at most this many rows, written at least this often; events
+    # beyond the queue bound go straight to the spool (data_dir/spool) until the database keeps up.
+    ledger_batch_size: int = 200
+    ledger_flush_interval_s: float = 0.2
+    ledger_queue_size: int = 10_000
+    # While the ledger database is down: serve and spool usage (True) or answer 503 (False).
+    ledger_fail_open: bool = True
+    # A generation running longer than this is aborted and charged what it generated (0: never).
+    request_timeout_s: float = 600.0
+    # What a request without max_tokens may generate, unless its tenant sets its own (None: the
+    # rest of the context). It is also what such a request reserves of a budget.
+    default_max_tokens: int | None = None
+    # How long cached keys and models keep serving while the database is unreachable.
+    db_outage_grace_s: float = 900.0
+    # Budget counters: how often this process reconciles them with the ledger and heartbeats,
+    # and after how long without a heartbeat another process counts as dead.
+    reconcile_interval_s: float = 1.0
+    dead_process_after_s: float = 30.0
 
     @classmethod
     def from_env(cls, environ: dict | None = None) -> Settings:
@@ -69,7 +91,20 @@ class Settings:
             catalog_cache_ttl_s=_number(env, "LORAPLEX_CATALOG_CACHE_TTL", 2.0, 0.0),
             rate_limit_fail_open=_flag(env, "LORAPLEX_RATE_LIMIT_FAIL_OPEN", False),
             redis_timeout_s=_number(env, "LORAPLEX_REDIS_TIMEOUT", 0.5, 0.01),
+            ledger_batch_size=_integer(env, "LORAPLEX_LEDGER_BATCH_SIZE", 200, 1),
+            ledger_flush_interval_s=_number(env, "LORAPLEX_LEDGER_FLUSH_INTERVAL", 0.2, 0.01),
+            ledger_queue_size=_integer(env, "LORAPLEX_LEDGER_QUEUE_SIZE", 10_000, 1),
+            ledger_fail_open=_flag(env, "LORAPLEX_LEDGER_FAIL_OPEN", True),
+            request_timeout_s=_number(env, "LORAPLEX_REQUEST_TIMEOUT", 600.0, 0.0),
+            default_max_tokens=_integer(env, "LORAPLEX_DEFAULT_MAX_TOKENS", None, 1),
+            db_outage_grace_s=_number(env, "LORAPLEX_DB_OUTAGE_GRACE", 900.0, 0.0),
+            reconcile_interval_s=_number(env, "LORAPLEX_BUDGET_RECONCILE_INTERVAL", 1.0, 0.05),
+            dead_process_after_s=_number(env, "LORAPLEX_DEAD_PROCESS_AFTER", 30.0, 1.0),
         )
+
+    @property
+    def spool_dir(self) -> Path:
+        return self.data_dir / "spool"
 
     @property
     def effective_database_url(self) -> str:

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import functools
+import secrets
 from dataclasses import dataclass
 
 from litestar.di import NamedDependency
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
-from loraplex.billing.ratelimit import MemoryRateLimiter, RateLimiter
-from loraplex.billing.usage import LogUsageSink, UsageSink
+from loraplex.billing.counters import CounterStore, MemoryCounters
+from loraplex.billing.ledger import LedgerWriter
+from loraplex.billing.quota import Quota
+from loraplex.billing.rebuild import ledger_ids, tenant_usage
+from loraplex.billing.spool import Spool
+from loraplex.billing.tail import Tail
+from loraplex.billing.usage import FanOutSink, UsageSink
 from loraplex.engine.api import EngineClient
 from loraplex.platform.admission import Admission
 from loraplex.platform.auth import AuthCache
@@ -25,7 +34,8 @@ class Platform:
     engine: EngineClient
     db: AsyncEngine
     sessions: async_sessionmaker[AsyncSession]
-    limiter: RateLimiter
+    quota: Quota
+    ledger: LedgerWriter
     metrics: Metrics
     auth: AuthCache
     router: ModelRouter
@@ -33,37 +43,60 @@ class Platform:
     admission: Admission
     runs: RunContext
     not_ready: str | None = "starting"  # why /ready says no; None once started
+    _reconciler: asyncio.Task | None = None
 
     @classmethod
     def build(cls, settings: Settings, engine: EngineClient, usage: UsageSink | None = None) -> Platform:
+        """`usage`: a sink that sees every usage event besides the ledger (tests, benchmarks)."""
         db = make_engine(settings.effective_database_url)
         sessions = session_factory(db)
-        limiter = _limiter(settings)
+        instance = secrets.token_hex(6)
+        tail = Tail()
+        quota = Quota(_counters(settings), tail, functools.partial(tenant_usage, db),
+                      functools.partial(ledger_ids, db), instance=instance)
+        ledger = LedgerWriter(db, Spool(settings.spool_dir, instance), tail, batch_size=settings.ledger_batch_size,
+                              flush_interval_s=settings.ledger_flush_interval_s,
+                              max_queue=settings.ledger_queue_size)
         metrics = Metrics(engine)
-        admission = Admission(limiter, metrics, fail_open=settings.rate_limit_fail_open)
+        metrics.watch_billing(ledger, quota)
+        admission = Admission(quota, ledger, metrics, fail_open=settings.rate_limit_fail_open,
+                              ledger_fail_open=settings.ledger_fail_open)
+        sink = FanOutSink(ledger, usage) if usage is not None else ledger
         return cls(
-            settings=settings, engine=engine, db=db, sessions=sessions, limiter=limiter, metrics=metrics,
-            auth=AuthCache(sessions, settings.auth_cache_ttl_s),
-            router=ModelRouter(sessions, settings.catalog_cache_ttl_s),
+            settings=settings, engine=engine, db=db, sessions=sessions, quota=quota, ledger=ledger, metrics=metrics,
+            auth=AuthCache(sessions, settings.auth_cache_ttl_s, outage_grace_s=settings.db_outage_grace_s),
+            router=ModelRouter(sessions, settings.catalog_cache_ttl_s, outage_grace_s=settings.db_outage_grace_s),
             adapters=EngineAdapters(engine), admission=admission,
-            runs=RunContext(engine, admission, metrics, usage or LogUsageSink()))
+            runs=RunContext(engine, admission, metrics, sink, settings.request_timeout_s))
 
     def catalog_changed(self) -> None:
         """Called after a write through this instance, so it sees the change at once."""
         self.auth.invalidate()
         self.router.invalidate()
 
+    def start_billing(self) -> None:
+        """The ledger writer (with what stopped processes left in the spool) and the reconciler."""
+        self.quota.recover(self.ledger.start())
+        self._reconciler = asyncio.create_task(self.quota.run(self.settings.reconcile_interval_s),
+                                               name="budget-reconciler")
+
     async def close(self) -> None:
-        await self.limiter.close()
+        if self._reconciler is not None:
+            self._reconciler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._reconciler
+        await self.ledger.close()
+        await self.quota.close()
         await self.db.dispose()
 
 
-def _limiter(settings: Settings) -> RateLimiter:
+def _counters(settings: Settings) -> CounterStore:
     if settings.redis_url is None:
-        return MemoryRateLimiter()
-    from loraplex.billing.redis_ratelimit import RedisRateLimiter
+        return MemoryCounters()
+    from loraplex.billing.redis_counters import RedisCounters
 
-    return RedisRateLimiter.from_url(settings.redis_url, settings.redis_prefix, settings.redis_timeout_s)
+    return RedisCounters.from_url(settings.redis_url, settings.redis_prefix, settings.redis_timeout_s,
+                                  dead_after_s=settings.dead_process_after_s)
 
 
 PlatformDep = NamedDependency[Platform]  # how handlers ask Litestar for the app's Platform

@@ -11,10 +11,10 @@ from sqlalchemy import inspect
 from loraplex.platform.db.database import make_engine
 from loraplex.platform.db.migrate import current_revision, downgrade, head_revision, upgrade
 from loraplex.platform.db.provision import create_database, drop_database
-from loraplex.platform.db.tables import Base
+from loraplex.platform.db.tables import METADATA
 from tests.integration.conftest import PG_SERVER, run
 
-TABLES = {"tenants", "api_keys", "models", "adapters"}
+TABLES = {"tenants", "api_keys", "models", "adapters", "budgets", "usage_ledger", "usage_daily", "prices"}
 
 
 async def _round_trip(url: str) -> dict:
@@ -27,7 +27,8 @@ async def _round_trip(url: str) -> dict:
         seen["revision"] = await current_revision(engine)
         async with engine.connect() as conn:
             seen["head"] = set(await conn.run_sync(lambda c: inspect(c).get_table_names()))
-            seen["diff"] = await conn.run_sync(lambda c: compare_metadata(MigrationContext.configure(c), Base.metadata))
+            seen["diff"] = await conn.run_sync(
+                lambda c: compare_metadata(MigrationContext.configure(c), list(METADATA)))
         await downgrade(engine, "base")
         seen["base_revision"] = await current_revision(engine)
         async with engine.connect() as conn:

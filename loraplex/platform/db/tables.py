@@ -1,12 +1,27 @@
 """The platform's tables. The schema itself is made only by the Alembic migrations in migrations/;
-these classes must match them (tests/integration/test_migrations.py checks)."""
+these classes, and billing's tables (`METADATA` has both), must match them
+(tests/integration/test_migrations.py checks)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from sqlalchemy import JSON, CheckConstraint, DateTime, ForeignKey, Integer, MetaData, String, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    CheckConstraint,
+    DateTime,
+    ForeignKey,
+    Index,
+    Integer,
+    MetaData,
+    String,
+    UniqueConstraint,
+    text,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+
+from loraplex.billing.tables import metadata as billing_metadata
 
 NAMING = {
     "ix": "ix_%(column_0_label)s",
@@ -34,13 +49,18 @@ class Base(DeclarativeBase):
 
 class Tenant(Base):
     __tablename__ = "tenants"
-    __table_args__ = (CheckConstraint("status IN ('active', 'disabled')", name="status"),)
+    __table_args__ = (
+        CheckConstraint("status IN ('active', 'disabled')", name="status"),
+        CheckConstraint("default_max_tokens IS NULL OR default_max_tokens > 0", name="default_max_tokens"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(64), unique=True)
     tier: Mapped[str] = mapped_column(String(32), default="standard")
     status: Mapped[str] = mapped_column(String(16), default="active")
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Caps what a request without max_tokens may generate (and so what it reserves of a budget).
+    default_max_tokens: Mapped[int | None] = mapped_column(Integer)
 
 
 class ApiKey(Base):
@@ -94,3 +114,35 @@ class Adapter(Base):
     def engine_id(self) -> str:
         """The engine's adapter id: unique across tenants because it is the row's id."""
         return f"adapter-{self.id}"
+
+
+class Budget(Base):
+    """A token budget of a tenant (key_id None) or of one of its keys, per period; one per scope
+    and period (partial unique indexes, since NULLs never collide in a plain one)."""
+
+    __tablename__ = "budgets"
+    __table_args__ = (
+        CheckConstraint("period IN ('day', 'month', 'total')", name="period"),
+        CheckConstraint("limit_tokens > 0", name="limit_tokens"),
+        CheckConstraint("soft_limit_tokens IS NULL OR (soft_limit_tokens > 0 AND soft_limit_tokens <= limit_tokens)",
+                        name="soft_limit_tokens"),
+        Index("uq_budgets_tenant_id_period", "tenant_id", "period", unique=True,
+              postgresql_where=text("key_id IS NULL"), sqlite_where=text("key_id IS NULL")),
+        Index("uq_budgets_key_id_period", "key_id", "period", unique=True,
+              postgresql_where=text("key_id IS NOT NULL"), sqlite_where=text("key_id IS NOT NULL")),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    tenant_id: Mapped[int] = mapped_column(ForeignKey("tenants.id", ondelete="CASCADE"))
+    key_id: Mapped[int | None] = mapped_column(ForeignKey("api_keys.id", ondelete="CASCADE"))
+    period: Mapped[str] = mapped_column(String(8))
+    limit_tokens: Mapped[int] = mapped_column(BigInteger)
+    soft_limit_tokens: Mapped[int | None] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    tenant: Mapped[Tenant] = relationship(lazy="joined")
+    key: Mapped[ApiKey | None] = relationship(lazy="joined")
+
+
+METADATA = (Base.metadata, billing_metadata)  # everything the migrations make

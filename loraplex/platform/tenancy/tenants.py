@@ -1,4 +1,4 @@
-"""Tenants: create, list, look up, disable and enable."""
+"""Tenants: create, list, look up, disable and enable, and their default max_tokens."""
 
 from __future__ import annotations
 
@@ -12,14 +12,22 @@ from loraplex.platform.tenancy.common import check_name, commit_or_conflict
 STATUSES = ("active", "disabled")
 
 
-async def create_tenant(session: AsyncSession, name: str, tier: str = "standard") -> Tenant:
+def _check_max_tokens(value: int | None) -> int | None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise invalid(f"default_max_tokens must be a positive integer, got {value!r}", "default_max_tokens")
+    return value
+
+
+async def create_tenant(session: AsyncSession, name: str, tier: str = "standard",
+                        default_max_tokens: int | None = None) -> Tenant:
     check_name(name, "tenant")
     check_name(tier, "tier", "tier")
+    _check_max_tokens(default_max_tokens)
     if await find_tenant(session, name) is not None:
         raise conflict(f"tenant {name!r} already exists", "name")
 
     async def work() -> Tenant:
-        tenant = Tenant(name=name, tier=tier, status="active")
+        tenant = Tenant(name=name, tier=tier, status="active", default_max_tokens=default_max_tokens)
         session.add(tenant)
         await session.flush()
         return tenant
@@ -47,5 +55,14 @@ async def set_status(session: AsyncSession, name: str, status: str) -> Tenant:
         raise invalid(f"status must be one of {', '.join(STATUSES)}, got {status!r}", "status")
     tenant = await get_tenant(session, name)
     tenant.status = status
+    await session.commit()
+    return tenant
+
+
+async def set_default_max_tokens(session: AsyncSession, name: str, value: int | None) -> Tenant:
+    """What a request of this tenant without max_tokens may generate (None: the platform default)."""
+    _check_max_tokens(value)
+    tenant = await get_tenant(session, name)
+    tenant.default_max_tokens = value
     await session.commit()
     return tenant

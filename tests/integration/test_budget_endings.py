@@ -1,0 +1,104 @@
+"""However a request ends (engine error, a stream that raises, an engine abort, a timeout, an
+engine that refuses it, a client that leaves), its reservation is released and what it actually
+used is charged: the counters equal the ledger and nothing stays reserved."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from tests.integration.billing_support import (
+    FAKE_MODEL,
+    FAKE_PROMPT_TOKENS,
+    ScriptedEngine,
+    app_client,
+    assert_counters_match_ledger,
+    complete,
+    in_app,
+    new_tenant,
+    platform_of,
+    set_budget,
+)
+
+
+@pytest.mark.parametrize(("ending", "status", "code", "ledger_status"), [
+    ("stop", 200, None, "ok"),
+    ("error", 503, "generation_failed", "error"),
+    ("raise", 503, "generation_failed", "error"),
+    ("abort", 503, "generation_failed", "aborted"),
+    ("hang", 504, "request_timeout", "timeout"),
+])
+def test_every_ending_charges_what_was_generated_and_releases_the_rest(postgres_backend, ending, status, code,
+                                                                       ledger_status):
+    engine = ScriptedEngine(ending, tokens=3)
+    with app_client(postgres_backend, engine, request_timeout_s=0.3) as client:
+        tenant, tenant_id, key = new_tenant(client, f"end-{ending}")
+        set_budget(client, tenant, 1000)
+        for stream in (False, True):
+            r = complete(client, key, FAKE_MODEL, max_tokens=50, stream=stream)
+            if stream:
+                assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
+                if code:
+                    assert json.loads(r.text.split("\n\n")[-3][len("data: "):])["error"]["code"] == code
+            else:
+                assert r.status_code == status, r.text
+                assert code is None or r.json()["error"]["code"] == code
+        rows = assert_counters_match_ledger(client, tenant, tenant_id)
+        assert [(r.status, r.prompt_tokens, r.completion_tokens) for r in rows] == \
+            [(ledger_status, FAKE_PROMPT_TOKENS, 3)] * 2
+        if ending in ("raise", "hang"):  # the engine was told to stop the request
+            assert {r.request_id for r in rows} <= set(engine.aborted)
+
+
+def test_an_engine_that_refuses_charges_nothing(postgres_backend):
+    with app_client(postgres_backend, ScriptedEngine("refuse")) as client:
+        tenant, tenant_id, key = new_tenant(client, "refused")
+        set_budget(client, tenant, 1000)
+        assert complete(client, key, FAKE_MODEL).status_code == 500
+        assert assert_counters_match_ledger(client, tenant, tenant_id) == []
+        assert len(platform_of(client).quota.tail) == 0
+
+
+def test_a_client_that_leaves_mid_stream_is_charged_what_was_generated(postgres_backend):
+    """The disconnect itself: GenerationRun.close() with the stream left early, as Litestar does."""
+    engine = ScriptedEngine("hang", tokens=2)
+    with app_client(postgres_backend, engine) as client:
+        tenant, tenant_id, key = new_tenant(client, "leaver")
+        set_budget(client, tenant, 1000)
+        platform = platform_of(client)
+
+        async def leave_after_two_tokens():
+            from loraplex.platform.openai_format import TextFormat, stream
+
+            run = await _run(platform, key)
+            body = stream(run, TextFormat("x", 0, FAKE_MODEL), False)
+            got = [await anext(body) for _ in range(2)]
+            await body.aclose()  # what Litestar does when the client is gone
+            return got, run.status
+
+        got, status = in_app(client, leave_after_two_tokens)
+        assert len(got) == 2 and status == "client_disconnected"
+        rows = assert_counters_match_ledger(client, tenant, tenant_id)
+        assert [(r.status, r.completion_tokens) for r in rows] == [("client_disconnected", 2)]
+        assert rows[0].request_id in engine.aborted
+
+
+async def _run(platform, key):
+    """A started GenerationRun for a 50-token request of `key`, admitted as the API would."""
+    import secrets
+    import time
+
+    from loraplex.billing.usage import utcnow
+    from loraplex.engine.api import GenerateRequest, SamplingParams
+    from loraplex.platform.generation import GenerationRun
+    from loraplex.platform.routing import Target
+
+    principal = await platform.auth.authenticate(f"Bearer {key}")
+    request = GenerateRequest(f"req_{secrets.token_hex(12)}", FAKE_MODEL, prompt="hello",
+                              sampling=SamplingParams(max_tokens=50))
+    ticket = await platform.admission.admit(principal, request.request_id, utcnow(), FAKE_PROMPT_TOKENS, 50)
+    run = GenerationRun(platform.runs, request, principal, Target(FAKE_MODEL, FAKE_MODEL), ticket,
+                        FAKE_PROMPT_TOKENS, "/v1/completions", time.perf_counter(), utcnow())
+    run.start()
+    return run
