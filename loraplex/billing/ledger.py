@@ -120,8 +120,9 @@ class LedgerWriter:
                 self._listener.uncertain([e.request_id for e in batch])  # a lost commit reply: it may be in
                 self.write_failures += 1
                 if self._failed_at is None:
-                    log.error("usage ledger unreachable (%s); spooling usage events to %s", type(exc).__name__,
-                              self.spool.dir)
+                    reason = (str(getattr(exc, "orig", None) or exc).strip().splitlines() or [""])[0][:200]
+                    log.error("usage ledger unreachable (%s: %s); spooling usage events to %s", type(exc).__name__,
+                              reason, self.spool.dir)
                 self._failed_at = time.monotonic()
                 return False
             self._listener.committed(ids)
