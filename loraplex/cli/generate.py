@@ -6,10 +6,12 @@ import argparse
 import json
 import sys
 import uuid
+from typing import TYPE_CHECKING
 
 from loraplex.engine.api import GenerateRequest, SamplingParams
-from loraplex.engine.config import EngineConfig
-from loraplex.engine.core import EngineCore
+
+if TYPE_CHECKING:  # torch is imported only when an engine is built, not by every `loraplex` command
+    from loraplex.engine.core import EngineCore
 
 
 def add_parser(sub) -> None:
@@ -44,6 +46,9 @@ ADAPTER_ID = "cli-adapter"
 
 
 def _engine(args) -> EngineCore:
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.core import EngineCore
+
     core = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
     if args.adapter:
         core.add_adapter(ADAPTER_ID, args.adapter)
