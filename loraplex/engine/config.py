@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def default_cache_dir() -> Path:
+    """Where derived files live (dequantized weights, built CPU kernels): $LORAPLEX_CACHE_DIR or
+    ~/.cache/loraplex."""
+    return Path(os.environ.get("LORAPLEX_CACHE_DIR") or Path.home() / ".cache" / "loraplex")
 
 
 def default_device() -> str:

@@ -123,7 +123,8 @@ def test_remove_adapter_waits_for_its_requests(adapter_dirs):
         engine = AsyncEngine(make_core())
         try:
             engine.add_adapter("a0", str(adapter_dirs[0]))
-            stream = engine.generate(req("long", [1, 2, 3], "a0", max_tokens=40))
+            # long enough (~1 s) that it is surely still running after the 50 ms below
+            stream = engine.generate(req("long", [1, 2, 3], "a0", max_tokens=1500))
             first = await stream.__anext__()
             removal = asyncio.ensure_future(engine.remove_adapter("a0"))
             await asyncio.sleep(0.05)
@@ -132,7 +133,7 @@ def test_remove_adapter_waits_for_its_requests(adapter_dirs):
                 engine.generate(req("new", [1, 2, 3], "a0"))
             rest = [e async for e in stream]
             await asyncio.wait_for(removal, 10)
-            assert len(first.token_ids) + sum(len(e.token_ids) for e in rest) == 40
+            assert len(first.token_ids) + sum(len(e.token_ids) for e in rest) == 1500
             assert "a0" not in engine.core.lora
         finally:
             engine.shutdown()

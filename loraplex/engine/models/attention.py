@@ -8,6 +8,8 @@ them to a common length would waste most of the work.
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -40,6 +42,8 @@ class AttentionMetadata:
     # per step in the model dtype, so no layer converts a boolean mask again.
     decode_mask: torch.Tensor | None
     prefills: list[PrefillSeq]
+    decode_lens: torch.Tensor | None = None  # [decodes] int64 context lengths (this token included)
+    decode_max_len: int = 0
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -84,7 +88,7 @@ def build_metadata(
         pos = torch.arange(max_blocks * block_size)
         lens = torch.tensor([c for c, _ in decode_seqs])
         dec_mask = _additive(pos.unsqueeze(0) < lens.unsqueeze(1), dtype).view(len(decode_seqs), 1, 1, -1)
-        dec_blocks, dec_mask = dec_blocks.to(device), dec_mask.to(device)
+        dec_blocks, dec_mask, lens = dec_blocks.to(device), dec_mask.to(device), lens.to(device)
         dec_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
     return AttentionMetadata(
         slot_mapping=torch.cat(slot_parts).to(device),
@@ -93,6 +97,8 @@ def build_metadata(
         decode_blocks=dec_blocks,
         decode_mask=dec_mask,
         prefills=prefills,
+        decode_lens=lens if decode_seqs else None,
+        decode_max_len=max((c for c, _ in decode_seqs), default=0),
     )
 
 
@@ -109,8 +115,12 @@ def paged_attention(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
+    decode: Callable | None = None,
 ) -> torch.Tensor:
     """Writes this step's K/V into the cache and attends every query token to its context.
+
+    `decode(q, k_cache, v_cache, meta)` replaces the gather + SDPA of the single-token decodes
+    when given (the CPU kernel reads the paged cache in place).
 
     q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim];
     k_cache, v_cache: [num_blocks, block_size, kv_heads, head_dim]. Returns [tokens, heads * head_dim].
@@ -122,11 +132,12 @@ def paged_attention(
     k_flat.index_copy_(0, meta.slot_mapping, k)
     v_flat.index_copy_(0, meta.slot_mapping, v)
     gqa = n_heads != n_kv
+    decode = decode or functools.partial(_decode, gqa=gqa)
     if meta.decode_all:
-        return _decode(q, k_cache, v_cache, meta, gqa).reshape(n_tok, n_heads * head_dim)
+        return decode(q, k_cache, v_cache, meta).reshape(n_tok, n_heads * head_dim)
     out = q.new_empty(n_tok, n_heads, head_dim)
     if meta.decode_rows is not None:
-        out[meta.decode_rows] = _decode(q[meta.decode_rows], k_cache, v_cache, meta, gqa)
+        out[meta.decode_rows] = decode(q[meta.decode_rows], k_cache, v_cache, meta)
     for p in meta.prefills:
         qs = q[p.start:p.end].transpose(0, 1)  # [heads, chunk, head_dim]
         if p.gather is None:

@@ -20,6 +20,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from loraplex.engine.config import default_cache_dir
 from loraplex.engine.models.llama import LlamaConfig, rope_inv_freq
 from loraplex.engine.models.tokenizer import Tokenizer
 
@@ -28,10 +29,6 @@ log = logging.getLogger(__name__)
 # Bump when the conversion below changes, so stale caches are not reused.
 CACHE_VERSION = 1
 SUPPORTED_ARCHS = ("llama", "qwen2")
-
-
-def default_cache_dir() -> Path:
-    return Path(os.environ.get("LORAPLEX_CACHE_DIR") or Path.home() / ".cache" / "loraplex")
 
 
 def open_gguf(path: str | Path):

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.models.attention import AttentionMetadata, paged_attention
+from loraplex.engine.models.layer_ops import ops_for
 
 
 @dataclass(frozen=True)
@@ -114,26 +115,6 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # x: [tokens, hidden]; statistics in fp32 whatever the model dtype.
-    if x.dtype == torch.float32:
-        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op on the fp32 path
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE. x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim] with each
-    half-frequency repeated twice, so x * cos + rotate_half(x) * sin is the rotation."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.addcmul(x * cos, torch.cat((-x2, x1), dim=-1), sin)
-
-
-def _transposed(w: torch.Tensor) -> torch.Tensor:
-    return w.t().contiguous()  # [out, in] -> [in, out]
-
-
 class LlamaModel:
     """The decoder as plain tensors; `forward` is one step over a flat token batch."""
 
@@ -150,27 +131,23 @@ class LlamaModel:
         self.w = weights
         self.dtype = weights["embed"].dtype
         self.device = weights["embed"].device
-        # Wide projections (out >= in: qkv, o, gate_up, lm_head) are kept transposed, [in, out], and
-        # applied as x @ w: on CPU a decode step's GEMV streams that layout up to twice as fast as
-        # F.linear over [out, in]. The narrow `down` projection is the other way round, so it keeps
-        # [out, in] (measured on the 2-core dev machine, MKL; bench/RESULTS.md).
         self.lm_head = weights["embed"] if config.tie_word_embeddings else weights["lm_head"]  # [vocab, hidden]
-        self.lm_head_t = _transposed(self.lm_head)
-        # For several rows at once F.linear over [vocab, hidden] is the faster GEMM; the loaded weight
-        # is held anyway (it is the embedding table when tied), so both layouts cost nothing extra.
         inv_freq = rope_inv_freq(config)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
         angles = torch.outer(pos, inv_freq)  # [max_pos, head_dim / 2]
         angles = torch.cat((angles, angles), dim=-1)  # [max_pos, head_dim]
         self.rope_cos = angles.cos().to(self.dtype).to(self.device)
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
+        self.ops = ops_for(self.rope_cos, self.rope_sin)
+        self.lm_head_w = self.ops.prepare(self.lm_head)
         self.layers = [self._layer_weights(n) for n in range(config.num_layers)]
 
     def _layer_weights(self, n: int) -> tuple:
         p = f"layers.{n}."
         w = self.w
-        return (w[p + "input_norm"], _transposed(w[p + "qkv"]), w.get(p + "qkv_bias"), _transposed(w[p + "o"]),
-                w[p + "post_norm"], _transposed(w[p + "gate_up"]), w[p + "down"])
+        prep = self.ops.prepare
+        return (w[p + "input_norm"], prep(w[p + "qkv"]), w.get(p + "qkv_bias"), prep(w[p + "o"]),
+                w[p + "post_norm"], prep(w[p + "gate_up"]), prep(w[p + "down"]))
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.w.values())
@@ -192,38 +169,34 @@ class LlamaModel:
         """
         cfg = self.config
         eps = cfg.rms_norm_eps
-        q_size, kv_size = cfg.q_size, cfg.kv_size
         inter = cfg.intermediate_size
-        n_qk_heads = cfg.num_heads + cfg.num_kv_heads
-        cos = torch.index_select(self.rope_cos, 0, positions).unsqueeze(1)  # [tokens, 1, head_dim]
-        sin = torch.index_select(self.rope_sin, 0, positions).unsqueeze(1)
-        h = torch.index_select(self.w["embed"], 0, input_ids)  # h: [tokens, hidden]
+        qk_size = cfg.q_size + cfg.kv_size
+        ops = self.ops
+        rope = ops.rope_state(positions)
+        h = torch.index_select(self.w["embed"], 0, input_ids)  # h: [tokens, hidden], the residual stream
         n_tok = h.shape[0]
-        # qkv_w, o_w, gate_up_w: [in, out]; down_w: [out, in]
+        delta = None  # the previous sublayer's output, added to h by the next add_rms_norm
+        # every weight [out, in]
         for li, (in_norm, qkv_w, qkv_b, o_w, post_norm, gate_up_w, down_w) in enumerate(self.layers):
-            x = rms_norm(h, in_norm, eps)
-            qkv = x @ qkv_w if qkv_b is None else torch.addmm(qkv_b, x, qkv_w)  # [tokens, q + 2 kv]
+            h, x = ops.add_rms_norm(h, delta, in_norm, eps)
+            qkv = ops.linear(x, qkv_w, qkv_b)  # [tokens, q + 2 kv]
             if lora is not None:
                 lora.apply(li, "qkv", x, qkv)
-            # q and k rotate together: [tokens, heads + kv_heads, head_dim]
-            qk = apply_rope(qkv[:, :q_size + kv_size].view(n_tok, n_qk_heads, cfg.head_dim), cos, sin)
-            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
-            v = qkv[:, q_size + kv_size:].view(n_tok, cfg.num_kv_heads, cfg.head_dim)
+            q, k = ops.rope_qk(qkv, rope, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, qk_size:].view(n_tok, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_caches[li]
-            attn_out = paged_attention(q, k, v, k_cache, v_cache, attn)  # [tokens, q_size]
-            o = attn_out @ o_w
+            attn_out = paged_attention(q, k, v, k_cache, v_cache, attn, ops.decode_attention)  # [tokens, q_size]
+            o = ops.linear(attn_out, o_w)
             if lora is not None:
                 lora.apply(li, "o", attn_out, o)
-            h = h + o
-            x = rms_norm(h, post_norm, eps)
-            gate_up = x @ gate_up_w  # [tokens, 2 * intermediate]
+            h, x = ops.add_rms_norm(h, o, post_norm, eps)
+            gate_up = ops.linear(x, gate_up_w)  # [tokens, 2 * intermediate]
             if lora is not None:
                 lora.apply(li, "gate_up", x, gate_up)
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-            down = F.linear(act, down_w)
+            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [tokens, intermediate]
+            delta = ops.linear(act, down_w)
             if lora is not None:
-                lora.apply(li, "down", act, down)
-            h = h + down
-        h = rms_norm(torch.index_select(h, 0, logits_indices), self.w["norm"], eps)
-        logits = h @ self.lm_head_t if h.shape[0] == 1 else F.linear(h, self.lm_head)
-        return logits.float()
+                lora.apply(li, "down", act, delta)
+        h_out, delta_out = (torch.index_select(t, 0, logits_indices) for t in (h, delta))  # [sampled, hidden]
+        _, x = ops.add_rms_norm(h_out, delta_out, self.w["norm"], eps)
+        return ops.linear(x, self.lm_head_w).float()  # [len(logits_indices), vocab]

@@ -1,0 +1,126 @@
+/* Per-layer elementwise work of a decoder step, fused, for CPU serving in fp32.
+ *
+ * Why: at decode batch sizes a layer's non-GEMM work is a dozen tiny torch ops (residual add,
+ * RMSNorm, RoPE, the paged KV gather and attention), each costing a dispatch of several
+ * microseconds; here each is one call.
+ *
+ * Semantics:
+ *   lp_add_rms_norm_f32:  if delta: h[t] += delta[t];  out[t] = h[t] * w / sqrt(mean(h[t]^2) + eps)
+ *                         h, delta, out: [T, H] contiguous; w: [H].
+ *   lp_rope_f32:          for t < T and head j < n_heads of row t of x (row stride `stride`):
+ *                         v = x[t, j*D : (j+1)*D], c = cos[pos[t]], s = sin[pos[t]] ([max_pos, D]
+ *                         tables, each half-frequency repeated twice);
+ *                         v <- v * c + rotate_half(v) * s, rotate_half(v) = (-v[D/2:], v[:D/2]).
+ *   lp_decode_attention_f32: one query token per sequence b < B, over its paged context:
+ *                         for head h (kv head g = h / (H / KVH)), context j < lens[b],
+ *                         slot(j) = tables[b, j / bs] * bs + j % bs,
+ *                         p = softmax_j(scale * q[b, h] . k[slot(j), g]);
+ *                         out[b, h] = sum_j p[j] * v[slot(j), g].
+ *                         q: row stride q_stride, heads D apart; k, v: [slots, KVH, D];
+ *                         tables: [B, max_blocks] int64; lens: [B] int64; out: [B, H, D].
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#define PRAGMA(x) _Pragma(#x)
+#define PARALLEL_IF(cond) PRAGMA(omp parallel for schedule(static) if(cond))
+#else
+#define PARALLEL_IF(cond)
+#endif
+
+/* Below these sizes a second thread costs more than it saves (a fork/join is a few microseconds,
+ * and far more when another process holds the other core). */
+#define PARALLEL_MIN_ROWS 8
+#define PARALLEL_MIN_ATTENTION (8 * 1024) /* (sequence, kv head) pairs x context length */
+
+void lp_add_rms_norm_f32(float *h, const float *delta, const float *w, int64_t T, int64_t H, float eps,
+                         float *out) {
+    PARALLEL_IF(T >= PARALLEL_MIN_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = h + t * H;
+        float ss = 0.0f;
+        if (delta) {
+            const float *d = delta + t * H;
+            for (int64_t i = 0; i < H; i++) {
+                row[i] += d[i];
+                ss += row[i] * row[i];
+            }
+        } else {
+            for (int64_t i = 0; i < H; i++) ss += row[i] * row[i];
+        }
+        float inv = 1.0f / sqrtf(ss / (float)H + eps);
+        float *o = out + t * H;
+        for (int64_t i = 0; i < H; i++) o[i] = w[i] * (row[i] * inv);
+    }
+}
+
+void lp_rope_f32(float *x, int64_t T, int64_t stride, int64_t n_heads, int64_t D, const int64_t *pos,
+                 const float *cos_t, const float *sin_t) {
+    int64_t half = D / 2;
+    PARALLEL_IF(T >= PARALLEL_MIN_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *c = cos_t + pos[t] * D, *s = sin_t + pos[t] * D;
+        for (int64_t j = 0; j < n_heads; j++) {
+            float *v = x + t * stride + j * D;
+            for (int64_t i = 0; i < half; i++) {
+                float a = v[i], b = v[i + half];
+                v[i] = a * c[i] - b * s[i];
+                v[i + half] = b * c[i + half] + a * s[i + half];
+            }
+        }
+    }
+}
+
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
+    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+int lp_decode_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
+                            const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
+                            int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *out) {
+    int64_t group = H / KVH, max_len = 0;
+    for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
+    int failed = 0;
+    PARALLEL_IF(B * KVH >= 2 && B * KVH * max_len >= PARALLEL_MIN_ATTENTION)
+    for (int64_t item = 0; item < B * KVH; item++) {
+        int64_t b = item / KVH, g = item % KVH, n = lens[b];
+        float *p = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1)));
+        if (!p) {
+            failed = 1;
+            continue;
+        }
+        const int64_t *table = tables + b * max_blocks;
+        /* scores for the group's query heads, then softmax per head */
+        for (int64_t j = 0; j < n; j++) {
+            const float *kj = k + ((table[j / bs] * bs + j % bs) * KVH + g) * D;
+            for (int64_t r = 0; r < group; r++) p[r * n + j] = scale * dot(q + b * q_stride + (g * group + r) * D, kj, D);
+        }
+        for (int64_t r = 0; r < group; r++) {
+            float *pr = p + r * n, m = -INFINITY, sum = 0.0f;
+            for (int64_t j = 0; j < n; j++) m = pr[j] > m ? pr[j] : m;
+            for (int64_t j = 0; j < n; j++) {
+                pr[j] = expf(pr[j] - m);
+                sum += pr[j];
+            }
+            float inv = 1.0f / sum;
+            float *o = out + (b * H + g * group + r) * D;
+            for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+            for (int64_t j = 0; j < n; j++) {
+                const float *vj = v + ((table[j / bs] * bs + j % bs) * KVH + g) * D;
+                float wj = pr[j] * inv;
+                for (int64_t i = 0; i < D; i++) o[i] += wj * vj[i];
+            }
+        }
+        free(p);
+    }
+    return failed ? -1 : 0;
+}

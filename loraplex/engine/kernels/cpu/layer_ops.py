@@ -1,0 +1,106 @@
+"""Fused per-layer CPU ops through layer_ops.c (see its Semantics). fp32, contiguous CPU tensors.
+
+These sit on a decode step's hot path, so the checks here are the cheap ones that keep a wrong
+call from reading out of bounds: dtype, device, layout and matching sizes.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from loraplex.engine.kernels.cpu.build import function
+
+_P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+@functools.cache
+def _fns() -> dict | None:
+    sigs = {
+        "lp_add_rms_norm_f32": (None, [_P, _P, _P, _I64, _I64, _F, _P]),
+        "lp_rope_f32": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
+        "lp_decode_attention_f32": (ctypes.c_int, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
+                                                   _F, _P]),
+    }
+    fns = {name: function(name, *sig) for name, sig in sigs.items()}
+    return None if any(f is None for f in fns.values()) else fns
+
+
+def layer_ops_available() -> bool:
+    return _fns() is not None
+
+
+def _need(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype = torch.float32, rows: bool = False) -> None:
+    """Checks dtype, device and layout; `rows`: only the last dimension must be dense (row views)."""
+    dense = t.stride(-1) == 1 if rows else t.is_contiguous()
+    if t.dim() != ndim or t.dtype != dtype or t.device.type != "cpu" or not dense:
+        raise ValueError(f"{name} must be a {'row-dense' if rows else 'contiguous'} {ndim}-d {dtype} CPU tensor, "
+                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
+
+
+def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """h += delta in place (the residual stream), then returns rms_norm(h) * w. h, delta: [T, H]."""
+    fns = _fns()
+    _need("h", h, 2)
+    _need("w", w, 1)
+    if delta is not None:
+        _need("delta", delta, 2)
+        if delta.shape != h.shape:
+            raise ValueError(f"delta has shape {tuple(delta.shape)}, h has {tuple(h.shape)}")
+    if w.shape[0] != h.shape[1]:
+        raise ValueError(f"norm weight has {w.shape[0]} entries for hidden size {h.shape[1]}")
+    out = torch.empty_like(h)
+    fns["lp_add_rms_norm_f32"](h.data_ptr(), None if delta is None else delta.data_ptr(), w.data_ptr(),
+                               h.shape[0], h.shape[1], eps, out.data_ptr())
+    return out
+
+
+def rope_(x: torch.Tensor, n_heads: int, head_dim: int, positions: torch.Tensor, cos: torch.Tensor,
+          sin: torch.Tensor) -> None:
+    """Rotates the first n_heads heads of each row of x [T, >= n_heads * head_dim] in place.
+    positions: [T] int64, each in [0, max_pos): the caller checks them once per step, not per layer;
+    cos, sin: [max_pos, head_dim]."""
+    fns = _fns()
+    _need("x", x, 2, rows=True)
+    _need("positions", positions, 1, torch.int64)
+    _need("cos", cos, 2)
+    _need("sin", sin, 2)
+    if x.shape[1] < n_heads * head_dim or cos.shape[1] != head_dim or sin.shape != cos.shape:
+        raise ValueError(f"rope: x {tuple(x.shape)}, {n_heads} heads of {head_dim}, tables {tuple(cos.shape)}")
+    if positions.shape[0] != x.shape[0]:
+        raise ValueError(f"rope: {positions.shape[0]} positions for {x.shape[0]} rows")
+    fns["lp_rope_f32"](x.data_ptr(), x.shape[0], x.stride(0), n_heads, head_dim, positions.data_ptr(),
+                       cos.data_ptr(), sin.data_ptr())
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
+    """Attention of one query token per sequence over its paged context (no K/V gather).
+
+    q: [B, H, D] (rows may be strided, heads dense); k_cache, v_cache: [blocks, block_size, KVH, D];
+    tables: [B, max_blocks] int64 block ids; lens: [B] int64 context lengths, each <= max_len
+    (the caller's host-side maximum, so no device read is needed). Returns [B, H, D].
+    """
+    fns = _fns()
+    if q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.dtype != torch.float32:
+        raise ValueError(f"q must be [B, H, D] fp32 with dense heads, got {tuple(q.shape)} strides {q.stride()}")
+    _need("k_cache", k_cache, 4)
+    _need("v_cache", v_cache, 4)
+    _need("tables", tables, 2, torch.int64)
+    _need("lens", lens, 1, torch.int64)
+    b, h, d = q.shape
+    n_blocks, bs, kvh, dk = k_cache.shape
+    if v_cache.shape != k_cache.shape or dk != d or h % kvh or tables.shape[0] != b or lens.shape[0] != b:
+        raise ValueError(f"decode attention: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
+                         f"tables {tuple(tables.shape)}, lens {tuple(lens.shape)} do not match")
+    if max_len > tables.shape[1] * bs:
+        raise ValueError(f"decode attention: context {max_len} exceeds {tables.shape[1]} blocks of {bs}")
+    out = torch.empty(b, h, d, dtype=torch.float32)
+    rc = fns["lp_decode_attention_f32"](q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
+                                        tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, h, kvh, d, bs,
+                                        scale, out.data_ptr())
+    if rc:
+        raise MemoryError("decode attention: out of memory for the score buffer")
+    return out

@@ -1,0 +1,73 @@
+"""Linear layers over packed weights on the CPU, through linear.c (see its Semantics)."""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import torch
+
+from loraplex.engine.kernels.cpu.build import function
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+
+
+@functools.cache
+def _fns() -> dict | None:
+    sigs = {
+        "lp_packed_size": (_I64, [_I64, _I64]),
+        "lp_pack_f32": (None, [_P, _I64, _I64, _P]),
+        "lp_linear_packed_f32": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P]),
+    }
+    fns = {name: function(name, *sig) for name, sig in sigs.items()}
+    return None if any(f is None for f in fns.values()) else fns
+
+
+def linear_available() -> bool:
+    return _fns() is not None
+
+
+@dataclass(frozen=True)
+class PackedWeight:
+    """A weight [out_features, in_features] in linear.c's panel layout (flat fp32 storage)."""
+
+    data: torch.Tensor
+    out_features: int
+    in_features: int
+
+
+def pack(w: torch.Tensor) -> PackedWeight:
+    """Packs a weight [out, in] (fp32, CPU) once, at model load."""
+    fns = _fns()
+    _need("w", w, 2)
+    n, k = w.shape
+    data = torch.empty(fns["lp_packed_size"](n, k), dtype=torch.float32)
+    fns["lp_pack_f32"](w.data_ptr(), n, k, data.data_ptr())
+    return PackedWeight(data, n, k)
+
+
+def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, W, bias) for x [tokens, in] (rows may be strided, features dense) -> [tokens, out]."""
+    fns = _fns()
+    if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
+        raise ValueError(f"x must be a 2-d float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
+    if x.shape[1] != w.in_features:
+        raise ValueError(f"x has {x.shape[1]} features but the weight expects {w.in_features}")
+    if bias is not None:
+        _need("bias", bias, 1)
+        if bias.shape[0] != w.out_features:
+            raise ValueError(f"bias has {bias.shape[0]} entries for {w.out_features} outputs")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
+    fns["lp_linear_packed_f32"](x.data_ptr(), x.shape[0], max(x.stride(0), w.in_features), w.in_features,
+                                w.data.data_ptr(), w.out_features, None if bias is None else bias.data_ptr(),
+                                y.data_ptr())
+    return y
+
+
+def _need(name: str, t: torch.Tensor, ndim: int) -> None:
+    if t.dim() != ndim or t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{name} must be a contiguous {ndim}-d float32 CPU tensor, got {t.dtype} "
+                         f"{tuple(t.shape)} on {t.device}")

@@ -1,0 +1,112 @@
+"""The decoder's per-layer operations, in two implementations chosen once per model.
+
+`TorchOps` runs anywhere (CUDA, CPU, any dtype). `CpuKernelOps` replaces the projections (over
+weights packed once), the residual add + RMSNorm, RoPE and decode attention with the C kernels of
+kernels/cpu when the model runs on the CPU in fp32 and the kernels are built; results agree with
+TorchOps to float rounding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    # x: [tokens, hidden]; statistics in fp32 whatever the model dtype.
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op on the fp32 path
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE. x: [tokens, heads, head_dim]; cos, sin: [tokens, 1, head_dim] with each
+    half-frequency repeated twice, so x * cos + rotate_half(x) * sin is the rotation."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.addcmul(x * cos, torch.cat((-x2, x1), dim=-1), sin)
+
+
+class TorchOps:
+    decode_attention = None  # paged_attention's own gather + SDPA
+
+    def __init__(self, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_pos, head_dim]
+
+    def rope_state(self, positions: torch.Tensor):
+        """Once per forward, what rope_qk needs for these positions [tokens]: here the per-token
+        cos and sin rows [tokens, 1, head_dim]."""
+        cos = torch.index_select(self.rope_cos, 0, positions).unsqueeze(1)
+        return cos, torch.index_select(self.rope_sin, 0, positions).unsqueeze(1)
+
+    def prepare(self, w: torch.Tensor):
+        """A projection weight [out, in] as `linear` takes it (done once, at model load)."""
+        return w
+
+    def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return F.linear(x, w, bias)  # x: [tokens, in]; w: [out, in] -> [tokens, out]
+
+    def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
+                     eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(h + delta, rms_norm(h + delta) * w): the residual stream and the next sublayer's input."""
+        if delta is not None:
+            h = h + delta
+        return h, rms_norm(h, w, eps)
+
+    def rope_qk(self, qkv: torch.Tensor, rope, n_heads: int, n_kv_heads: int,
+                head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] rotated, from the fused qkv
+        rows [tokens, q + 2 kv]; `rope` is rope_state(positions)."""
+        n_qk = n_heads + n_kv_heads
+        qk = apply_rope(qkv[:, :n_qk * head_dim].view(qkv.shape[0], n_qk, head_dim), *rope)
+        return qk[:, :n_heads], qk[:, n_heads:]
+
+
+class CpuKernelOps(TorchOps):
+    def __init__(self, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+        super().__init__(rope_cos, rope_sin)
+        from loraplex.engine.kernels.cpu import layer_ops, linear
+
+        self.k, self.lin = layer_ops, linear
+
+    def rope_state(self, positions):
+        # checked here once per forward; the C kernel indexes the tables with them
+        if positions.numel() and (int(positions.min()) < 0 or int(positions.max()) >= self.rope_cos.shape[0]):
+            raise ValueError(f"positions must lie in [0, {self.rope_cos.shape[0]})")
+        return positions.contiguous()
+
+    def prepare(self, w):
+        return self.lin.pack(w)  # linear.c's panel layout
+
+    def linear(self, x, w, bias=None):
+        return self.lin.packed_linear(x, w, bias)
+
+    def add_rms_norm(self, h, delta, w, eps):
+        if h.is_contiguous() and (delta is None or delta.is_contiguous()):
+            return h, self.k.add_rms_norm(h, delta, w, eps)  # h updated in place
+        return super().add_rms_norm(h, delta, w, eps)
+
+    def decode_attention(self, q, k_cache, v_cache, meta):
+        # q: [decodes, heads, head_dim], straight from the paged cache: no K/V gather, no mask
+        return self.k.decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens,
+                                       meta.decode_max_len, 1.0 / math.sqrt(q.shape[2]))
+
+    def rope_qk(self, qkv, rope, n_heads, n_kv_heads, head_dim):
+        self.k.rope_(qkv, n_heads + n_kv_heads, head_dim, rope, self.rope_cos, self.rope_sin)  # in place
+        t = qkv.shape[0]
+        q = qkv[:, :n_heads * head_dim].view(t, n_heads, head_dim)
+        k = qkv[:, n_heads * head_dim:(n_heads + n_kv_heads) * head_dim].view(t, n_kv_heads, head_dim)
+        return q, k
+
+
+def ops_for(rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> TorchOps:
+    if rope_cos.device.type == "cpu" and rope_cos.dtype == torch.float32:
+        from loraplex.engine.kernels.cpu.layer_ops import layer_ops_available
+        from loraplex.engine.kernels.cpu.linear import linear_available
+
+        if linear_available() and layer_ops_available():
+            return CpuKernelOps(rope_cos, rope_sin)
+    return TorchOps(rope_cos, rope_sin)
