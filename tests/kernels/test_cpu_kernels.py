@@ -47,6 +47,15 @@ def test_packed_linear_matches_f_linear(m, n, k):
     torch.testing.assert_close(packed_linear(x, pw, b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+def test_packed_kernel_blocks_rows_beyond_its_dispatch_limit(monkeypatch):
+    from loraplex.engine.kernels.cpu import linear
+
+    monkeypatch.setattr(linear, "PACKED_MAX_ROWS", 10**6)  # C's 64-row blocks, not MKL
+    g = torch.Generator().manual_seed(1)
+    x, w, b = torch.randn(200, 96, generator=g), torch.randn(50, 96, generator=g), torch.randn(50, generator=g)
+    torch.testing.assert_close(packed_linear(x, pack(w), b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
 def test_packed_linear_takes_row_views():
     g = torch.Generator().manual_seed(0)
     rows, w = torch.randn(6, 100, generator=g), torch.randn(30, 64, generator=g)
@@ -121,14 +130,15 @@ def _paged(seqs_k, seqs_v, block_size, num_blocks, g):
     return k_cache, v_cache, torch.tensor([t + [0] * (width - len(t)) for t in tables])
 
 
+@pytest.mark.parametrize("q_scale", [1.0, 30.0])  # 30: peaked softmax, most weights underflow
 @pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_decode_attention_matches_sdpa(heads, kv_heads):
+def test_decode_attention_matches_sdpa(heads, kv_heads, q_scale):
     g = torch.Generator().manual_seed(heads * 10 + kv_heads)
     d, bs, lens = 64, 16, [1, 17, 100, 33]
     ks = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
     vs = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
     k_cache, v_cache, tables = _paged(ks, vs, bs, 32, g)
-    q_rows = torch.randn(len(lens), heads * d + 40, generator=g)  # strided rows, like views into qkv
+    q_rows = torch.randn(len(lens), heads * d + 40, generator=g) * q_scale  # strided rows, like views into qkv
     q = q_rows[:, :heads * d].view(len(lens), heads, d)
     out = decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), max(lens), 1 / math.sqrt(d))
     for b in range(len(lens)):

@@ -74,6 +74,58 @@ void lp_rope_f32(float *x, int64_t T, int64_t stride, int64_t n_heads, int64_t D
     }
 }
 
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* e^x for 8 lanes, x <= 0 here (scores minus their maximum): 2^n * p(r) with x = n ln2 + r,
+ * |r| <= ln2 / 2, p a degree-7 Taylor-like polynomial; relative error ~2e-7, like expf. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  /* ln2, split in two */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(1.428606765330187e-06f), r);
+    __m256 p = _mm256_set1_ps(1.0f / 5040);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 720));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 120));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 24));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f / 6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.5f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+/* p[j] = e^(p[j] - m) for j < n; returns their sum. */
+static float exp_shift_sum(float *p, int64_t n, float m) {
+    __m256 acc = _mm256_setzero_ps(), mv = _mm256_set1_ps(m);
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + j), mv));
+        _mm256_storeu_ps(p + j, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float lanes[8], sum = 0.0f;
+    _mm256_storeu_ps(lanes, acc);
+    for (int l = 0; l < 8; l++) sum += lanes[l];
+    for (; j < n; j++) {
+        p[j] = expf(p[j] - m);
+        sum += p[j];
+    }
+    return sum;
+}
+#else
+static float exp_shift_sum(float *p, int64_t n, float m) {
+    float sum = 0.0f;
+    for (int64_t j = 0; j < n; j++) {
+        p[j] = expf(p[j] - m);
+        sum += p[j];
+    }
+    return sum;
+}
+#endif
+
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc[8] = {0};
     int64_t i = 0;
@@ -105,13 +157,9 @@ int lp_decode_attention_f32(const float *q, int64_t q_stride, const float *k, co
             for (int64_t r = 0; r < group; r++) p[r * n + j] = scale * dot(q + b * q_stride + (g * group + r) * D, kj, D);
         }
         for (int64_t r = 0; r < group; r++) {
-            float *pr = p + r * n, m = -INFINITY, sum = 0.0f;
+            float *pr = p + r * n, m = -INFINITY;
             for (int64_t j = 0; j < n; j++) m = pr[j] > m ? pr[j] : m;
-            for (int64_t j = 0; j < n; j++) {
-                pr[j] = expf(pr[j] - m);
-                sum += pr[j];
-            }
-            float inv = 1.0f / sum;
+            float inv = 1.0f / exp_shift_sum(pr, n, m);
             float *o = out + (b * H + g * group + r) * D;
             for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
             for (int64_t j = 0; j < n; j++) {

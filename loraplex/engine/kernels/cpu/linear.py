@@ -28,11 +28,18 @@ def linear_available() -> bool:
     return _fns() is not None
 
 
+# Batches above this many rows go to MKL over the unpacked weight: its cache blocking wins on
+# prefill-sized GEMMs, the packed kernel on decode-sized ones (bench/RESULTS.md).
+PACKED_MAX_ROWS = 64
+
+
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight [out_features, in_features] in linear.c's panel layout (flat fp32 storage)."""
+    """A weight [out_features, in_features] in linear.c's panel layout (flat fp32 storage), with the
+    weight itself (the loaded tensor, no copy) for prefill-sized batches."""
 
     data: torch.Tensor
+    weight: torch.Tensor
     out_features: int
     in_features: int
 
@@ -44,11 +51,13 @@ def pack(w: torch.Tensor) -> PackedWeight:
     n, k = w.shape
     data = torch.empty(fns["lp_packed_size"](n, k), dtype=torch.float32)
     fns["lp_pack_f32"](w.data_ptr(), n, k, data.data_ptr())
-    return PackedWeight(data, n, k)
+    return PackedWeight(data, w, n, k)
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, W, bias) for x [tokens, in] (rows may be strided, features dense) -> [tokens, out]."""
+    if x.dim() == 2 and x.shape[0] > PACKED_MAX_ROWS:
+        return torch.nn.functional.linear(x, w.weight, bias)
     fns = _fns()
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
         raise ValueError(f"x must be a 2-d float32 CPU tensor, got {x.dtype} {tuple(x.shape)} on {x.device}")
