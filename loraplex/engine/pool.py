@@ -26,6 +26,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.frontend import RequestFrontend, kv_blocks
 from loraplex.engine.lora.peft import load_peft_adapter
+from loraplex.engine.models.layer_ops import weight_copies
 from loraplex.engine.models.llama import LlamaConfig
 from loraplex.engine.models.loader import LoadedModel, ModelSource, load_model, resolve_model
 from loraplex.engine.sched.request import Request
@@ -98,11 +99,12 @@ class ModelPool:
             raise InvalidRequestError(f"model {name!r} cannot be loaded from {source or name}: {e}", "model") from e
         weight_bytes = loaded.config.num_params() * cfg.torch_dtype.itemsize
         kv_bytes = kv_blocks(cfg, loaded.config) * cfg.block_size * loaded.config.kv_bytes_per_token(cfg.torch_dtype)
-        if weight_bytes + kv_bytes > self.budget:
+        device_bytes = weight_bytes * weight_copies(self.device, cfg.torch_dtype) + kv_bytes
+        if device_bytes > self.budget:
             raise InvalidRequestError(
-                f"model {name!r} needs {(weight_bytes + kv_bytes) / 2**20:.0f} MiB (weights + KV cache) but the "
+                f"model {name!r} needs {device_bytes / 2**20:.0f} MiB (weights + KV cache) but the "
                 f"whole model memory budget is {self.budget / 2**20:.0f} MiB", "model")
-        entry = ModelEntry(name, src, cfg, loaded.config, weight_bytes + kv_bytes, weight_bytes, pinned=pinned)
+        entry = ModelEntry(name, src, cfg, loaded.config, device_bytes, weight_bytes, pinned=pinned)
         entry.frontend = RequestFrontend(name, loaded.tokenizer, loaded.config, cfg,
                                          lambda a, e=entry: a in e.adapters and a not in e.removing)
         with self._lock:
@@ -217,9 +219,11 @@ class ModelPool:
         if name in self.models:
             raise InvalidRequestError(f"model {name!r} is already registered", "model")
         mcfg = core.loaded.config
-        weight_bytes = mcfg.num_params() * core.runner.model.dtype.itemsize
-        kv_bytes = core.pool.num_blocks * core.pool.block_size * mcfg.kv_bytes_per_token(core.runner.model.dtype)
-        entry = ModelEntry(name, resolve_model(name), core.config, mcfg, weight_bytes + kv_bytes, weight_bytes,
+        dtype = core.runner.model.dtype
+        weight_bytes = mcfg.num_params() * dtype.itemsize
+        kv_bytes = core.pool.num_blocks * core.pool.block_size * mcfg.kv_bytes_per_token(dtype)
+        device_bytes = weight_bytes * weight_copies(self.device, dtype) + kv_bytes
+        entry = ModelEntry(name, resolve_model(name), core.config, mcfg, device_bytes, weight_bytes,
                            pinned=pinned, tier="device", core=core, last_used=time.monotonic())
         entry.frontend = RequestFrontend(name, core.tokenizer, mcfg, core.config,
                                          lambda a, e=entry: a in e.adapters and a not in e.removing)

@@ -6,11 +6,13 @@ import asyncio
 import time
 
 import pytest
+import torch
 
 from loraplex.engine.api import GenerateRequest, InvalidRequestError, ModelNotFoundError, SamplingParams
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.models.layer_ops import weight_copies
 from loraplex.engine.pool import ModelPool
 from tests.conftest import _loaded
 from tests.lora_factory import make_peft_dir
@@ -19,13 +21,20 @@ SMALL = EngineConfig(device="cpu", dtype="float32", num_kv_blocks=32)
 NAMES = ["m1", "m2", "m3"]
 
 
+def host_bytes() -> int:
+    """One model's weights, what the CPU tier holds."""
+    return _loaded("synthetic:tiny").config.num_params() * 4
+
+
 def model_bytes() -> int:
-    cfg = _loaded("synthetic:tiny").config
-    return cfg.num_params() * 4 + 32 * 16 * cfg.kv_bytes_per_token(SMALL.torch_dtype)
+    """What the pool counts for one resident model: weights (twice with the CPU kernels' packed
+    copy) and the KV pool."""
+    copies = weight_copies(torch.device("cpu"), torch.float32)
+    return host_bytes() * copies + 32 * 16 * _loaded("synthetic:tiny").config.kv_bytes_per_token(SMALL.torch_dtype)
 
 
 def make_pool(fit: float = 2.5, cpu_fit: float = 10.0) -> ModelPool:
-    pool = ModelPool(memory_budget=int(fit * model_bytes()), cpu_budget_bytes=int(cpu_fit * model_bytes()),
+    pool = ModelPool(memory_budget=int(fit * model_bytes()), cpu_budget_bytes=int(cpu_fit * host_bytes()),
                      device="cpu")
     for i, name in enumerate(NAMES):
         pool.register_model(name, f"synthetic:tiny:{i + 1}", config=SMALL)

@@ -102,11 +102,21 @@ class CpuKernelOps(TorchOps):
         return q, k
 
 
-def ops_for(rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> TorchOps:
-    if rope_cos.device.type == "cpu" and rope_cos.dtype == torch.float32:
-        from loraplex.engine.kernels.cpu.layer_ops import layer_ops_available
-        from loraplex.engine.kernels.cpu.linear import linear_available
+def uses_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or dtype != torch.float32:
+        return False
+    from loraplex.engine.kernels.cpu.layer_ops import layer_ops_available
+    from loraplex.engine.kernels.cpu.linear import linear_available
 
-        if linear_available() and layer_ops_available():
-            return CpuKernelOps(rope_cos, rope_sin)
-    return TorchOps(rope_cos, rope_sin)
+    return linear_available() and layer_ops_available()
+
+
+def weight_copies(device: torch.device, dtype: torch.dtype) -> int:
+    """Copies of the weights a resident model holds: 2 with the CPU kernels (the loaded weights,
+    which prefill-sized GEMMs and reloads use, and the packed projections), else 1."""
+    return 2 if uses_cpu_kernels(device, dtype) else 1
+
+
+def ops_for(rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> TorchOps:
+    kind = CpuKernelOps if uses_cpu_kernels(rope_cos.device, rope_cos.dtype) else TorchOps
+    return kind(rope_cos, rope_sin)
