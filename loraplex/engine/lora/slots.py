@@ -249,15 +249,21 @@ class LoraSlots:
                 self.lora_b[layer][f][slot].zero_()
 
     def _write_slot(self, slot: int, lora: LoraWeights) -> None:
-        """Overwrites the whole slot: A and scaling * B in their rows, zeros everywhere else."""
+        """Overwrites the whole slot: A and scaling * B in their rows, zeros everywhere else (each
+        element is written once: the rank padding and untargeted slices are zeroed, not the lot)."""
         r_max, rank = self.max_lora_rank, lora.rank
         self.ranks[slot] = rank
         for layer in range(self.config.num_layers):
             for f, rows in self._rows.items():
-                a_buf, b_buf = self.lora_a[layer][f][slot], self.lora_b[layer][f][slot]
-                a_buf.zero_()  # [S * r_max, in]
-                b_buf.zero_()  # [out_total, r_max]
+                a_buf, b_buf = self.lora_a[layer][f][slot], self.lora_b[layer][f][slot]  # [S*r_max, in], [out, r_max]
                 for s, (m, off, width) in enumerate(rows):
-                    if (layer, m) in lora.lora_a:
-                        a_buf[s * r_max:s * r_max + rank].copy_(lora.lora_a[(layer, m)])  # [rank, in]
-                        b_buf[off:off + width, :rank].copy_(lora.lora_b[(layer, m)]).mul_(lora.scaling)
+                    a_rows, b_rows = a_buf[s * r_max:(s + 1) * r_max], b_buf[off:off + width]
+                    if (layer, m) not in lora.lora_a:
+                        a_rows.zero_()
+                        b_rows.zero_()
+                        continue
+                    a_rows[:rank].copy_(lora.lora_a[(layer, m)])  # [rank, in]
+                    torch.mul(lora.lora_b[(layer, m)], lora.scaling, out=b_rows[:, :rank])  # [width, rank]
+                    if rank < r_max:
+                        a_rows[rank:].zero_()
+                        b_rows[:, rank:].zero_()
