@@ -1,12 +1,16 @@
 """The batched, asynchronous ledger writer: the platform's UsageSink.
 
 `emit` only appends to a bounded in-memory queue. A background task writes the queue in batches
-(by size, or every `flush_interval_s`) with ledger_db.write_events. A batch that cannot be
-written goes to the durable spool (spool.py), and so does anything emitted while the queue is
-full; while the database is down, batches go straight to the spool and a write is retried every
-`retry_s`; once one succeeds the spool is replayed. Written twice is harmless (the request_id is
-unique), lost is not: only events still in the queue when the process is killed can be lost;
-a normal shutdown writes or spools them.
+with ledger_db.write_events: a full batch (`batch_size`) at once, anything less every
+`flush_interval_s`. A flush writes what was queued when it began (and full batches that filled
+meanwhile), never the trickle that arrives while it writes: a write costs the event loop about
+the same whether it holds 3 rows or 200, so chasing each write with the next one would keep the
+writer busy all the time under a steady load, in small batches, on the requests' event loop.
+A batch that cannot be written goes to the durable spool (spool.py), and so does anything
+emitted while the queue is full; while the database is down, batches go straight to the spool
+and a write is retried every `retry_s`; once one succeeds the spool is replayed. Written twice
+is harmless (the request_id is unique), lost is not: only events still in the queue when the
+process is killed can be lost; a normal shutdown writes or spools them.
 """
 
 from __future__ import annotations
@@ -97,10 +101,14 @@ class LedgerWriter:
         return self._failed_at is None or time.monotonic() - self._failed_at >= self._retry_s
 
     async def flush(self) -> None:
-        """Writes (or spools) everything queued, then replays the spool if the database answers."""
+        """Writes (or spools) everything queued when it is called, then replays the spool if the
+        database answers. Events queued while it writes wait for the next flush unless they make
+        up a whole batch."""
         async with self._busy:
-            while self._queue:
+            due = len(self._queue)
+            while self._queue and (due > 0 or len(self._queue) >= self._batch_size):
                 batch = [self._queue.popleft() for _ in range(min(len(self._queue), self._batch_size))]
+                due -= len(batch)
                 try:
                     written = self._retry_due() and await self._write(batch)
                 except BaseException:  # cancelled mid-write: it may or may not be in; the spool makes sure
@@ -151,5 +159,6 @@ class LedgerWriter:
             self._wake.set()
             await self._task
             self._task = None
-            await self.flush()
+            while self._queue:  # requests that ended during the last flush
+                await self.flush()
         self.spool.close()

@@ -9,6 +9,10 @@ high-water mark, and every process then *adopts* the new epoch: it adds its char
 ledger did not hold at the mark (reservations in flight, usage not yet written). Nothing is
 counted twice and nothing is missed (tail.py, rebuild.py). When in doubt (Redis failed mid-call,
 so we cannot know whether a script ran) the tenant is marked dirty and its counters are rebuilt.
+The platform emits a request's usage event when it ends and settles it just after, so its ledger
+row may be committed before its settlement ran: a rebuild that counts the row drops the charge,
+and the settlement then has nothing left to change in the counters (what its TPM bucket lent
+comes back as the bucket refills, as for a settlement that could not reach Redis).
 """
 
 from __future__ import annotations
@@ -63,37 +67,41 @@ class Verdict:
 
 class _Gate:
     """Per tenant: store operations run shared, adoption runs alone, so no charge changes state
-    between a script's reply and the bookkeeping that follows it."""
+    between a script's reply and the bookkeeping that follows it. Entering and leaving shared
+    while no adoption waits costs no lock (every request does it twice)."""
 
     def __init__(self) -> None:
-        self._cond = asyncio.Condition()
         self._readers = 0
-        self._writing = False
+        self._open = asyncio.Event()  # no adoption holds the gate or waits for it
+        self._open.set()
+        self._drained = asyncio.Event()  # no shared holder
+        self._drained.set()
+
+    async def _wait_open(self) -> None:
+        while not self._open.is_set():  # another waiter may close it again first
+            await self._open.wait()
 
     @contextlib.asynccontextmanager
     async def shared(self):
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writing)
-            self._readers += 1
+        await self._wait_open()
+        self._readers += 1
+        self._drained.clear()
         try:
             yield
         finally:
-            async with self._cond:
-                self._readers -= 1
-                self._cond.notify_all()
+            self._readers -= 1
+            if not self._readers:
+                self._drained.set()
 
     @contextlib.asynccontextmanager
     async def exclusive(self):
-        async with self._cond:
-            await self._cond.wait_for(lambda: not self._writing)
-            self._writing = True
-            await self._cond.wait_for(lambda: self._readers == 0)
+        await self._wait_open()
+        self._open.clear()
         try:
+            await self._drained.wait()
             yield
         finally:
-            async with self._cond:
-                self._writing = False
-                self._cond.notify_all()
+            self._open.set()
 
 
 class Quota:
@@ -155,6 +163,9 @@ class Quota:
             return {}
 
         async def op(_marker: str) -> Outcome:
+            if charge.epoch is None:  # a rebuild meanwhile counted its ledger row, and not its reservation
+                self._finish(charge, used)
+                return Outcome("ok")
             out = await self.store.settle(charge.tenant_id, charge.epoch, charge, used)
             if out.status == "ok":
                 self._finish(charge, used)
@@ -167,7 +178,7 @@ class Quota:
             charge.epoch = None
             self._finish(charge, used)
             return {}
-        return dict(zip(charge.counters, out.used, strict=True))
+        return dict(zip(charge.counters, out.used, strict=True)) if out.used else {}
 
     def _finish(self, charge: Charge, used: int) -> None:
         charge.used = used
@@ -250,7 +261,8 @@ class Quota:
                     return False
             for charge in moved:
                 charge.epoch = marker
-            for charge in counted:
+            for charge in counted:  # the rebuild read its row: a settlement still to come has nothing to do
+                charge.epoch = None
                 self.tail.discard(charge)
         self._known[tenant_id] = marker
         return True

@@ -11,7 +11,9 @@ Keys, with `P` the prefix and `T` the tenant id:
   P{tT}:rl:k<key>:req|tok   the key's RPM/TPM buckets
 Counter names and limits travel as one space-separated argument each, and admission and
 settlement answer with one space-separated string: on the hot path, what a call costs is mostly
-the number of arguments and reply elements redis-py packs and parses. A tenant's keys share a hash tag; `gen` and
+the number of arguments and reply elements packed and parsed. Every call goes through one
+pipelined connection (redis_pipe.py): concurrent calls share a round trip, and Redis runs this
+process's calls in the order they were made. A tenant's keys share a hash tag; `gen` and
 `instances` do not, so this runs on one Redis server (or a primary with replicas), not on a
 cluster. Redis must not evict keys (maxmemory-policy noeviction): counters evicted inside a live
 epoch would read as zero.
@@ -26,6 +28,7 @@ from redis.exceptions import RedisError
 
 from loraplex.billing.counters import EPOCH_TTL_S, MISSING, REBUILD_LOCK_S, CountersUnavailable, Outcome
 from loraplex.billing.ratelimit import Limits
+from loraplex.billing.redis_pipe import ScriptPipe
 from loraplex.billing.redis_ratelimit import BUCKETS, COMMON, RedisStore, decision
 from loraplex.billing.tail import Charge
 
@@ -169,16 +172,17 @@ def _epoch_id(marker: str) -> str:
 
 
 class RedisCounters(RedisStore):
-    def __init__(self, client: Redis, prefix: str = "loraplex:", dead_after_s: float = 30.0):
+    def __init__(self, client: Redis, prefix: str = "loraplex:", dead_after_s: float = 30.0,
+                 timeout_s: float | None = 0.5):
         super().__init__(client)
         self._prefix = prefix
         self._dead_ms = int(dead_after_s * 1000)
-        self._scripts = {name: client.register_script(src) for name, src in _SCRIPTS.items()}
+        self._pipe = ScriptPipe(client, _SCRIPTS, timeout_s)
 
     @classmethod
     def from_url(cls, url: str, prefix: str = "loraplex:", timeout_s: float = 0.5, **kwargs) -> RedisCounters:
         client = Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s, decode_responses=True)
-        return cls(client, prefix, **kwargs)
+        return cls(client, prefix, timeout_s=timeout_s, **kwargs)
 
     def _tenant(self, tenant_id: int) -> str:
         return f"{self._prefix}{{t{tenant_id}}}"
@@ -195,7 +199,7 @@ class RedisCounters(RedisStore):
 
     async def _run(self, name: str, keys: list[str], args: list) -> object:
         try:
-            return await self._scripts[name](keys=keys, args=args)
+            return await self._pipe.script(name, keys, args)
         except (RedisError, OSError) as exc:
             raise CountersUnavailable(f"Redis: {exc}") from None
 
@@ -249,7 +253,7 @@ class RedisCounters(RedisStore):
 
     async def invalidate(self, tenant_id: int) -> None:
         try:
-            await self._client.delete(self._head(tenant_id)[1])
+            await self._pipe.command("DEL", self._head(tenant_id)[1])
         except (RedisError, OSError) as exc:
             raise CountersUnavailable(f"Redis: {exc}") from None
 
@@ -257,6 +261,10 @@ class RedisCounters(RedisStore):
         keys = [f"{self._prefix}instances", f"{self._prefix}gen"]
         return int(await self._run("heartbeat", keys, [instance, self._dead_ms, secrets.token_hex(4),
                                                        1 if leaving else 0]))
+
+    async def close(self) -> None:
+        await self._pipe.close()
+        await super().close()
 
     async def read(self, tenant_id: int, marker: str,
                    counters: tuple[str, ...]) -> dict[str, tuple[int, int]] | None:

@@ -7,6 +7,7 @@ so the platform imports nothing from the engine but its api module.
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 
 from litestar import Litestar
@@ -43,9 +44,11 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
     async def startup() -> None:
         platform.start_billing()
         platform.not_ready = await _start(platform)
+        _freeze_heap()
 
     async def shutdown() -> None:
         await platform.close()
+        gc.unfreeze()
 
     return Litestar(
         route_handlers=[openai_router, admin_router, admin_billing_router, *ops_handlers],
@@ -73,3 +76,12 @@ async def _start(platform: Platform) -> str | None:
         log.error("database unreachable at startup: %s", type(exc).__name__)
         return "database unreachable"
     return None
+
+
+def _freeze_heap() -> None:
+    """Moves what start-up made (modules, the app, the engine's objects) out of the garbage
+    collector's sight: a full collection otherwise walks all of it, a pause of tens of ms (far
+    more with a model loaded) that lands on whichever requests are in flight. What is frozen is
+    never collected, so garbage is collected first; shutdown unfreezes it (tests make many apps)."""
+    gc.collect()
+    gc.freeze()

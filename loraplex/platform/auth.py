@@ -1,8 +1,9 @@
-"""Bearer-key authentication with a short in-process cache.
+"""Bearer-key authentication with a short in-process cache (cache.py).
 
-A key row is re-read from the database once its cache entry is `ttl_s` old (default 0.5 s), so a
+A key is served from the cache for at most `ttl_s` (default 0.5 s) after its row was read, so a
 key revoked on any instance, or a tenant disabled there, is refused everywhere within that time
-without a message bus; expiry is checked on every request against the cached time, so it is
+without a message bus; a key in use is re-read in the background before that, so requests do
+not wait for the database. Expiry is checked on every request against the cached time, so it is
 exact. Unknown keys are cached too, so a flood of bad keys costs one query per key and TTL.
 Concurrent misses for the same key share one query. The principal carries the budgets of its
 tenant and key, so budget changes also reach every instance within the TTL. While the database
@@ -11,19 +12,20 @@ is down, cached keys keep working for `outage_grace_s` (outage.py).
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import hashlib
 import time
 from dataclasses import dataclass
 from datetime import datetime
 
+from litestar.connection import ASGIConnection
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loraplex.billing.budgets import BudgetRule
 from loraplex.billing.ratelimit import Limits
+from loraplex.platform.cache import RefreshingCache
 from loraplex.platform.db.tables import ApiKey, as_utc, utcnow
 from loraplex.platform.errors import unauthorized
-from loraplex.platform.outage import load_or_stale
 from loraplex.platform.tenancy.budgets import rules_for_key
 from loraplex.platform.tenancy.keys import find_by_secret_hash, hash_key, looks_like_key
 
@@ -49,7 +51,7 @@ class Principal:
     budgets: tuple[BudgetRule, ...] = ()
     default_max_tokens: int | None = None  # the tenant's cap for requests without max_tokens
 
-    @property
+    @functools.cached_property  # the principal is cached with its key: hashed once, not per request
     def cache_salt(self) -> str:
         """Prefix-cache isolation: blocks are shared only within a tenant."""
         return hashlib.sha256(f"loraplex-tenant:{self.tenant_id}".encode()).hexdigest()[:32]
@@ -57,6 +59,23 @@ class Principal:
     @property
     def rate_subject(self) -> str:
         return f"key:{self.key_id}"
+
+
+@dataclass(frozen=True, slots=True)
+class Caller:
+    """An authenticated request: who, and when it arrived (kept in its ASGI scope)."""
+
+    principal: Principal
+    arrived: float  # time.perf_counter(): TTFT and latency count from here, auth included
+    arrived_at: datetime  # the request's time: its budget periods and its price
+
+
+CALLER_KEY = "loraplex.caller"
+
+
+def caller_of(connection: ASGIConnection) -> Caller:
+    """The caller the tenant API's guard authenticated (one scope lookup, no State objects)."""
+    return connection.scope[CALLER_KEY]  # type: ignore[literal-required]
 
 
 def principal_of(row: ApiKey, budgets: tuple[BudgetRule, ...] = ()) -> Principal | str:
@@ -78,12 +97,8 @@ class AuthCache:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], ttl_s: float = 0.5, max_entries: int = 100_000,
                  clock=time.monotonic, outage_grace_s: float = 900.0):
         self._sessions = sessions
-        self._ttl = ttl_s
-        self._grace = outage_grace_s
-        self._max = max_entries
-        self._clock = clock
-        self._entries: dict[str, tuple[float, Principal | str]] = {}
-        self._pending: dict[str, asyncio.Future] = {}
+        self._cache: RefreshingCache[str, Principal | str] = RefreshingCache(
+            self._load, ttl_s, what="API keys", grace_s=outage_grace_s, max_entries=max_entries, clock=clock)
 
     async def authenticate(self, authorization: str | None) -> Principal:
         key = _bearer(authorization)
@@ -91,7 +106,7 @@ class AuthCache:
             raise unauthorized(MISSING_KEY)
         if not looks_like_key(key):
             raise unauthorized(WRONG_KEY)
-        found = await self._lookup(hash_key(key))
+        found = await self._cache.get(hash_key(key))
         if isinstance(found, str):
             raise unauthorized(found)
         if found.expires_at is not None and found.expires_at <= utcnow():
@@ -100,34 +115,7 @@ class AuthCache:
 
     def invalidate(self) -> None:
         """Forgets every entry (after a revocation or a tenant change made on this instance)."""
-        self._entries.clear()
-
-    async def _lookup(self, secret_hash: str) -> Principal | str:
-        entry = self._entries.get(secret_hash)
-        if entry is not None and self._clock() - entry[0] < self._ttl:
-            return entry[1]
-        pending = self._pending.get(secret_hash)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        future = asyncio.get_running_loop().create_future()
-        self._pending[secret_hash] = future
-        try:
-            loaded_at, result = await load_or_stale(lambda: self._load(secret_hash), entry, self._clock(), self._grace,
-                                                    "API keys")
-            future.set_result(result)
-        except BaseException as exc:
-            if isinstance(exc, asyncio.CancelledError):
-                future.cancel()
-            else:
-                future.set_exception(exc)
-                future.exception()  # retrieved here, so a lone caller leaves no "never retrieved" warning
-            raise
-        finally:
-            del self._pending[secret_hash]
-        if len(self._entries) >= self._max:
-            self._entries.clear()
-        self._entries[secret_hash] = (loaded_at, result)
-        return result
+        self._cache.invalidate()
 
     async def _load(self, secret_hash: str) -> Principal | str:
         async with self._sessions() as session:

@@ -4,8 +4,13 @@
 tokens, counts what was generated, stops a generation that outlives the request timeout or whose
 stream fails, and `close()` (idempotent, shielded from cancellation) does the ending exactly once
 whatever happened: aborts the engine request unless it finished (a disconnected client, a
-timeout, an engine failure), settles the budget and rate-limit reservation with the tokens
-actually used, emits the usage event and records the metrics.
+timeout, an engine failure), emits the usage event, records the metrics, and settles the budget
+and rate-limit reservation with the tokens actually used in a background task, so that the
+response does not wait for the round trip to Redis. The settlement is queued on the counters'
+Redis connection when that task first runs (the next event-loop iteration), before this process
+can read the client's next request, and that connection runs calls in order
+(billing/redis_pipe.py): the client's next request to this instance sees the settlement. Other
+instances see it once Redis has run it, a fraction of a millisecond after the response is sent.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from loraplex.billing.usage import UsageEvent, UsageSink
 from loraplex.engine.api import EngineClient, EngineError, GenerateEvent, GenerateRequest, ModelNotFoundError
 from loraplex.platform.admission import Admission, Ticket
 from loraplex.platform.auth import Principal
+from loraplex.platform.background import Background
 from loraplex.platform.errors import model_not_found
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.routing import Target
@@ -39,6 +45,7 @@ class RunContext:
     admission: Admission
     metrics: Metrics
     usage: UsageSink
+    background: Background
     request_timeout_s: float = 0.0  # 0: none
 
 
@@ -134,8 +141,9 @@ class GenerationRun:
             else:
                 with contextlib.suppress(RuntimeError):
                     await self._stream.aclose()
-            await self.ctx.admission.settle(self.ticket, self.prompt_tokens + self.completion_tokens)
-            self._report()
+        self.ctx.background.spawn(self.ctx.admission.settle(self.ticket, self.prompt_tokens + self.completion_tokens),
+                                  name=f"settle {self.request.request_id}")
+        self._report()
 
     async def _abort(self) -> None:
         """Closing the stream aborts the request in AsyncEngine; abort() covers any other engine."""

@@ -91,25 +91,44 @@ def _by_class(family, name: str, documentation: str, values: dict[str, int]):
     return metric
 
 
+class Family:
+    """A labelled metric whose child per label values is looked up once: prometheus_client's
+    labels() checks the values and takes a lock on every call, and the request path calls it
+    several times per request (and per token for the inter-token latency)."""
+
+    def __init__(self, metric):
+        self.metric = metric
+        self._children: dict[tuple, object] = {}
+
+    def labels(self, *values):
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self.metric.labels(*values)
+        return child
+
+
 class Metrics:
     def __init__(self, engine: EngineClient):
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("loraplex_requests", "HTTP requests by endpoint and status code",
-                                ["endpoint", "status"], registry=r)
-        self.ttft = Histogram("loraplex_time_to_first_token_seconds", "Arrival to first generated token",
-                              ["model"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("loraplex_inter_token_latency_seconds", "Time between generated tokens",
-                             ["model"], buckets=_ITL_BUCKETS, registry=r)
-        self.latency = Histogram("loraplex_request_latency_seconds", "Arrival to the last byte of a generation",
-                                 ["endpoint", "status"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.tokens = Counter("loraplex_tokens", "Tokens by tenant, base model and kind (prompt, cached, completion)",
-                              ["tenant", "model", "kind"], registry=r)
+        self.requests = Family(Counter("loraplex_requests", "HTTP requests by endpoint and status code",
+                                       ["endpoint", "status"], registry=r))
+        self.ttft = Family(Histogram("loraplex_time_to_first_token_seconds", "Arrival to first generated token",
+                                     ["model"], buckets=_LATENCY_BUCKETS, registry=r))
+        self.itl = Family(Histogram("loraplex_inter_token_latency_seconds", "Time between generated tokens",
+                                    ["model"], buckets=_ITL_BUCKETS, registry=r))
+        self.latency = Family(Histogram("loraplex_request_latency_seconds",
+                                        "Arrival to the last byte of a generation", ["endpoint", "status"],
+                                        buckets=_LATENCY_BUCKETS, registry=r))
+        self.tokens = Family(Counter("loraplex_tokens",
+                                     "Tokens by tenant, base model and kind (prompt, cached, completion)",
+                                     ["tenant", "model", "kind"], registry=r))
         self.rate_limited = Counter("loraplex_rate_limit_rejections", "Requests refused by a rate limit",
                                     ["limit"], registry=r)
         self.limiter_errors = Counter("loraplex_rate_limiter_errors", "Rate-limit store unreachable (Redis down)",
                                       ["outcome"], registry=r)
-        self.in_flight = Gauge("loraplex_requests_in_flight", "Generations in flight (queue depth) by priority class",
-                               ["priority"], registry=r)
+        self.in_flight = Family(Gauge("loraplex_requests_in_flight",
+                                      "Generations in flight (queue depth) by priority class", ["priority"],
+                                      registry=r))
         for cls in PRIORITY_CLASSES:
             self.in_flight.labels(cls)
         self.disconnects = Counter("loraplex_client_disconnects", "Streams the client left before the end",

@@ -25,7 +25,7 @@ from loraplex.platform import openai_convert as conv
 from loraplex.platform import openai_format as fmt
 from loraplex.platform import schemas as s
 from loraplex.platform.admission import effective_priority
-from loraplex.platform.auth import Principal
+from loraplex.platform.auth import CALLER_KEY, Caller, Principal, caller_of
 from loraplex.platform.errors import invalid, model_not_found
 from loraplex.platform.generation import GenerationRun
 from loraplex.platform.middleware import request_hex
@@ -39,18 +39,19 @@ SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 async def authenticate(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     """A guard, so the key is checked before the body is parsed: no 400 details for strangers."""
     platform: Platform = connection.app.state.platform
-    connection.state.arrived = time.perf_counter()  # TTFT and latency count from here, auth included
-    connection.state.arrived_at = utcnow()  # the request's time: its budget periods and its price
-    connection.state.principal = await platform.auth.authenticate(connection.headers.get("authorization"))
+    arrived, arrived_at = time.perf_counter(), utcnow()
+    principal = await platform.auth.authenticate(connection.headers.get("authorization"))
+    connection.scope[CALLER_KEY] = Caller(principal, arrived, arrived_at)  # type: ignore[literal-required]
 
 
 def _principal(request: Request) -> Principal:
-    return request.state.principal
+    return caller_of(request).principal
 
 
 async def _generate(request: Request, platform: Platform, data: s.ChatCompletionRequest | s.CompletionRequest,
                     prompt: dict, max_tokens: int | None, fmt_cls: type[fmt.Format], endpoint: str) -> Response:
-    principal = _principal(request)
+    who = caller_of(request)
+    principal = who.principal
     conv.check_supported(data)
     target = await platform.router.resolve(principal, data.model)
     priority = effective_priority(principal.max_priority, request.headers.get("x-priority"))
@@ -71,10 +72,10 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
     if max_tokens is None and cap and room:  # the engine must stop where the reservation ends
         max_tokens = min(room, cap)
         gen = dataclasses.replace(gen, sampling=dataclasses.replace(gen.sampling, max_tokens=max_tokens))
-    arrived_at = request.state.arrived_at
-    ticket = await platform.admission.admit(principal, gen.request_id, arrived_at, prompt_tokens, max_tokens or room)
-    run = GenerationRun(platform.runs, gen, principal, target, ticket, prompt_tokens, endpoint,
-                        request.state.arrived, arrived_at)
+    ticket = await platform.admission.admit(principal, gen.request_id, who.arrived_at, prompt_tokens,
+                                            max_tokens or room)
+    run = GenerationRun(platform.runs, gen, principal, target, ticket, prompt_tokens, endpoint, who.arrived,
+                        who.arrived_at)
     try:
         run.start()
     except BaseException:

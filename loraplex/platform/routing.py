@@ -2,7 +2,8 @@
 
 `model` is "<base>", "<base>:<adapter>" or "<adapter>"; adapters are looked up in the caller's
 tenant only, and whatever the key may not use answers exactly as a model that does not exist.
-While the database is down, the cached catalog keeps serving for a while (outage.py).
+The catalog is cached for `catalog_cache_ttl_s` (cache.py: entries in use are re-read in the
+background); while the database is down, the cached catalog keeps serving for a while (outage.py).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
 from loraplex.engine.api import EngineClient, EngineError
 from loraplex.platform.auth import Principal
+from loraplex.platform.cache import RefreshingCache
 from loraplex.platform.errors import PlatformError, model_not_found
-from loraplex.platform.outage import load_or_stale
 from loraplex.platform.tenancy.catalog import find_adapter, list_models
 
 log = logging.getLogger("loraplex.platform")
@@ -45,40 +46,29 @@ class ModelRouter:
     def __init__(self, sessions: async_sessionmaker[AsyncSession], ttl_s: float = 2.0, clock=time.monotonic,
                  outage_grace_s: float = 900.0):
         self._sessions = sessions
-        self._ttl = ttl_s
-        self._grace = outage_grace_s
-        self._clock = clock
-        self._models: tuple[float, frozenset[str]] | None = None
-        self._adapters: dict[tuple[int, str], tuple[float, AdapterRef | None]] = {}
+        self._models: RefreshingCache[None, frozenset[str]] = RefreshingCache(
+            self._load_models, ttl_s, what="models", grace_s=outage_grace_s, clock=clock)
+        self._adapters: RefreshingCache[tuple[int, str], AdapterRef | None] = RefreshingCache(
+            self._load_adapter, ttl_s, what="adapters", grace_s=outage_grace_s, clock=clock)
 
     def invalidate(self) -> None:
-        self._models = None
-        self._adapters.clear()
+        self._models.invalidate()
+        self._adapters.invalidate()
 
     async def base_models(self) -> frozenset[str]:
-        if self._models is None or self._clock() - self._models[0] >= self._ttl:
-            self._models = await load_or_stale(self._load_models, self._models, self._clock(), self._grace, "models")
-        return self._models[1]
+        return await self._models.get(None)
 
-    async def _load_models(self) -> frozenset[str]:
+    async def _load_models(self, _: None) -> frozenset[str]:
         async with self._sessions() as session:
             return frozenset(m.name for m in await list_models(session))
 
     async def adapter(self, tenant_id: int, name: str) -> AdapterRef | None:
-        cached = self._adapters.get((tenant_id, name))
-        if cached is not None and self._clock() - cached[0] < self._ttl:
-            return cached[1]
+        return await self._adapters.get((tenant_id, name))
 
-        async def load() -> AdapterRef | None:
-            async with self._sessions() as session:
-                row = await find_adapter(session, tenant_id, name)
-                return None if row is None else AdapterRef(row.name, row.base_model.name, row.engine_id, row.path)
-
-        if len(self._adapters) > 100_000:
-            self._adapters.clear()
-        found = self._adapters[(tenant_id, name)] = await load_or_stale(load, cached, self._clock(), self._grace,
-                                                                        "adapters")
-        return found[1]
+    async def _load_adapter(self, key: tuple[int, str]) -> AdapterRef | None:
+        async with self._sessions() as session:
+            row = await find_adapter(session, *key)
+            return None if row is None else AdapterRef(row.name, row.base_model.name, row.engine_id, row.path)
 
     async def resolve(self, principal: Principal, requested: str) -> Target:
         bases = await self.base_models()

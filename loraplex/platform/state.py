@@ -21,6 +21,7 @@ from loraplex.billing.usage import FanOutSink, UsageSink
 from loraplex.engine.api import EngineClient
 from loraplex.platform.admission import Admission
 from loraplex.platform.auth import AuthCache
+from loraplex.platform.background import Background
 from loraplex.platform.db.database import make_engine, session_factory
 from loraplex.platform.generation import RunContext
 from loraplex.platform.metrics import Metrics
@@ -67,7 +68,7 @@ class Platform:
             auth=AuthCache(sessions, settings.auth_cache_ttl_s, outage_grace_s=settings.db_outage_grace_s),
             router=ModelRouter(sessions, settings.catalog_cache_ttl_s, outage_grace_s=settings.db_outage_grace_s),
             adapters=EngineAdapters(engine), admission=admission,
-            runs=RunContext(engine, admission, metrics, sink, settings.request_timeout_s))
+            runs=RunContext(engine, admission, metrics, sink, Background(), settings.request_timeout_s))
 
     def catalog_changed(self) -> None:
         """Called after a write through this instance, so it sees the change at once."""
@@ -80,7 +81,13 @@ class Platform:
         self._reconciler = asyncio.create_task(self.quota.run(self.settings.reconcile_interval_s),
                                                name="budget-reconciler")
 
+    async def flush_usage(self) -> None:
+        """Settles what the requests that ended still owe, then writes the ledger's queue."""
+        await self.runs.background.drain()
+        await self.ledger.flush()
+
     async def close(self) -> None:
+        await self.runs.background.drain()  # settlements and usage of the last requests
         if self._reconciler is not None:
             self._reconciler.cancel()
             with contextlib.suppress(asyncio.CancelledError):

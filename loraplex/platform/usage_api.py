@@ -10,6 +10,7 @@ from loraplex.billing.exports import Directory, invoice_lines
 from loraplex.billing.periods import PeriodError, current_month, parse_period
 from loraplex.billing.rebuild import tenant_usage
 from loraplex.billing.usage import utcnow
+from loraplex.platform.auth import caller_of
 from loraplex.platform.errors import invalid
 from loraplex.platform.state import PlatformDep
 
@@ -19,7 +20,7 @@ _TOTAL_FIELDS = ("currency", "requests", "input_tokens", "cached_input_tokens", 
 
 @get("/usage", summary="The caller's tenant's usage and cost for a period, and its budgets")
 async def usage(request: Request, platform: PlatformDep, period: FromQuery[str | None] = None) -> dict:
-    principal = request.state.principal
+    principal = caller_of(request).principal
     now = utcnow()
     try:
         span = parse_period(period) if period else current_month(now)

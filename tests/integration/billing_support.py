@@ -90,8 +90,9 @@ def in_app(client: TestClient, fn, *args):
 
 
 def flush(*clients: TestClient) -> None:
+    """Every request that ended is settled and its usage written (settlement runs after the response)."""
     for client in clients:
-        in_app(client, platform_of(client).ledger.flush)
+        in_app(client, platform_of(client).flush_usage)
 
 
 def new_tenant(client: TestClient, prefix: str = "bill", **fields) -> tuple[str, int, str]:

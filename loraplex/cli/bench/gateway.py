@@ -5,7 +5,9 @@ is the whole request path (HTTP, auth, model resolution, rate limits in Redis, u
 metrics, JSON) and not the model. The same engine is also called directly, in the same run and at
 the same open-loop rate, and the difference of the latency percentiles is the added latency.
 The gateway runs as one uvicorn worker in its own process (one core); the load generator is a
-plain keep-alive HTTP/1.1 client on the other core, so its own cost stays small.
+plain keep-alive HTTP/1.1 client on the other core, so its own cost stays small. The gateway
+process's CPU time per request during the max_rps run is reported too: on a shared machine it
+moves far less from run to run than the latencies do.
 """
 
 from __future__ import annotations
@@ -184,7 +186,8 @@ class Pool:
             conn.close()
 
 
-async def _closed_loop(pool: Pool, concurrency: int, seconds: float) -> tuple[float, int]:
+async def _closed_loop(pool: Pool, concurrency: int, seconds: float) -> tuple[float, int, int]:
+    """(requests/s, failures, requests) with `concurrency` connections sending back to back."""
     done = failures = 0
     stop = time.perf_counter() + seconds
 
@@ -197,7 +200,7 @@ async def _closed_loop(pool: Pool, concurrency: int, seconds: float) -> tuple[fl
 
     began = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return done / (time.perf_counter() - began), failures
+    return done / (time.perf_counter() - began), failures, done
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
@@ -220,21 +223,36 @@ async def _direct(engine: FixedEngine, rate: float, count: int, tokens: int) -> 
     return await _open_loop(call, rate, count)
 
 
-async def _measure(port: int, key: str, rate: float, seconds: float, concurrency: int, tokens: int) -> dict:
+def _cpu_seconds(pid: int) -> float | None:
+    """User + system CPU time of a process (Linux), or None."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _measure(port: int, key: str, rate: float, seconds: float, concurrency: int, tokens: int,
+                   pid: int) -> dict:
     count = int(rate * seconds)
     direct, direct_failures = await _direct(FixedEngine(tokens), rate, count, tokens)
     pool = Pool(port, _request_bytes(key, port, tokens))  # opened after, so no connection idles out
     try:
         await _open_loop(pool.call, rate, int(rate))  # warm-up: caches, connections, code paths
         gateway, gateway_failures = await _open_loop(pool.call, rate, count)
-        max_rps, max_failures = await _closed_loop(pool, concurrency, seconds)
+        cpu_before = _cpu_seconds(pid)
+        max_rps, max_failures, done = await _closed_loop(pool, concurrency, seconds)
+        cpu_after = _cpu_seconds(pid)
     finally:
         pool.close()
     g, d = _percentiles(gateway), _percentiles(direct)
+    # The gateway's own CPU per request at max_rps: steadier than latency on a shared, noisy machine.
+    cpu_ms = None if cpu_before is None or cpu_after is None or not done else \
+        round((cpu_after - cpu_before) * 1000 / done, 3)
     return {
         "added_latency_ms": {q: round(g[q] - d[q], 3) for q in ("p50", "p90", "p99", "mean")},
         "gateway_latency_ms": g, "direct_latency_ms": d, "rate_rps": rate, "requests": count,
-        "max_rps": round(max_rps, 1), "max_rps_concurrency": concurrency,
+        "max_rps": round(max_rps, 1), "max_rps_concurrency": concurrency, "gateway_cpu_ms_per_request": cpu_ms,
         "failures": {"gateway": gateway_failures, "direct": direct_failures, "max_rps": max_failures},
     }
 
@@ -285,7 +303,7 @@ def run_gateway_bench(database_url: str | None, redis_url: str | None, rate: flo
             proc.start()
             try:
                 asyncio.run(_wait_ready(port, proc))
-                results = asyncio.run(_measure(port, key, rate, seconds, concurrency, tokens))
+                results = asyncio.run(_measure(port, key, rate, seconds, concurrency, tokens, proc.pid))
             finally:
                 proc.terminate()
                 proc.join(30)
