@@ -23,6 +23,7 @@ from loraplex.engine.kernels.lora_ops import (
 )
 from loraplex.engine.kernels.reference import ref_expand, ref_lora_shrink_expand, ref_shrink
 from loraplex.engine.kernels.sgmv import sgmv_expand, sgmv_shrink
+from tests.kernels import lora_batches
 
 assert os.environ.get("TRITON_INTERPRET") == "1", "tests/kernels/conftest.py sets TRITON_INTERPRET=1"
 
@@ -55,30 +56,8 @@ def make_weights(module: str, r_max: int, dtype: torch.dtype, seed: int = 0, ran
     return a.to(dtype), b.to(dtype), widths
 
 
-def request_slots(pattern: str, n: int, with_base: bool, rng: np.random.Generator) -> list[int]:
-    if pattern == "distinct":
-        slots = list(rng.permutation(NUM_SLOTS)[:n])
-    elif pattern == "uniform":
-        slots = list(rng.integers(0, NUM_SLOTS, n))
-    elif pattern.startswith("zipf:"):
-        p = 1.0 / np.arange(1, NUM_SLOTS + 1) ** float(pattern[5:])
-        slots = list(rng.choice(NUM_SLOTS, n, p=p / p.sum()))
-    elif pattern == "identical":
-        slots = [5] * n
-    elif pattern == "skewed":  # one hot adapter, a few rare ones
-        slots = [3 if rng.random() < 0.75 else int(rng.integers(8, NUM_SLOTS)) for _ in range(n)]
-    else:
-        raise AssertionError(pattern)
-    if with_base:
-        slots[:: 3] = [-1] * len(slots[:: 3])
-    return [int(s) for s in slots]
-
-
 def make_batch(pattern: str, shape: str, with_base: bool, seed: int = 0) -> LoraBatchIndex:
-    """prefill: a few requests with long prompts (segments); decode: one token per request."""
-    rng = np.random.default_rng(seed)
-    lens = [int(v) for v in rng.integers(5, 20, 4)] if shape == "prefill" else [1] * 16
-    return LoraBatchIndex.from_segments(lens, request_slots(pattern, len(lens), with_base, rng))
+    return lora_batches.make_batch(pattern, shape, with_base, NUM_SLOTS, seed)
 
 
 def inputs(index: LoraBatchIndex, module: str, dtype: torch.dtype, seed: int = 1):
@@ -326,7 +305,7 @@ def test_bad_launcher_inputs_raise() -> None:
 
 def sorted_batch(pattern: str, with_base: bool, seed: int) -> LoraBatchIndex:
     """A decode batch sorted by slot, as the scheduler orders it: one run of tokens per slot."""
-    slots = sorted(request_slots(pattern, 16, with_base, np.random.default_rng(seed)))
+    slots = sorted(lora_batches.request_slots(pattern, 16, with_base, np.random.default_rng(seed), NUM_SLOTS))
     return LoraBatchIndex.from_token_slots(slots)
 
 

@@ -28,6 +28,7 @@ import functools
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -45,6 +46,16 @@ GROUPED_MIN_SEGMENTS = 3
 HEAVY_SEGMENT = 4
 # Slices per fused projection the kernels take (qkv = 3, gate_up = 2, o / down = 1).
 MAX_SLICES = 4
+
+
+class SlotGroups(NamedTuple):
+    """A batch's LoRA tokens grouped by slot (host tensors): one group per slot, however its tokens
+    are spread over the batch, so a kernel reads each adapter's weights once per call."""
+
+    rows: torch.Tensor  # [num_rows] int32 token indices, each slot's tokens together, in token order
+    groups: torch.Tensor  # [num_groups, 3] int32 (slot, begin, end): tokens rows[begin:end] use slot
+    num_rows: int
+    num_groups: int
 
 
 @dataclass(frozen=True)
@@ -126,6 +137,20 @@ class LoraBatchIndex:
         if max(slots) - min(slots) + 1 > 2 * len(slots) + 8:  # unused slots in the range cost reads
             return None
         return group_layout(segs, self.num_tokens, self.token_slots.device)
+
+    @functools.cached_property
+    def slot_groups(self) -> SlotGroups:
+        """The LoRA tokens grouped by slot, for the CPU C kernel (cpu/lora.c), built once per step."""
+        by_slot: dict[int, list[int]] = {}
+        for start, end, slot in self.lora_segments:
+            by_slot.setdefault(slot, []).extend(range(start, end))
+        rows: list[int] = []
+        groups: list[tuple[int, int, int]] = []
+        for slot, toks in by_slot.items():
+            groups.append((slot, len(rows), len(rows) + len(toks)))
+            rows += toks
+        return SlotGroups(torch.tensor(rows, dtype=torch.int32),
+                          torch.tensor(groups, dtype=torch.int32).reshape(len(groups), 3), len(rows), len(groups))
 
     @property
     def prefers_segments(self) -> bool:
@@ -402,9 +427,23 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor,
         bgmv_expand(y, lora_b, out, index.token_slots, slice_widths=widths, ranks=ranks, check_values=False)
 
 
+@functools.cache
+def cpu_lora_kernel():
+    """cpu/lora.c's wrapper when the C kernels are built on this machine, else None (torch ops)."""
+    from loraplex.engine.kernels.cpu.lora import lora_available, lora_shrink_expand_cpu
+
+    return lora_shrink_expand_cpu if lora_available() else None
+
+
 def apply_lora(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                index: LoraBatchIndex, *, slice_widths: Sequence[int] | None = None,
                ranks: torch.Tensor | None = None) -> None:
-    """What a model layer calls: Triton kernels on CUDA, torch ops elsewhere."""
-    fn = lora_shrink_expand if x.device.type == "cuda" else lora_shrink_expand_torch
+    """What a model layer calls: Triton kernels on CUDA; on the CPU the C kernel (cpu/lora.c) for
+    fp32 when it is built, torch ops otherwise (no compiler, LORAPLEX_CPU_KERNELS=0, other dtypes)."""
+    if x.is_cuda:
+        fn = lora_shrink_expand
+    elif x.is_cpu and x.dtype is torch.float32 and (cpu := cpu_lora_kernel()) is not None:
+        fn = cpu
+    else:
+        fn = lora_shrink_expand_torch
     fn(x, out, lora_a, lora_b, index, slice_widths=slice_widths, ranks=ranks)
