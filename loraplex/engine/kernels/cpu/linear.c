@@ -44,11 +44,14 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                                                              const float *wp, const float *bias, float *y,
                                                              int64_t ldy, int64_t cols, const int R) {
     __m256 acc[4][3];
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < 3; c++) acc[r][c] = bias && cols == NR ? _mm256_loadu_ps(bias + 8 * c) : _mm256_setzero_ps();
+#pragma GCC unroll 3
+        for (int c = 0; c < 3; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k++) {
         __m256 b0 = _mm256_loadu_ps(wp + k * NR), b1 = _mm256_loadu_ps(wp + k * NR + 8),
                b2 = _mm256_loadu_ps(wp + k * NR + 16);
+#pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             __m256 a = _mm256_broadcast_ss(x + r * lda + k);
             acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
@@ -56,15 +59,15 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
             acc[r][2] = _mm256_fmadd_ps(a, b2, acc[r][2]);
         }
     }
+    /* the accumulators leave registers only here, by name: indexing them in a loop over a
+     * run-time bound makes GCC keep them in memory through the k loop (half the speed) */
+#pragma GCC unroll 4
     for (int r = 0; r < R; r++) {
-        float *out = y + r * ldy;
-        if (cols == NR) {
-            for (int c = 0; c < 3; c++) _mm256_storeu_ps(out + 8 * c, acc[r][c]);
-        } else {
-            float tmp[NR];
-            for (int c = 0; c < 3; c++) _mm256_storeu_ps(tmp + 8 * c, acc[r][c]);
-            for (int64_t j = 0; j < cols; j++) out[j] = tmp[j] + (bias ? bias[j] : 0.0f);
-        }
+        float *out = y + r * ldy, tmp[NR];
+        _mm256_storeu_ps(tmp, acc[r][0]);
+        _mm256_storeu_ps(tmp + 8, acc[r][1]);
+        _mm256_storeu_ps(tmp + 16, acc[r][2]);
+        for (int64_t j = 0; j < cols; j++) out[j] = tmp[j] + (bias ? bias[j] : 0.0f);
     }
 }
 
