@@ -139,34 +139,48 @@ static inline float dot(const float *a, const float *b, int64_t n) {
 int lp_decode_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
                             const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
                             int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *out) {
-    int64_t group = H / KVH, max_len = 0;
+    int64_t group = H / KVH, max_len = 1, row = KVH * D; /* row: floats between a block's slots */
     for (int64_t b = 0; b < B; b++) max_len = lens[b] > max_len ? lens[b] : max_len;
     int failed = 0;
     PARALLEL_IF(B * KVH >= 2 && B * KVH * max_len >= PARALLEL_MIN_ATTENTION)
     for (int64_t item = 0; item < B * KVH; item++) {
         int64_t b = item / KVH, g = item % KVH, n = lens[b];
-        float *p = malloc(sizeof(float) * (size_t)(group * (max_len > 0 ? max_len : 1)));
+        /* scratch: the group's scores [group, n], then its output accumulators [group, D] */
+        float *p = malloc(sizeof(float) * (size_t)(group * (max_len + D)));
         if (!p) {
             failed = 1;
             continue;
         }
+        float *restrict acc = p + group * max_len;
         const int64_t *table = tables + b * max_blocks;
-        /* scores for the group's query heads, then softmax per head */
-        for (int64_t j = 0; j < n; j++) {
-            const float *kj = k + ((table[j / bs] * bs + j % bs) * KVH + g) * D;
-            for (int64_t r = 0; r < group; r++) p[r * n + j] = scale * dot(q + b * q_stride + (g * group + r) * D, kj, D);
+        const float *qg = q + b * q_stride + g * group * D;
+        /* walk the context block by block: no division per position */
+        for (int64_t j0 = 0, blk = 0; j0 < n; j0 += bs, blk++) {
+            const float *kb = k + table[blk] * bs * row + g * D;
+            for (int64_t o = 0; o < bs && j0 + o < n; o++)
+                for (int64_t r = 0; r < group; r++) p[r * n + j0 + o] = scale * dot(qg + r * D, kb + o * row, D);
         }
         for (int64_t r = 0; r < group; r++) {
             float *pr = p + r * n, m = -INFINITY;
             for (int64_t j = 0; j < n; j++) m = pr[j] > m ? pr[j] : m;
             float inv = 1.0f / exp_shift_sum(pr, n, m);
-            float *o = out + (b * H + g * group + r) * D;
-            for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
-            for (int64_t j = 0; j < n; j++) {
-                const float *vj = v + ((table[j / bs] * bs + j % bs) * KVH + g) * D;
-                float wj = pr[j] * inv;
-                for (int64_t i = 0; i < D; i++) o[i] += wj * vj[i];
+            for (int64_t j = 0; j < n; j++) pr[j] *= inv;
+        }
+        for (int64_t i = 0; i < group * D; i++) acc[i] = 0.0f;
+        for (int64_t j0 = 0, blk = 0; j0 < n; j0 += bs, blk++) {
+            const float *vb = v + table[blk] * bs * row + g * D;
+            for (int64_t o = 0; o < bs && j0 + o < n; o++) {
+                const float *restrict vj = vb + o * row;
+                for (int64_t r = 0; r < group; r++) {
+                    float w = p[r * n + j0 + o];
+                    float *restrict ar = acc + r * D;
+                    for (int64_t i = 0; i < D; i++) ar[i] += w * vj[i];
+                }
             }
+        }
+        for (int64_t r = 0; r < group; r++) {
+            float *o = out + (b * H + g * group + r) * D;
+            for (int64_t i = 0; i < D; i++) o[i] = acc[r * D + i];
         }
         free(p);
     }
