@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.kernels.cpu import build
-from loraplex.engine.kernels.cpu.layer_ops import add_rms_norm, decode_attention, rope_
+from loraplex.engine.kernels.cpu.layer_ops import add_rms_norm, decode_attention, rope_, silu_mul
 from loraplex.engine.kernels.cpu.linear import pack, packed_linear
 from loraplex.engine.models.layer_ops import CpuKernelOps, TorchOps, ops_for
 
@@ -177,3 +177,14 @@ def test_engine_gives_the_same_tokens_with_kernels_and_torch_ops(model, monkeypa
         return [c.token_ids for c in core.run(reqs)]
 
     assert run(True) == run(False)
+
+
+@pytest.mark.parametrize("tokens,inter", [(1, 1536), (3, 13), (40, 64)])
+def test_silu_mul_matches_torch(tokens, inter):
+    g = torch.Generator().manual_seed(inter)
+    gate_up = torch.randn(tokens, 2 * inter, generator=g) * 8  # wide range: exp's tails are used
+    gate_up[0, :3] = torch.tensor([-200.0, 200.0, 0.0])
+    ref = TorchOps(torch.zeros(1, 2), torch.zeros(1, 2)).silu_mul(gate_up)
+    torch.testing.assert_close(silu_mul(gate_up), ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="even width"):
+        silu_mul(torch.zeros(2, 5))

@@ -56,6 +56,11 @@ class TorchOps:
             h = h + delta
         return h, rms_norm(h, w, eps)
 
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up, gate_up: [tokens, 2 * intermediate] -> [tokens, intermediate]."""
+        inter = gate_up.shape[1] // 2
+        return F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+
     def rope_qk(self, qkv: torch.Tensor, rope, n_heads: int, n_kv_heads: int,
                 head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         """q [tokens, heads, head_dim] and k [tokens, kv_heads, head_dim] rotated, from the fused qkv
@@ -88,6 +93,9 @@ class CpuKernelOps(TorchOps):
         if h.is_contiguous() and (delta is None or delta.is_contiguous()):
             return h, self.k.add_rms_norm(h, delta, w, eps)  # h updated in place
         return super().add_rms_norm(h, delta, w, eps)
+
+    def silu_mul(self, gate_up):
+        return self.k.silu_mul(gate_up)
 
     def decode_attention(self, q, k_cache, v_cache, meta):
         # q: [decodes, heads, head_dim], straight from the paged cache: no K/V gather, no mask

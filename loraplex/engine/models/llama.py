@@ -25,7 +25,6 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from loraplex.engine.models.attention import AttentionMetadata, paged_attention
 from loraplex.engine.models.layer_ops import ops_for
@@ -169,7 +168,6 @@ class LlamaModel:
         """
         cfg = self.config
         eps = cfg.rms_norm_eps
-        inter = cfg.intermediate_size
         qk_size = cfg.q_size + cfg.kv_size
         ops = self.ops
         rope = ops.rope_state(positions)
@@ -193,7 +191,7 @@ class LlamaModel:
             gate_up = ops.linear(x, gate_up_w)  # [tokens, 2 * intermediate]
             if lora is not None:
                 lora.apply(li, "gate_up", x, gate_up)
-            act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]  # [tokens, intermediate]
+            act = ops.silu_mul(gate_up)  # [tokens, intermediate]
             delta = ops.linear(act, down_w)
             if lora is not None:
                 lora.apply(li, "down", act, delta)

@@ -11,6 +11,8 @@
  *                         v = x[t, j*D : (j+1)*D], c = cos[pos[t]], s = sin[pos[t]] ([max_pos, D]
  *                         tables, each half-frequency repeated twice);
  *                         v <- v * c + rotate_half(v) * s, rotate_half(v) = (-v[D/2:], v[:D/2]).
+ *   lp_silu_mul_f32:      out[t, i] = silu(gu[t, i]) * gu[t, I + i], silu(x) = x / (1 + e^-x);
+ *                         gu: [T, 2I] (gate | up), out: [T, I].
  *   lp_decode_attention_f32: one query token per sequence b < B, over its paged context:
  *                         for head h (kv head g = h / (H / KVH)), context j < lens[b],
  *                         slot(j) = tables[b, j / bs] * bs + j % bs,
@@ -77,10 +79,10 @@ void lp_rope_f32(float *x, int64_t T, int64_t stride, int64_t n_heads, int64_t D
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 
-/* e^x for 8 lanes, x <= 0 here (scores minus their maximum): 2^n * p(r) with x = n ln2 + r,
- * |r| <= ln2 / 2, p a degree-7 Taylor-like polynomial; relative error ~2e-7, like expf. */
+/* e^x for 8 lanes, x clamped to [-87, 88] (the normal float range): 2^n * p(r) with
+ * x = n ln2 + r, |r| <= ln2 / 2, p a degree-7 Taylor polynomial; relative error ~2e-7, like expf. */
 static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
     __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504089f)),
                                _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693145751953125f), x);  /* ln2, split in two */
@@ -95,6 +97,16 @@ static inline __m256 exp8(__m256 x) {
     p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
     __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
     return _mm256_mul_ps(p, _mm256_castsi256_ps(scale));
+}
+
+static void silu_mul_row(const float *g, const float *u, int64_t n, float *out) {
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 den = _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), x)));
+        _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(x, den), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
 
 /* p[j] = e^(p[j] - m) for j < n; returns their sum. */
@@ -116,6 +128,10 @@ static float exp_shift_sum(float *p, int64_t n, float m) {
     return sum;
 }
 #else
+static void silu_mul_row(const float *g, const float *u, int64_t n, float *out) {
+    for (int64_t i = 0; i < n; i++) out[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 static float exp_shift_sum(float *p, int64_t n, float m) {
     float sum = 0.0f;
     for (int64_t j = 0; j < n; j++) {
@@ -125,6 +141,11 @@ static float exp_shift_sum(float *p, int64_t n, float m) {
     return sum;
 }
 #endif
+
+void lp_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out) {
+    PARALLEL_IF(T * I >= PARALLEL_MIN_ROWS * 1024)
+    for (int64_t t = 0; t < T; t++) silu_mul_row(gu + t * 2 * I, gu + t * 2 * I + I, I, out + t * I);
+}
 
 static inline float dot(const float *a, const float *b, int64_t n) {
     float acc[8] = {0};

@@ -21,6 +21,7 @@ def _fns() -> dict | None:
     sigs = {
         "lp_add_rms_norm_f32": (None, [_P, _P, _P, _I64, _I64, _F, _P]),
         "lp_rope_f32": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
+        "lp_silu_mul_f32": (None, [_P, _I64, _I64, _P]),
         "lp_decode_attention_f32": (ctypes.c_int, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
                                                    _F, _P]),
     }
@@ -54,6 +55,18 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, e
     out = torch.empty_like(h)
     fns["lp_add_rms_norm_f32"](h.data_ptr(), None if delta is None else delta.data_ptr(), w.data_ptr(),
                                h.shape[0], h.shape[1], eps, out.data_ptr())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for gate_up [T, 2I] (gate | up) -> [T, I]."""
+    fns = _fns()
+    _need("gate_up", gate_up, 2)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must have an even width (gate | up), got {gate_up.shape[1]}")
+    t, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(t, inter, dtype=torch.float32)
+    fns["lp_silu_mul_f32"](gate_up.data_ptr(), t, inter, out.data_ptr())
     return out
 
 
