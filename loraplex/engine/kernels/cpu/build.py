@@ -22,7 +22,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-import torch  # noqa: F401  (loads torch's libgomp before this library, see the docstring)
+import torch  # (loads torch's libgomp before this library, see the docstring)
 
 from loraplex.engine.config import default_cache_dir
 
@@ -107,3 +107,20 @@ def function(name: str, restype, argtypes: list):
     fn = getattr(lib, name)
     fn.restype, fn.argtypes = restype, argtypes
     return fn
+
+
+def functions(signatures: dict[str, tuple]) -> dict | None:
+    """Several exported functions at once, {name: (restype, argtypes)} -> {name: function}, or None
+    when any is missing (a wrapper module's kernels are all there or none is used)."""
+    fns = {name: function(name, *sig) for name, sig in signatures.items()}
+    return None if any(f is None for f in fns.values()) else fns
+
+
+def require(name: str, t, ndim: int, dtype=None, rows: bool = False) -> None:
+    """Checks a tensor handed to a kernel: dimensions, dtype (fp32 by default), CPU, and layout
+    (contiguous, or with `rows` only the last dimension dense, for row views)."""
+    dtype = dtype or torch.float32
+    dense = t.stride(-1) == 1 if rows else t.is_contiguous()
+    if t.dim() != ndim or t.dtype != dtype or t.device.type != "cpu" or not dense:
+        raise ValueError(f"{name} must be a {'row-dense' if rows else 'contiguous'} {ndim}-d {dtype} CPU tensor, "
+                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")

@@ -11,43 +11,33 @@ import functools
 
 import torch
 
-from loraplex.engine.kernels.cpu.build import function
+from loraplex.engine.kernels.cpu.build import functions, require
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
 @functools.cache
 def _fns() -> dict | None:
-    sigs = {
+    return functions({
         "lp_add_rms_norm_f32": (None, [_P, _P, _P, _I64, _I64, _F, _P]),
         "lp_rope_f32": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
         "lp_silu_mul_f32": (None, [_P, _I64, _I64, _P]),
         "lp_decode_attention_f32": (ctypes.c_int, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
                                                    _F, _P]),
-    }
-    fns = {name: function(name, *sig) for name, sig in sigs.items()}
-    return None if any(f is None for f in fns.values()) else fns
+    })
 
 
 def layer_ops_available() -> bool:
     return _fns() is not None
 
 
-def _need(name: str, t: torch.Tensor, ndim: int, dtype: torch.dtype = torch.float32, rows: bool = False) -> None:
-    """Checks dtype, device and layout; `rows`: only the last dimension must be dense (row views)."""
-    dense = t.stride(-1) == 1 if rows else t.is_contiguous()
-    if t.dim() != ndim or t.dtype != dtype or t.device.type != "cpu" or not dense:
-        raise ValueError(f"{name} must be a {'row-dense' if rows else 'contiguous'} {ndim}-d {dtype} CPU tensor, "
-                         f"got {t.dtype} {tuple(t.shape)} strides {t.stride()} on {t.device}")
-
-
 def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
     """h += delta in place (the residual stream), then returns rms_norm(h) * w. h, delta: [T, H]."""
     fns = _fns()
-    _need("h", h, 2)
-    _need("w", w, 1)
+    require("h", h, 2)
+    require("w", w, 1)
     if delta is not None:
-        _need("delta", delta, 2)
+        require("delta", delta, 2)
         if delta.shape != h.shape:
             raise ValueError(f"delta has shape {tuple(delta.shape)}, h has {tuple(h.shape)}")
     if w.shape[0] != h.shape[1]:
@@ -61,7 +51,7 @@ def add_rms_norm(h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor, e
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up for gate_up [T, 2I] (gate | up) -> [T, I]."""
     fns = _fns()
-    _need("gate_up", gate_up, 2)
+    require("gate_up", gate_up, 2)
     if gate_up.shape[1] % 2:
         raise ValueError(f"gate_up must have an even width (gate | up), got {gate_up.shape[1]}")
     t, inter = gate_up.shape[0], gate_up.shape[1] // 2
@@ -76,10 +66,10 @@ def rope_(x: torch.Tensor, n_heads: int, head_dim: int, positions: torch.Tensor,
     positions: [T] int64, each in [0, max_pos): the caller checks them once per step, not per layer;
     cos, sin: [max_pos, head_dim]."""
     fns = _fns()
-    _need("x", x, 2, rows=True)
-    _need("positions", positions, 1, torch.int64)
-    _need("cos", cos, 2)
-    _need("sin", sin, 2)
+    require("x", x, 2, rows=True)
+    require("positions", positions, 1, torch.int64)
+    require("cos", cos, 2)
+    require("sin", sin, 2)
     if x.shape[1] < n_heads * head_dim or cos.shape[1] != head_dim or sin.shape != cos.shape:
         raise ValueError(f"rope: x {tuple(x.shape)}, {n_heads} heads of {head_dim}, tables {tuple(cos.shape)}")
     if positions.shape[0] != x.shape[0]:
@@ -99,10 +89,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     fns = _fns()
     if q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.dtype != torch.float32:
         raise ValueError(f"q must be [B, H, D] fp32 with dense heads, got {tuple(q.shape)} strides {q.stride()}")
-    _need("k_cache", k_cache, 4)
-    _need("v_cache", v_cache, 4)
-    _need("tables", tables, 2, torch.int64)
-    _need("lens", lens, 1, torch.int64)
+    require("k_cache", k_cache, 4)
+    require("v_cache", v_cache, 4)
+    require("tables", tables, 2, torch.int64)
+    require("lens", lens, 1, torch.int64)
     b, h, d = q.shape
     n_blocks, bs, kvh, dk = k_cache.shape
     if v_cache.shape != k_cache.shape or dk != d or h % kvh or tables.shape[0] != b or lens.shape[0] != b:

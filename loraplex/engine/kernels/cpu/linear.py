@@ -8,20 +8,18 @@ from dataclasses import dataclass
 
 import torch
 
-from loraplex.engine.kernels.cpu.build import function
+from loraplex.engine.kernels.cpu.build import functions, require
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
 @functools.cache
 def _fns() -> dict | None:
-    sigs = {
+    return functions({
         "lp_packed_size": (_I64, [_I64, _I64]),
         "lp_pack_f32": (None, [_P, _I64, _I64, _P]),
         "lp_linear_packed_f32": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P]),
-    }
-    fns = {name: function(name, *sig) for name, sig in sigs.items()}
-    return None if any(f is None for f in fns.values()) else fns
+    })
 
 
 def linear_available() -> bool:
@@ -47,7 +45,7 @@ class PackedWeight:
 def pack(w: torch.Tensor) -> PackedWeight:
     """Packs a weight [out, in] (fp32, CPU) once, at model load."""
     fns = _fns()
-    _need("w", w, 2)
+    require("w", w, 2)
     n, k = w.shape
     data = torch.empty(fns["lp_packed_size"](n, k), dtype=torch.float32)
     fns["lp_pack_f32"](w.data_ptr(), n, k, data.data_ptr())
@@ -64,7 +62,7 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     if x.shape[1] != w.in_features:
         raise ValueError(f"x has {x.shape[1]} features but the weight expects {w.in_features}")
     if bias is not None:
-        _need("bias", bias, 1)
+        require("bias", bias, 1)
         if bias.shape[0] != w.out_features:
             raise ValueError(f"bias has {bias.shape[0]} entries for {w.out_features} outputs")
     if x.stride(1) != 1:
@@ -75,8 +73,3 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
                                 y.data_ptr())
     return y
 
-
-def _need(name: str, t: torch.Tensor, ndim: int) -> None:
-    if t.dim() != ndim or t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
-        raise ValueError(f"{name} must be a contiguous {ndim}-d float32 CPU tensor, got {t.dtype} "
-                         f"{tuple(t.shape)} on {t.device}")
