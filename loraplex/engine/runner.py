@@ -16,7 +16,7 @@ from loraplex.engine.sampler import sample
 from loraplex.engine.sched.scheduler import ScheduledBatch
 
 
-class _StepLora:
+class StepLora:
     """The adapters of one step, as LlamaModel.forward calls them: lora.apply(layer, module, x, out)."""
 
     def __init__(self, slots: LoraSlots, index: LoraBatchIndex):
@@ -25,6 +25,12 @@ class _StepLora:
 
     def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
         self.slots.apply(layer, module, x, out, self.index)
+
+    def kernel_args(self):
+        """(the slots' kernel table, this step's tokens grouped by slot) for the fused CPU decode
+        step, or None where the slots have no kernel table."""
+        table = self.slots.kernel_table()
+        return None if table is None else (table, self.index.slot_groups)
 
 
 class ModelRunner:
@@ -88,7 +94,7 @@ class ModelRunner:
             return []
         return sample(logits, sampled)
 
-    def _step_lora(self, token_slots: list[int]) -> _StepLora | None:
+    def _step_lora(self, token_slots: list[int]) -> StepLora | None:
         if self.lora_slots is None or max(token_slots) < 0:
             return None
-        return _StepLora(self.lora_slots, LoraBatchIndex.from_token_slots(token_slots, self.device))
+        return StepLora(self.lora_slots, LoraBatchIndex.from_token_slots(token_slots, self.device))

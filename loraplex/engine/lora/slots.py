@@ -73,6 +73,7 @@ class LoraSlots:
                                 for f, rows in self._rows.items()})
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [slots], 0 = empty
         self.stats = LoraSlotStats()
+        self._kernel_table = None  # kernel_table(), built on first use
         self._lock = threading.RLock()
         self._paths: dict[str, str] = {}  # registered adapter -> its PEFT directory
         self._cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, least recently used first
@@ -95,6 +96,17 @@ class LoraSlots:
         """out += each token's adapter delta for this layer and module (what LlamaModel.forward wants per step)."""
         apply_lora(x, out, self.lora_a[layer][module], self.lora_b[layer][module], index,
                    slice_widths=self.slice_widths(module), ranks=self.ranks)
+
+    def kernel_table(self):
+        """The slot buffers as the fused CPU decode step takes them (kernels/cpu/decode_step.py), built
+        once; None off the CPU, in other dtypes than fp32, or without the C kernels."""
+        if self._kernel_table is None and self.device.type == "cpu" and self.dtype == torch.float32:
+            from loraplex.engine.kernels.cpu.decode_step import DecodeStepLora, decode_step_available
+
+            if decode_step_available():
+                self._kernel_table = DecodeStepLora(self.lora_a, self.lora_b, self.ranks,
+                                                    {f: self.slice_widths(f) for f in FUSED})
+        return self._kernel_table
 
     def nbytes(self) -> int:
         """Device memory of the slot buffers."""

@@ -32,6 +32,7 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 class TorchOps:
     decode_attention = None  # paged_attention's own gather + SDPA
+    decode_step = None  # no fused step: the model runs layer by layer
 
     def __init__(self, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
         self.rope_cos, self.rope_sin = rope_cos, rope_sin  # [max_pos, head_dim]
@@ -73,9 +74,10 @@ class TorchOps:
 class CpuKernelOps(TorchOps):
     def __init__(self, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
         super().__init__(rope_cos, rope_sin)
-        from loraplex.engine.kernels.cpu import layer_ops, linear
+        from loraplex.engine.kernels.cpu import decode_step, layer_ops, linear
 
-        self.k, self.lin = layer_ops, linear
+        self.k, self.lin, self.step = layer_ops, linear, decode_step
+        self._step_models: dict[int, tuple] = {}  # id(kv_caches) -> (kv_caches, DecodeStepModel)
 
     def rope_state(self, positions):
         # checked here once per forward; the C kernel indexes the tables with them
@@ -102,6 +104,36 @@ class CpuKernelOps(TorchOps):
         return self.k.decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens,
                                        meta.decode_max_len, 1.0 / math.sqrt(q.shape[2]))
 
+    def decode_step(self, model, input_ids, positions, attn, kv_caches, logits_indices, lora):
+        """Every layer of an all-decode step in one C call (kernels/cpu/decode_step.c), the same
+        kernels in the same order as the per-op path; None when this step takes the per-op path
+        (more rows than the packed kernel serves, or adapters without a kernel table)."""
+        if input_ids.shape[0] > self.lin.PACKED_MAX_ROWS:
+            return None
+        lora_args = (None, None)
+        if lora is not None:
+            lora_args = lora.kernel_args()
+            if lora_args is None:
+                return None
+        entry = self._step_models.get(id(kv_caches))
+        if entry is None or entry[0] is not kv_caches:
+            if len(self._step_models) >= 4:  # runners come and go with model residency
+                self._step_models.clear()
+            entry = (kv_caches, self._step_model(model, kv_caches))
+            self._step_models[id(kv_caches)] = entry
+        h = torch.index_select(model.w["embed"], 0, input_ids)  # [tokens, hidden]
+        return entry[1].run(h, positions, attn.slot_mapping, attn.decode_blocks, attn.decode_lens, logits_indices,
+                            *lora_args)
+
+    def _step_model(self, model, kv_caches):
+        cfg = model.config
+        # model.layers: (input norm, qkv, qkv bias, o, post norm, gate_up, down); then the layer's K and V cache
+        layers = [(*weights, *kv) for weights, kv in zip(model.layers, kv_caches, strict=True)]
+        return self.step.DecodeStepModel(
+            hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+            intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps, rope_cos=self.rope_cos, rope_sin=self.rope_sin,
+            norm=model.w["norm"], lm_head=model.lm_head_w, layers=layers)
+
     def rope_qk(self, qkv, rope, n_heads, n_kv_heads, head_dim):
         self.k.rope_(qkv, n_heads + n_kv_heads, head_dim, rope, self.rope_cos, self.rope_sin)  # in place
         t = qkv.shape[0]
@@ -113,10 +145,11 @@ class CpuKernelOps(TorchOps):
 def uses_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     if device.type != "cpu" or dtype != torch.float32:
         return False
+    from loraplex.engine.kernels.cpu.decode_step import decode_step_available
     from loraplex.engine.kernels.cpu.layer_ops import layer_ops_available
     from loraplex.engine.kernels.cpu.linear import linear_available
 
-    return linear_available() and layer_ops_available()
+    return linear_available() and layer_ops_available() and decode_step_available()
 
 
 def weight_copies(device: torch.device, dtype: torch.dtype) -> int:

@@ -164,12 +164,17 @@ class LlamaModel:
 
         input_ids, positions: [tokens]; kv_caches[layer] = (k, v), each
         [num_blocks, block_size, n_kv_heads, head_dim]; logits_indices: rows whose logits are needed.
-        `lora` (optional) adds per-token adapter deltas: lora.apply(layer, module, x, out).
+        `lora` (optional) adds per-token adapter deltas: lora.apply(layer, module, x, out); an
+        all-decode step may run as one fused call instead (ops.decode_step, with lora.kernel_args()).
         """
+        ops = self.ops
+        if attn.decode_all and ops.decode_step is not None:
+            logits = ops.decode_step(self, input_ids, positions, attn, kv_caches, logits_indices, lora)
+            if logits is not None:
+                return logits
         cfg = self.config
         eps = cfg.rms_norm_eps
         qk_size = cfg.q_size + cfg.kv_size
-        ops = self.ops
         rope = ops.rope_state(positions)
         h = torch.index_select(self.w["embed"], 0, input_ids)  # h: [tokens, hidden], the residual stream
         n_tok = h.shape[0]

@@ -1,0 +1,156 @@
+/* A whole decode step of a Llama-family decoder on the CPU, fp32: every layer in one call.
+ *
+ * Semantics: the same computation as LlamaModel.forward over the per-op kernels of this directory,
+ * call for call, for a batch of B single-token decodes (so results are bit-identical to that path):
+ *   for each layer l (delta = none before layer 0):
+ *     h += delta; x = rms_norm(h) * in_norm                       lp_add_rms_norm_f32
+ *     qkv = x @ Wqkv^T (+ bias) (+ LoRA qkv)                      lp_linear_packed_f32, lp_lora_f32_packed
+ *     rotate q and k heads of qkv at positions[b]                 lp_rope_f32
+ *     k_cache[slot[b]] = k, v_cache[slot[b]] = v                  (this file)
+ *     a = decode attention of q over each sequence's context      lp_decode_attention_f32
+ *     o = a @ Wo^T (+ LoRA o); h += o; x = rms_norm(h) * post_norm
+ *     gu = x @ Wgu^T (+ LoRA); act = silu(gate) * up; delta = act @ Wdown^T (+ LoRA down)
+ *   then for each i < n_logits, row r = logits_rows[i]:
+ *   logits[i] = (rms_norm(h[r] + delta[r]) * norm) @ Wlm^T.
+ * h [B, H] is the residual stream (embedding rows in, updated in place); scratch holds the
+ * activations (decode_step_scratch_floats). The model and LoRA tables are int64 blocks built once
+ * (layout below); the step block is built per call. Returns 0, or a negative code and writes no
+ * K/V when a slot, block id or length is out of range.
+ *
+ * Why: at batch 1 a step is ~270 kernel calls, and their Python wrappers (argument checks, ctypes
+ * conversion, tensor allocation) cost about as much as the non-GEMM work itself; here Python makes
+ * one call per step and the checks are done once, when the tables are built.
+ */
+#include <stdint.h>
+#include <string.h>
+
+/* The per-op kernels, from the other files of this library. */
+int lp_linear_packed_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
+                         const float *bias, float *y);
+void lp_add_rms_norm_f32(float *h, const float *delta, const float *w, int64_t T, int64_t H, float eps, float *out);
+void lp_rope_f32(float *x, int64_t T, int64_t stride, int64_t n_heads, int64_t D, const int64_t *pos,
+                 const float *cos_t, const float *sin_t);
+void lp_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
+int lp_decode_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
+                            const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
+                            int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *out);
+int lp_lora_f32_packed(const int64_t *p);
+
+/* Model table: MODEL_FIELDS header fields, then LAYER_FIELDS per layer. */
+enum { M_LAYERS, M_HIDDEN, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_INTER, M_VOCAB, M_BLOCK_SIZE, M_CACHE_SLOTS,
+       M_EPS_BITS, M_ROPE_COS, M_ROPE_SIN, M_MAX_POS, M_NORM, M_LM_HEAD, MODEL_FIELDS };
+enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, LAYER_FIELDS };
+/* LoRA table: slots, r_max, ranks, then per fused module (qkv, o, gate_up, down) its slice count
+ * and up to 4 widths, then per layer and module the A and B buffers. */
+enum { LORA_MODULES = 4, LORA_WIDTHS = 4 };
+enum { R_SLOTS, R_RMAX, R_RANKS, R_MODULES, LORA_HEADER = R_MODULES + LORA_MODULES * (1 + LORA_WIDTHS) };
+enum { MOD_QKV, MOD_O, MOD_GATE_UP, MOD_DOWN };
+/* Step block. */
+enum { S_BATCH, S_H, S_POSITIONS, S_SLOTS, S_TABLES, S_MAX_BLOCKS, S_LENS, S_SCALE_BITS, S_SCRATCH, S_N_LOGITS,
+       S_LOGIT_ROWS, S_LOGITS, S_LORA, S_LORA_ROWS, S_LORA_NUM_ROWS, S_LORA_GROUPS, S_LORA_NUM_GROUPS,
+       STEP_FIELDS };
+
+#define PTR(type, v) ((type)(intptr_t)(v))
+
+static float bits_to_float(int64_t bits) {
+    double d;
+    memcpy(&d, &bits, sizeof d);
+    return (float)d;
+}
+
+typedef struct {
+    int64_t B, H, nh, kvh, D, I, qkv_out;
+} dims_t;
+
+int64_t lp_decode_step_scratch_floats(const int64_t *model, int64_t B) {
+    int64_t H = model[M_HIDDEN], D = model[M_HEAD_DIM], I = model[M_INTER];
+    int64_t qkv_out = (model[M_HEADS] + 2 * model[M_KV_HEADS]) * D;
+    /* x, qkv, attention out, gate_up, act, delta */
+    return B * (H + qkv_out + model[M_HEADS] * D + 2 * I + I + H);
+}
+
+/* out += the LoRA delta of the step's adapter tokens for one layer's fused module. */
+static int lora(const int64_t *tab, const int64_t *step, int64_t layer, int module, const float *x, int64_t K,
+                float *out, int64_t N, int64_t T) {
+    const int64_t *mod = tab + R_MODULES + module * (1 + LORA_WIDTHS);
+    const int64_t *ab = tab + LORA_HEADER + (layer * LORA_MODULES + module) * 2;
+    int64_t args[15 + LORA_WIDTHS] = {
+        (int64_t)(intptr_t)x, (int64_t)(intptr_t)out, T, K, N, ab[0], ab[1], tab[R_SLOTS], tab[R_RMAX],
+        tab[R_RANKS], step[S_LORA_ROWS], step[S_LORA_NUM_ROWS], step[S_LORA_GROUPS], step[S_LORA_NUM_GROUPS],
+        mod[0]};
+    for (int64_t s = 0; s < mod[0] && s < LORA_WIDTHS; s++) args[15 + s] = mod[1 + s];
+    return lp_lora_f32_packed(args);
+}
+
+/* Checks every index the step will follow before anything is written. */
+static int check_step(const int64_t *model, const int64_t *step) {
+    int64_t B = step[S_BATCH], max_blocks = step[S_MAX_BLOCKS], bs = model[M_BLOCK_SIZE];
+    int64_t slots = model[M_CACHE_SLOTS], blocks = slots / bs;
+    const int64_t *slot = PTR(const int64_t *, step[S_SLOTS]), *lens = PTR(const int64_t *, step[S_LENS]);
+    const int64_t *tables = PTR(const int64_t *, step[S_TABLES]), *pos = PTR(const int64_t *, step[S_POSITIONS]);
+    const int64_t *rows = PTR(const int64_t *, step[S_LOGIT_ROWS]);
+    if (B < 1 || max_blocks < 1 || step[S_N_LOGITS] < 0 || step[S_N_LOGITS] > B) return -1;
+    for (int64_t b = 0; b < B; b++) {
+        if (slot[b] < 0 || slot[b] >= slots || lens[b] < 1 || lens[b] > max_blocks * bs) return -2;
+        if (pos[b] < 0 || pos[b] >= model[M_MAX_POS]) return -2;
+        for (int64_t j = 0; j < (lens[b] + bs - 1) / bs; j++)
+            if (tables[b * max_blocks + j] < 0 || tables[b * max_blocks + j] >= blocks) return -2;
+    }
+    for (int64_t i = 0; i < step[S_N_LOGITS]; i++)
+        if (rows[i] < 0 || rows[i] >= B) return -2;
+    return 0;
+}
+
+int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
+    int rc = check_step(model, step);
+    if (rc) return rc;
+    dims_t d = {step[S_BATCH], model[M_HIDDEN], model[M_HEADS], model[M_KV_HEADS], model[M_HEAD_DIM],
+                model[M_INTER], 0};
+    d.qkv_out = (d.nh + 2 * d.kvh) * d.D;
+    const int64_t B = d.B, H = d.H, q_size = d.nh * d.D, kv_size = d.kvh * d.D;
+    const float eps = bits_to_float(model[M_EPS_BITS]), scale = bits_to_float(step[S_SCALE_BITS]);
+    const float *cos_t = PTR(const float *, model[M_ROPE_COS]), *sin_t = PTR(const float *, model[M_ROPE_SIN]);
+    const int64_t *pos = PTR(const int64_t *, step[S_POSITIONS]), *slot = PTR(const int64_t *, step[S_SLOTS]);
+    const int64_t *tables = PTR(const int64_t *, step[S_TABLES]), *lens = PTR(const int64_t *, step[S_LENS]);
+    const int64_t *lora_tab = PTR(const int64_t *, step[S_LORA]);
+    float *h = PTR(float *, step[S_H]);
+    float *x = PTR(float *, step[S_SCRATCH]);
+    float *qkv = x + B * H, *attn = qkv + B * d.qkv_out, *gu = attn + B * q_size, *act = gu + B * 2 * d.I;
+    float *delta = act + B * d.I;
+    const float *prev = 0; /* the previous sublayer's output, added to h by the next norm */
+    for (int64_t l = 0; l < model[M_LAYERS]; l++) {
+        const int64_t *w = model + MODEL_FIELDS + l * LAYER_FIELDS;
+        lp_add_rms_norm_f32(h, prev, PTR(const float *, w[L_IN_NORM]), B, H, eps, x);
+        if ((rc = lp_linear_packed_f32(x, B, H, H, PTR(const float *, w[L_QKV]), d.qkv_out,
+                                       PTR(const float *, w[L_QKV_BIAS]), qkv)))
+            return rc;
+        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_QKV, x, H, qkv, d.qkv_out, B))) return rc;
+        lp_rope_f32(qkv, B, d.qkv_out, d.nh + d.kvh, d.D, pos, cos_t, sin_t);
+        float *k_cache = PTR(float *, w[L_K_CACHE]), *v_cache = PTR(float *, w[L_V_CACHE]);
+        for (int64_t b = 0; b < B; b++) { /* k, v: [slots, kv_heads * head_dim] */
+            memcpy(k_cache + slot[b] * kv_size, qkv + b * d.qkv_out + q_size, sizeof(float) * kv_size);
+            memcpy(v_cache + slot[b] * kv_size, qkv + b * d.qkv_out + q_size + kv_size, sizeof(float) * kv_size);
+        }
+        if ((rc = lp_decode_attention_f32(qkv, d.qkv_out, k_cache, v_cache, tables, step[S_MAX_BLOCKS], lens, B,
+                                          d.nh, d.kvh, d.D, model[M_BLOCK_SIZE], scale, attn)))
+            return rc;
+        if ((rc = lp_linear_packed_f32(attn, B, q_size, q_size, PTR(const float *, w[L_O]), H, 0, delta))) return rc;
+        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_O, attn, q_size, delta, H, B))) return rc;
+        lp_add_rms_norm_f32(h, delta, PTR(const float *, w[L_POST_NORM]), B, H, eps, x);
+        if ((rc = lp_linear_packed_f32(x, B, H, H, PTR(const float *, w[L_GATE_UP]), 2 * d.I, 0, gu))) return rc;
+        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_GATE_UP, x, H, gu, 2 * d.I, B))) return rc;
+        lp_silu_mul_f32(gu, B, d.I, act);
+        if ((rc = lp_linear_packed_f32(act, B, d.I, d.I, PTR(const float *, w[L_DOWN]), H, 0, delta))) return rc;
+        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_DOWN, act, d.I, delta, H, B))) return rc;
+        prev = delta;
+    }
+    /* the sampled rows: final residual add and norm into x's first rows, then the LM head */
+    const int64_t n = step[S_N_LOGITS], *rows = PTR(const int64_t *, step[S_LOGIT_ROWS]);
+    for (int64_t i = 0; i < n; i++) { /* h itself is left as it was (rows may repeat) */
+        memcpy(x + i * H, h + rows[i] * H, sizeof(float) * H);
+        lp_add_rms_norm_f32(x + i * H, delta + rows[i] * H, PTR(const float *, model[M_NORM]), 1, H, eps, x + i * H);
+    }
+    if (n == 0) return 0;
+    return lp_linear_packed_f32(x, n, H, H, PTR(const float *, model[M_LM_HEAD]), model[M_VOCAB], 0,
+                                PTR(float *, step[S_LOGITS]));
+}

@@ -1,0 +1,169 @@
+"""A whole decode step in one C call, through decode_step.c (see its Semantics).
+
+The model and LoRA tables (pointers to every weight, KV cache and slot buffer) are built and
+checked once; a step then costs one ctypes call and three small allocations, whatever the number
+of layers. The tables hold references to their tensors, so the pointers stay valid while a table
+lives.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from loraplex.engine.kernels.cpu.build import functions, require
+from loraplex.engine.kernels.cpu.linear import PackedWeight
+
+_P, _I64 = ctypes.c_void_p, ctypes.c_int64
+LORA_MODULES = ("qkv", "o", "gate_up", "down")  # decode_step.c's order
+_LORA_WIDTHS = 4
+_STEP = struct.Struct("17q")
+_ERRORS = {-1: "invalid sizes", -2: "a cache slot, block id, position or row is out of range",
+           -3: "out of memory"}
+
+
+@functools.cache
+def _fns() -> dict | None:
+    return functions({
+        "lp_decode_step_f32": (ctypes.c_int, [_P, _P]),
+        "lp_decode_step_scratch_floats": (_I64, [_P, _I64]),
+    })
+
+
+def decode_step_available() -> bool:
+    return _fns() is not None
+
+
+def _ptr(t: torch.Tensor | PackedWeight | None) -> int:
+    if t is None:
+        return 0
+    return (t.data if isinstance(t, PackedWeight) else t).data_ptr()
+
+
+def _double_bits(v: float) -> int:
+    return struct.unpack("q", struct.pack("d", v))[0]
+
+
+class DecodeStepModel:
+    """The model table: dimensions, then per layer (input norm, qkv, qkv bias or None, o, post norm,
+    gate_up, down, K cache, V cache). Projections are PackedWeights; caches [blocks, block_size,
+    kv_heads, head_dim] fp32, contiguous; rope tables [max_pos, head_dim]."""
+
+    def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
+                 rope_cos: torch.Tensor, rope_sin: torch.Tensor, norm: torch.Tensor, lm_head: PackedWeight,
+                 layers: Sequence[tuple]):
+        self._fns = _fns()
+        if self._fns is None:
+            raise RuntimeError("the CPU kernels are not built (see loraplex.engine.kernels.cpu.build)")
+        for name, t in (("rope_cos", rope_cos), ("rope_sin", rope_sin)):
+            require(name, t, 2)
+            if t.shape[1] != head_dim:
+                raise ValueError(f"{name} has width {t.shape[1]}, expected head_dim {head_dim}")
+        require("norm", norm, 1)
+        qkv_out = (heads + 2 * kv_heads) * head_dim
+        k0 = layers[0][7]
+        cache_shape = tuple(k0.shape)
+        for (in_norm, qkv, qkv_bias, o, post_norm, gate_up, down, k_cache, v_cache) in layers:
+            for name, w, n, k in (("qkv", qkv, qkv_out, hidden), ("o", o, hidden, heads * head_dim),
+                                  ("gate_up", gate_up, 2 * intermediate, hidden), ("down", down, hidden, intermediate)):
+                if (w.out_features, w.in_features) != (n, k):
+                    raise ValueError(f"{name} is [{w.out_features}, {w.in_features}], expected [{n}, {k}]")
+            for name, t, width in (("input norm", in_norm, hidden), ("post norm", post_norm, hidden),
+                                   ("qkv bias", qkv_bias, qkv_out)):
+                if t is not None:
+                    require(name, t, 1)
+                    if t.shape[0] != width:
+                        raise ValueError(f"{name} has {t.shape[0]} entries, expected {width}")
+            for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+                require(name, t, 4)
+                if tuple(t.shape) != cache_shape or t.shape[2:] != (kv_heads, head_dim):
+                    raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {cache_shape}")
+        if lm_head.in_features != hidden or norm.shape[0] != hidden:
+            raise ValueError("the LM head and final norm must take the hidden size")
+        self.hidden, self.vocab, self.block_size = hidden, lm_head.out_features, cache_shape[1]
+        self.num_blocks = cache_shape[0]
+        self._keep = (rope_cos, rope_sin, norm, lm_head, list(layers))
+        fields = [len(layers), hidden, heads, kv_heads, head_dim, intermediate, lm_head.out_features,
+                  cache_shape[1], cache_shape[0] * cache_shape[1], _double_bits(eps), _ptr(rope_cos),
+                  _ptr(rope_sin), rope_cos.shape[0], _ptr(norm), _ptr(lm_head)]
+        for layer in layers:
+            fields += [_ptr(t) for t in layer]
+        self.table = torch.tensor(fields, dtype=torch.int64)
+        self.scale = 1.0 / head_dim ** 0.5
+        self.lora_dims = (len(layers), (hidden, qkv_out), (heads * head_dim, hidden), (hidden, 2 * intermediate),
+                          (intermediate, hidden))  # layers, then (in, out) of qkv, o, gate_up, down
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, tables: torch.Tensor,
+            lens: torch.Tensor, logits_rows: torch.Tensor, lora: DecodeStepLora | None = None,
+            lora_groups=None) -> torch.Tensor:
+        """One decode step for B sequences: h [B, hidden] (the embedded tokens; the residual stream is
+        updated in place), positions, slot_mapping, lens [B] int64, tables [B, max_blocks] int64,
+        logits_rows [n] int64. With `lora` (a DecodeStepLora) and `lora_groups` (the step's
+        LoraBatchIndex.slot_groups), adapter deltas are added. Returns logits [n, vocab] fp32."""
+        require("h", h, 2)
+        b = h.shape[0]
+        if h.shape[1] != self.hidden:
+            raise ValueError(f"h has width {h.shape[1]}, expected hidden size {self.hidden}")
+        for name, t in (("positions", positions), ("slot_mapping", slot_mapping), ("lens", lens)):
+            require(name, t, 1, torch.int64)
+            if t.shape[0] != b:
+                raise ValueError(f"{name} has {t.shape[0]} entries for {b} sequences")
+        require("tables", tables, 2, torch.int64)
+        require("logits_rows", logits_rows, 1, torch.int64)
+        if tables.shape[0] != b:
+            raise ValueError(f"tables has {tables.shape[0]} rows for {b} sequences")
+        scratch = torch.empty(self._fns["lp_decode_step_scratch_floats"](self.table.data_ptr(), b),
+                              dtype=torch.float32)
+        logits = torch.empty(logits_rows.shape[0], self.vocab, dtype=torch.float32)
+        lora_fields = (0, 0, 0, 0, 0)
+        if lora is not None:  # (lora.c checks the groups against the batch and the slots)
+            if lora.dims != self.lora_dims:
+                raise ValueError(f"the LoRA table's (in, out) per module {lora.dims} do not fit the model's "
+                                 f"{self.lora_dims}")
+            lora_fields = (lora.table.data_ptr(), lora_groups.rows.data_ptr(), lora_groups.num_rows,
+                           lora_groups.groups.data_ptr(), lora_groups.num_groups)
+        step = _STEP.pack(b, h.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), tables.data_ptr(),
+                          tables.shape[1], lens.data_ptr(), _double_bits(self.scale), scratch.data_ptr(),
+                          logits_rows.shape[0], logits_rows.data_ptr(), logits.data_ptr(), *lora_fields)
+        rc = self._fns["lp_decode_step_f32"](self.table.data_ptr(), step)
+        if rc:
+            raise ValueError(f"lp_decode_step_f32 refused the step: {_ERRORS.get(rc, rc)}")
+        return logits
+
+
+class DecodeStepLora:
+    """The LoRA table: slot count, r_max, ranks [slots] int32, each fused module's slice widths, then
+    per layer and module the stacked A [slots, S * r_max, in] and B [slots, out, r_max] buffers
+    (lora_ops' layout), fp32, contiguous."""
+
+    def __init__(self, lora_a: Sequence[dict[str, torch.Tensor]], lora_b: Sequence[dict[str, torch.Tensor]],
+                 ranks: torch.Tensor, slice_widths: dict[str, tuple[int, ...]]):
+        require("ranks", ranks, 1, torch.int32)
+        num_slots = ranks.shape[0]
+        r_max = lora_b[0][LORA_MODULES[0]].shape[2]
+        fields = [num_slots, r_max, ranks.data_ptr()]
+        for m in LORA_MODULES:
+            widths = tuple(slice_widths[m])
+            if not 1 <= len(widths) <= _LORA_WIDTHS:
+                raise ValueError(f"{m}: 1 to {_LORA_WIDTHS} slices, got {widths}")
+            fields += [len(widths), *widths, *[0] * (_LORA_WIDTHS - len(widths))]
+        for a_layer, b_layer in zip(lora_a, lora_b, strict=True):
+            for m in LORA_MODULES:
+                a, bm = a_layer[m], b_layer[m]
+                require(f"{m} A", a, 3)
+                require(f"{m} B", bm, 3)
+                if a.shape[2] != lora_a[0][m].shape[2]:
+                    raise ValueError(f"{m}: A takes {a.shape[2]} features in one layer, "
+                                     f"{lora_a[0][m].shape[2]} in another")
+                if (a.shape[0], bm.shape[0]) != (num_slots, num_slots) or bm.shape[2] != r_max \
+                        or a.shape[1] != len(slice_widths[m]) * r_max or bm.shape[1] != sum(slice_widths[m]):
+                    raise ValueError(f"{m}: A {tuple(a.shape)} and B {tuple(bm.shape)} do not match "
+                                     f"{num_slots} slots of rank {r_max} and widths {slice_widths[m]}")
+                fields += [a.data_ptr(), bm.data_ptr()]
+        self._keep = (list(lora_a), list(lora_b), ranks)
+        self.dims = (len(lora_a), *((lora_a[0][m].shape[2], lora_b[0][m].shape[1]) for m in LORA_MODULES))
+        self.table = torch.tensor(fields, dtype=torch.int64)

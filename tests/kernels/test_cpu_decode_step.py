@@ -1,0 +1,132 @@
+"""The fused decode step (kernels/cpu/decode_step.c) against the per-op path it replaces.
+
+Both run the same C kernels in the same order, so logits and the KV cache must be bit-identical,
+with and without adapters; a step with a bad index must write nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.engine.kernels.cpu import linear
+from loraplex.engine.kernels.lora_ops import LoraBatchIndex
+from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
+from loraplex.engine.lora.slots import LoraSlots
+from loraplex.engine.models.attention import build_metadata
+from loraplex.engine.models.layer_ops import CpuKernelOps
+from loraplex.engine.models.llama import LlamaModel
+from loraplex.engine.models.synthetic import synthetic_model
+from loraplex.engine.runner import StepLora
+from tests.lora_factory import make_peft_dir
+
+BLOCK, BLOCKS_PER_SEQ = 16, 4
+PROMPTS = (5, 20, 33)  # context lengths before the decode: inside a block, past one, past two
+
+
+def _model_and_cache(preset: str):
+    config, weights, _ = synthetic_model(preset)
+    model = LlamaModel(config, weights)
+    assert isinstance(model.ops, CpuKernelOps)
+    storage = allocate_kv_storage(config.num_layers, 16, BLOCK, config.num_kv_heads, config.head_dim,
+                                  torch.float32, torch.device("cpu"))
+    return model, storage
+
+
+def _blocks(i: int) -> list[int]:
+    return list(range(1 + i * BLOCKS_PER_SEQ, 1 + (i + 1) * BLOCKS_PER_SEQ))  # block 0 stays unused
+
+
+def _prefill(model, storage, g) -> None:
+    """Each prompt through the per-op path (prefills never take the fused step)."""
+    for i, n in enumerate(PROMPTS):
+        ids = torch.randint(0, model.config.vocab_size, (n,), generator=g)
+        meta = build_metadata([(0, n, _blocks(i))], BLOCK, torch.device("cpu"))
+        model.forward(ids, torch.arange(n), meta, layer_views(storage), torch.tensor([n - 1]))
+
+
+def _decode(model, storage, ids, logits_rows, lora=None, fused=True, monkeypatch=None):
+    meta = build_metadata([(n, 1, _blocks(i)) for i, n in enumerate(PROMPTS)], BLOCK, torch.device("cpu"))
+    assert meta.decode_all
+    args = (ids, torch.tensor(PROMPTS), meta, layer_views(storage), logits_rows)
+    if fused:
+        logits = model.ops.decode_step(model, *args, lora)
+        assert logits is not None  # the fused path took the step
+        return logits
+    with monkeypatch.context() as m:
+        m.setattr(model.ops, "decode_step", None)
+        return model.forward(*args, lora=lora)
+
+
+def _both_paths(model, storage, ids, logits_rows, monkeypatch, lora=None):
+    """One decode step through each path from the same cache; the cache is left as it was."""
+    before = storage.clone()
+    fused = _decode(model, storage, ids, logits_rows, lora, True, monkeypatch)
+    after_fused = storage.clone()
+    storage.copy_(before)
+    per_op = _decode(model, storage, ids, logits_rows, lora, False, monkeypatch)
+    assert torch.equal(fused, per_op)
+    assert torch.equal(after_fused, storage)
+    assert not torch.equal(before, storage)  # the step's K/V were written
+    storage.copy_(before)
+    return fused
+
+
+@pytest.mark.parametrize("preset", ["tiny", "tiny-bias"])
+def test_fused_decode_step_is_bit_identical_to_the_per_op_path(preset, monkeypatch):
+    g = torch.Generator().manual_seed(0)
+    model, storage = _model_and_cache(preset)
+    _prefill(model, storage, g)
+    ids = torch.randint(0, model.config.vocab_size, (len(PROMPTS),), generator=g)
+    logits = _both_paths(model, storage, ids, torch.arange(len(PROMPTS)), monkeypatch)
+    assert logits.shape == (len(PROMPTS), model.config.vocab_size) and torch.isfinite(logits).all()
+    subset = _both_paths(model, storage, ids, torch.tensor([2, 0]), monkeypatch)  # sampled rows only, reordered
+    torch.testing.assert_close(subset, logits[[2, 0]])
+
+
+def test_fused_decode_step_adds_each_tokens_adapter(tmp_path, monkeypatch):
+    g = torch.Generator().manual_seed(1)
+    model, storage = _model_and_cache("tiny")
+    slots = LoraSlots(model.config, max_loras=3, max_lora_rank=8, max_cpu_loras=3)
+    for name, rank, targets in (("a", 8, "all"), ("b", 4, ("q", "v", "down"))):
+        slots.register(name, make_peft_dir(tmp_path / name, model.config, rank, 16, targets, seed=rank))
+    token_slots = [slots.acquire("b"), -1, slots.acquire("a")]  # two adapters of different rank beside the base
+    _prefill(model, storage, g)
+    ids = torch.randint(0, model.config.vocab_size, (len(PROMPTS),), generator=g)
+    rows = torch.arange(len(PROMPTS))
+    lora = StepLora(slots, LoraBatchIndex.from_token_slots(token_slots, torch.device("cpu")))
+    assert lora.kernel_args() is not None
+    with_lora = _both_paths(model, storage, ids, rows, monkeypatch, lora)
+    base = _both_paths(model, storage, ids, rows, monkeypatch)
+    assert torch.equal(with_lora[1], base[1])  # the base token is untouched
+    assert not torch.allclose(with_lora[0], base[0]) and not torch.allclose(with_lora[2], base[2])
+
+
+def test_fused_decode_step_refuses_a_bad_index_and_writes_nothing(monkeypatch):
+    g = torch.Generator().manual_seed(2)
+    model, storage = _model_and_cache("tiny")
+    _prefill(model, storage, g)
+    before = storage.clone()
+    meta = build_metadata([(n, 1, _blocks(i)) for i, n in enumerate(PROMPTS)], BLOCK, torch.device("cpu"))
+    ids, rows = torch.zeros(len(PROMPTS), dtype=torch.long), torch.arange(len(PROMPTS))
+    for field, bad in (("slot_mapping", 16 * BLOCK), ("decode_blocks", 99), ("decode_lens", 10**6)):
+        broken = getattr(meta, field).clone()
+        broken.view(-1)[-1] = bad
+        monkeypatch.setattr(meta, field, broken)
+        with pytest.raises(ValueError, match="out of range"):
+            model.forward(ids, torch.tensor(PROMPTS), meta, layer_views(storage), rows)
+        monkeypatch.undo()
+    with pytest.raises(ValueError, match="out of range"):  # positions past the RoPE table
+        model.forward(ids, torch.tensor([0, 1, 10**6]), meta, layer_views(storage), rows)
+    assert torch.equal(storage, before)
+
+
+def test_batches_above_the_packed_kernels_rows_take_the_per_op_path(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    model, storage = _model_and_cache("tiny")
+    _prefill(model, storage, g)
+    meta = build_metadata([(n, 1, _blocks(i)) for i, n in enumerate(PROMPTS)], BLOCK, torch.device("cpu"))
+    ids = torch.zeros(len(PROMPTS), dtype=torch.long)
+    monkeypatch.setattr(linear, "PACKED_MAX_ROWS", 2)
+    assert model.ops.decode_step(model, ids, torch.tensor(PROMPTS), meta, layer_views(storage),
+                                 torch.arange(3), None) is None
