@@ -22,6 +22,8 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--batch1-prompts", {"type": int, "default": 3, "help": "prompts run one at a time at batch 1"}),
         ("--batch", {"type": int, "default": 32}),
         ("--skip-hf", {"action": "store_true", "help": "measure our engine only"}),
+        ("--rounds", {"type": int, "default": 3,
+                      "help": "interleaved rounds; each system's best round counts (a shared VM's noise only slows)"}),
     ]),
     "lora": ("lora", "multi-LoRA tokens/s (identical, zipf, distinct) vs base and HF PEFT", [
         ("--model", {"default": DEFAULT_MODEL}),
@@ -31,6 +33,8 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--peft-new-tokens", {"type": int, "default": 16,
                                "help": "PEFT's mixed-adapter batch is slow: fewer tokens keep the run short"}),
         ("--skip-peft", {"action": "store_true"}),
+        ("--rounds", {"type": int, "default": 3,
+                      "help": "interleaved rounds; each system's best round counts (a shared VM's noise only slows)"}),
     ]),
     "gateway": ("gateway", "latency the platform adds (auth, limits, routing, usage) and its max rps", [
         ("--database-url", {"default": "postgresql://postgres@localhost:5432/postgres",

@@ -16,10 +16,11 @@ def run_bench(tmp_path, *args: str) -> dict:
 
 def test_bench_engine_reports_ours_and_roofline(tmp_path):
     r = run_bench(tmp_path, "engine", "--model", "synthetic:tiny", "--skip-hf", "--batch", "4",
-                  "--batch1-prompts", "1", "--new-tokens", "4")
+                  "--batch1-prompts", "1", "--new-tokens", "4", "--rounds", "2")
     assert r["roofline"]["mem_read_gbs"] > 0 and r["roofline"]["gemm_gflops"] > 0
     for key in ("batch1", "batch4"):
         assert r[key]["ours_tok_s"] > 0 and r[key]["roofline_tok_s"] > 0
+        assert len(r["rounds"][f"{key}.ours"]) == 2 and r[key]["ours_tok_s"] == max(r["rounds"][f"{key}.ours"])
 
 
 def test_bench_prefix_and_priority_compare_both_sides(tmp_path):

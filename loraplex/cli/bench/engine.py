@@ -103,35 +103,45 @@ def _hf(model, tokenizer, prompts: list[str], new_tokens: int, batch: int) -> fl
     return generated / (time.perf_counter() - t0)
 
 
-def run_engine_bench(model: str, new_tokens: int, batch1_prompts: int, batch: int, skip_hf: bool = False) -> dict:
+def run_engine_bench(model: str, new_tokens: int, batch1_prompts: int, batch: int, skip_hf: bool = False,
+                     rounds: int = 3) -> dict:
     torch.manual_seed(0)
     loaded = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
     core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=max(batch, 1),
                                    max_num_batched_tokens=2048), loaded=loaded)
     cfg = loaded.config
     weight_bytes = core.runner.model.weight_bytes()
-    roof = roofline.measure()
     prompts1 = bench_prompts(batch1_prompts)
     prompts_n = bench_prompts(batch)
     avg_prompt = sum(len(loaded.tokenizer.encode(p)) for p in prompts_n) / len(prompts_n)
+    hf = None if skip_hf else hf_model(loaded)
     _ours(core, prompts1[:1], 8, 1, model)  # warm-up
+    if hf is not None:
+        _hf(hf, loaded.tokenizer, prompts1[:1], 8, 1)
+    # The roofline, our engine and HF take turns, `rounds` times, so drift in a shared machine's
+    # speed touches each alike; each figure is its best round (noise only ever slows a run).
+    runs: dict[str, list[float]] = {}
+    roofs = []
+    for _ in range(max(rounds, 1)):
+        roofs.append(roofline.measure())
+        for key, prompts, b in (("batch1", prompts1, 1), (f"batch{batch}", prompts_n, batch)):
+            runs.setdefault(f"{key}.ours", []).append(round(_ours(core, prompts, new_tokens, b, model), 2))
+            if hf is not None:
+                runs.setdefault(f"{key}.hf", []).append(round(_hf(hf, loaded.tokenizer, prompts, new_tokens, b), 2))
+    roof = {k: max(r[k] for r in roofs) for k in roofs[0]}
     results = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "model": model, "dtype": "float32", "new_tokens": new_tokens,
         "weight_bytes": weight_bytes,
         "roofline": roof,
-        "batch1": {"ours_tok_s": round(_ours(core, prompts1, new_tokens, 1, model), 2),
-                   "roofline_tok_s": round(roof["mem_read_gbs"] * 1e9 / weight_bytes, 2)},
-        f"batch{batch}": {
-            "ours_tok_s": round(_ours(core, prompts_n, new_tokens, batch, model), 2),
-            "roofline_tok_s": round(roof["gemm_gflops"] * 1e9
-                                    / flops_per_token(cfg, int(avg_prompt + new_tokens / 2)), 2)},
+        "rounds": runs,
+        "batch1": {"roofline_tok_s": round(roof["mem_read_gbs"] * 1e9 / weight_bytes, 2)},
+        f"batch{batch}": {"roofline_tok_s": round(roof["gemm_gflops"] * 1e9
+                                                  / flops_per_token(cfg, int(avg_prompt + new_tokens / 2)), 2)},
     }
-    if not skip_hf:
-        hf = hf_model(loaded)
-        _hf(hf, loaded.tokenizer, prompts1[:1], 8, 1)  # warm-up
-        results["batch1"]["hf_tok_s"] = round(_hf(hf, loaded.tokenizer, prompts1, new_tokens, 1), 2)
-        results[f"batch{batch}"]["hf_tok_s"] = round(_hf(hf, loaded.tokenizer, prompts_n, new_tokens, batch), 2)
+    for name, figures in runs.items():
+        key, system = name.split(".")
+        results[key][f"{system}_tok_s"] = max(figures)
     for key in ("batch1", f"batch{batch}"):
         r = results[key]
         r["fraction_of_roofline"] = round(r["ours_tok_s"] / r["roofline_tok_s"], 3)
