@@ -56,6 +56,36 @@ def test_packed_kernel_blocks_rows_beyond_its_dispatch_limit(monkeypatch):
     torch.testing.assert_close(packed_linear(x, pack(w), b), F.linear(x, w, b), rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("m", [5, 6, 7, 8, 9, 63, 64, 65, 131])
+def test_packed_kernel_prefetch_and_thread_edges(m, monkeypatch):
+    """Big enough for the threads to split the panels, where groups of 4 rows prefetch each thread's
+    next panel: row tails, several 64-row blocks, a partial last panel, strided rows and bias."""
+    from loraplex.engine.kernels.cpu import linear
+
+    monkeypatch.setattr(linear, "PACKED_MAX_ROWS", 10**6)
+    g = torch.Generator().manual_seed(m)
+    n, k = 24 * 45 + 7, 301
+    rows, w, b = torch.randn(m, k + 5, generator=g), torch.randn(n, k, generator=g), torch.randn(n, generator=g)
+    x = rows[:, 2 : 2 + k]
+    pw = pack(w)
+    want = F.linear(x.double(), w.double(), b.double()).float()
+    torch.testing.assert_close(packed_linear(x, pw, b), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(packed_linear(x, pw), want - b, rtol=1e-5, atol=1e-4)
+
+
+def test_packed_linear_runs_from_several_threads_at_once():
+    from concurrent.futures import ThreadPoolExecutor
+
+    g = torch.Generator().manual_seed(2)
+    w, b = torch.randn(1000, 200, generator=g), torch.randn(1000, generator=g)
+    xs = [torch.randn(m, 200, generator=g) for m in (1, 4, 9, 32, 33, 64) * 3]
+    pw = pack(w)
+    with ThreadPoolExecutor(4) as pool:
+        ys = list(pool.map(lambda x: packed_linear(x, pw, b), xs))
+    for x, y in zip(xs, ys, strict=True):
+        torch.testing.assert_close(y, F.linear(x, w, b), rtol=1e-5, atol=1e-4)
+
+
 def test_packed_linear_takes_row_views():
     g = torch.Generator().manual_seed(0)
     rows, w = torch.randn(6, 100, generator=g), torch.randn(30, 64, generator=g)

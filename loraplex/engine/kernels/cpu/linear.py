@@ -26,9 +26,10 @@ def linear_available() -> bool:
     return _fns() is not None
 
 
-# Batches above this many rows go to MKL over the unpacked weight: its cache blocking wins on
-# prefill-sized GEMMs, the packed kernel on decode-sized ones (bench/RESULTS.md).
-PACKED_MAX_ROWS = 64
+# Batches above this many rows go to MKL over the unpacked weight. On the model's shapes the packed
+# kernel was 1.1-1.8x MKL's F.linear up to 256 rows (1 and 2 threads, cold weights) and about even
+# at 384-512, where MKL's own cache blocking catches up.
+PACKED_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
