@@ -30,6 +30,8 @@ MODULES = {
     "tiny": (3, (5,)),
     "four": (24, (9, 1, 17, 8)),
     "smollm_qkv": (576, (576, 192, 192)),  # big enough for the parallel path
+    "smollm_gate_up": (576, (1536, 1536)),
+    "wide": (1001, (37, 24)),  # in_features over several shrink passes, with a masked tail
 }
 PATTERNS = ("distinct", "uniform", "zipf:1.5", "identical", "skewed")
 ATOL = RTOL = 1e-4
@@ -168,16 +170,37 @@ def test_scattered_tokens_of_one_slot_and_long_segments() -> None:
     check(LoraBatchIndex.from_segments([300], [1]), "smollm_qkv", 16)
 
 
-def test_decode_batch_of_smollm_shapes_on_one_and_all_threads() -> None:
-    """Big enough for the parallel path; one thread must give the same answer."""
-    index = LoraBatchIndex.from_token_slots([i % NUM_SLOTS for i in range(32)])
-    check(index, "smollm_qkv", 16, ranks=[16, 16, 4, 0] * 3, pad=float("nan"))
+# token slots of a 32-token decode batch: one adapter, zipf-like counts (9, 6, 3, 2, 2, 1, ..), one each
+DECODE_32 = {
+    "identical": [3] * 32,
+    "skewed": [0] * 9 + [1] * 6 + [2] * 3 + [4, 4, 5, 5] + list(range(6, 12)) + [-1] * 4,
+    "round-robin": [i % NUM_SLOTS for i in range(32)],
+}
+
+
+@pytest.mark.parametrize("module", ["smollm_qkv", "smollm_gate_up"])
+@pytest.mark.parametrize("slots", list(DECODE_32.values()), ids=list(DECODE_32))
+def test_decode_batch_of_smollm_shapes_on_one_and_all_threads(slots: list[int], module: str) -> None:
+    """Big enough for the parallel path (each weight row read by one thread); one thread must give the
+    same answer."""
+    index = LoraBatchIndex.from_token_slots(slots)
+    check(index, module, 16, ranks=[16, 16, 4, 16, 0, 16] * 2, pad=float("nan"))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        check(index, "smollm_qkv", 16, ranks=[16, 16, 4, 0] * 3, pad=float("nan"))
+        check(index, module, 16, ranks=[16, 16, 4, 16, 0, 16] * 2, pad=float("nan"))
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("module", ["wide", "smollm_qkv"])
+@pytest.mark.parametrize("tokens", [3, 5, 7, 12, 13, 16, 32, 33, 65])
+def test_many_tokens_of_one_slot(tokens: int, module: str) -> None:
+    """A slot with many tokens, next to slots of one or two: near-equal groups of 3 to 6 tokens; below
+    16 tokens dot products over rows in pairs (odd ranks leave one over), from 16 a GEMM over 16-row
+    tiles of A (partial for ranks below 16); features in several passes, with a masked tail."""
+    slots = [0] * tokens + [1, -1, 2, 2] + [1] * (tokens // 2)
+    check(LoraBatchIndex.from_token_slots(slots), module, 16, ranks=[5, 16, 3] + [16] * 9, pad=float("nan"))
 
 
 @pytest.mark.parametrize("slots", [[3], [-1], [-1] * 7, [-1, 2, -1], [0, -1, -1, -1]],

@@ -11,14 +11,16 @@
  *
  * Why: a decode step makes 4 calls per layer; torch ops cost a dispatch per adapter or copy the
  * gathered weights, while the FLOPs are a few percent of the base model's. Here the work is one
- * OpenMP region in two phases split by a barrier. Shrink: every block (up to BLOCK_TOKENS tokens of
- * one slot) against its rows of A, as dot products register-blocked over R rows x M tokens (A's rows
- * and x's rows are both contiguous). Expand: against B's rows, as a small GEMM on a transposed tile
- * of 16 outputs (M tokens x 16 outputs per rank step), or, for one or two tokens (memory-bound), as
- * dot products over B's contiguous rows. In each phase the threads take contiguous ranges of equal
+ * OpenMP region in two phases split by a barrier, over blocks (up to BLOCK_TOKENS tokens of one slot)
+ * whose tokens go in near-equal groups of up to six (32 = 5 + 5 + 6 + 5 + 5 + 6: a lone group of two
+ * would run its FMA chains at half speed). Each phase is a small GEMM, a group x 16 weight rows packed
+ * transposed (tile_gemm), where the tokens pay for the packing (3 in the expand, MANY_TOKENS in the
+ * shrink); else dot products over the weights' contiguous rows, register-blocked over rows x tokens,
+ * memory-bound for one or two tokens. In each phase the threads take contiguous ranges of equal
  * estimated cost (weights read + FLOPs) over all blocks' weight rows, so every weight row is read by
- * one thread: one adapter for the whole batch is split over the threads, many adapters are not
- * read twice.
+ * one thread: one adapter for the whole batch is split over the threads, many adapters are not read
+ * twice. The weights come from memory (the base model's GEMMs evict them between calls): a block of
+ * many tokens asks for the weights its thread reads next while it computes (prefetch_ahead).
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -37,12 +39,13 @@
 #define MAX_SLICES 4
 #define MAX_RANK 256
 #define EXPAND_TILE 16 /* outputs per transposed B tile */
-#define SHRINK_KC 768   /* features per shrink pass: six tokens' worth (18 KB) stay in L1 */
-#ifndef PREFETCH_BYTES
-#define PREFETCH_BYTES (128 * 1024) /* of B asked into L2 ahead of the expand, per thread */
-#endif
+#define DOT_KC 768      /* features per dot-product pass: six tokens' worth (18 KB) stay in L1 */
+#define MANY_TOKENS 16 /* a block this big is compute-bound: packed shrink, weights asked for ahead */
+#define SHRINK_KC 256   /* features of A per packed tile: 16 rows x 256 fill a panel */
+#define PF_AHEAD (24 * 1024) /* bytes of weights asked for ahead of the compute: more than a panel */
+#define PF_BURST 1024        /* bytes asked for at once beyond what was read since the last ask */
 #define PANEL_FLOATS 4096 /* transposed B tiles packed at once (16 KB, in L1) */
-_Static_assert(PANEL_FLOATS >= MAX_RANK * EXPAND_TILE, "a panel holds at least one tile");
+_Static_assert(PANEL_FLOATS >= MAX_RANK * EXPAND_TILE && PANEL_FLOATS >= SHRINK_KC * EXPAND_TILE, "a tile fits");
 
 typedef struct {
     int32_t slot, begin, end; /* tokens rows[begin .. end-1], at most BLOCK_TOKENS */
@@ -59,6 +62,96 @@ typedef struct {
     int64_t n_blocks;
     double shrink_total, expand_total; /* estimated work of each phase */
 } job_t;
+
+/* Of a run of `units` equal units of cost `unit` starting at cost `base`, the first one whose cost
+ * midpoint lies at or beyond `target`: thread tid takes [split(tid * total / nth), split((tid + 1) * ...)),
+ * so neighbouring threads compute the same boundary and the ranges tile the run exactly. */
+static inline int64_t split_at(double base, double unit, int64_t units, double target) {
+    double v = (target - base) / unit - 0.5;
+    if (v <= 0) return 0;
+    int64_t i = (int64_t)v;
+    if ((double)i < v) i++;
+    return i > units ? units : i;
+}
+
+/* A thread's share of one phase, range by range: units [u0, u1) of slice s of block i, where the
+ * units are rows of A (shrink) or tiles of EXPAND_TILE rows of B (expand). */
+typedef struct {
+    const job_t *job;
+    int expand;
+    double lo, hi, base;
+    int64_t i, s, u0, u1;
+    const float *p, *end; /* the range's weights */
+} walk_t;
+
+static void walk_start(walk_t *w, const job_t *job, int expand, int64_t tid, int64_t nth) {
+    double total = expand ? job->expand_total : job->shrink_total;
+    *w = (walk_t){.job = job, .expand = expand, .lo = total * tid / nth, .hi = total * (tid + 1) / nth, .s = -1};
+}
+
+/* Moves to the thread's next non-empty range; 0 when there is none. */
+static int walk_next(walk_t *w) {
+    const job_t *job = w->job;
+    while (w->base < w->hi) {
+        if (++w->s == job->S) w->s = 0, w->i++;
+        if (w->i >= job->n_blocks) return 0;
+        const block_t *blk = job->blocks + w->i;
+        const double tokens = blk->end - blk->begin + FIXED_COST;
+        const int64_t units = w->expand ? (job->w[w->s] + EXPAND_TILE - 1) / EXPAND_TILE : blk->rank;
+        const double unit = w->expand ? (double)EXPAND_TILE * blk->rank * tokens : (double)job->K * tokens;
+        w->u0 = split_at(w->base, unit, units, w->lo);
+        w->u1 = split_at(w->base, unit, units, w->hi);
+        w->base += unit * units;
+        if (w->u0 >= w->u1) continue;
+        const int64_t r_max = job->r_max, n0 = w->u0 * EXPAND_TILE, n1 = w->u1 * EXPAND_TILE;
+        if (w->expand) { /* B's rows n0 .. n1-1 of the slice, n1 clipped to its width */
+            w->p = job->B + ((int64_t)blk->slot * job->N + job->off[w->s] + n0) * r_max;
+            w->end = w->p + ((n1 < job->w[w->s] ? n1 : job->w[w->s]) - n0) * r_max;
+        } else {
+            w->p = job->A + (((int64_t)blk->slot * job->S + w->s) * r_max + w->u0) * job->K;
+            w->end = w->p + (w->u1 - w->u0) * job->K;
+        }
+        return 1;
+    }
+    return 0;
+}
+
+/* The prefetch walk: the thread's shrink ranges, then its expand ranges, asked for in order. */
+typedef struct {
+    walk_t w;
+    int64_t tid, nth, lead; /* lead: bytes asked for beyond what the compute has reported read */
+    const char *p, *end;
+} prefetch_t;
+
+/* The compute has read `used` more bytes of weights (in the walk's order). With `issue` (a block of many
+ * tokens) keep about PF_AHEAD bytes asked for ahead, used + PF_BURST at most at once (a longer burst is
+ * partly dropped). Memory-bound blocks are streamed well by the hardware prefetcher: only counted. */
+static void prefetch_ahead(prefetch_t *pf, int64_t used, int issue) {
+    int64_t budget = used + PF_BURST;
+    pf->lead -= used;
+    if (!issue || pf->lead >= PF_AHEAD - PF_BURST) return;
+    for (;;) {
+        if (pf->p >= pf->end) {
+            if (!walk_next(&pf->w)) {
+                if (pf->w.expand) return;
+                walk_start(&pf->w, pf->w.job, 1, pf->tid, pf->nth);
+                continue;
+            }
+            pf->p = (const char *)((uintptr_t)pf->w.p & ~(uintptr_t)63), pf->end = (const char *)pf->w.end;
+        }
+        int64_t n = pf->end - pf->p;
+        if (pf->lead < 0) { /* already read */
+            n = n < -pf->lead ? n : (-pf->lead + 63) & ~(int64_t)63;
+        } else {
+            if (pf->lead >= PF_AHEAD || budget <= 0) return;
+            n = n < budget ? n : budget;
+            n = ((n < PF_AHEAD - pf->lead ? n : PF_AHEAD - pf->lead) + 63) & ~(int64_t)63;
+            for (const char *q = pf->p; q < pf->p + n; q += 64) __builtin_prefetch(q, 0, 2);
+            budget -= n;
+        }
+        pf->p += n, pf->lead += n;
+    }
+}
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -89,7 +182,7 @@ static inline __m256 hsum8x8(const __m256 *v) {
 }
 
 /* Shrink, R rows of A (a, row stride lda) x M tokens over kc features: y[m * ldy + r] (+)= A_r . x_m
- * (added when acc: a later chunk of features). Inlined with constant R and M so the R * M
+ * (added when acc_y: a later chunk of features). Inlined with constant R and M so the R * M
  * accumulators stay in registers. */
 static inline __attribute__((always_inline)) void shrink_rm(const float *a, int64_t lda, int64_t kc,
                                                             const float *const *xr, int64_t x0, float *y, int64_t ldy,
@@ -125,43 +218,38 @@ static inline __attribute__((always_inline)) void shrink_rm(const float *a, int6
     }
 }
 
-/* Rows j0 .. j1-1 of A (a = row 0, row stride lda) over features x0 .. x0+kc-1, M tokens. */
-static inline __attribute__((always_inline)) void shrink_block(const float *a, int64_t lda, int64_t j0, int64_t j1,
-                                                               int64_t kc, const float *const *xr, int64_t x0,
-                                                               float *y, int64_t ldy, int acc_y, const int M) {
-    int64_t j = j0;
-    if (M <= 2)
-        for (; j + 4 <= j1; j += 4) shrink_rm(a + j * lda, lda, kc, xr, x0, y + j, ldy, acc_y, 4, M);
-    for (; j + 2 <= j1; j += 2) shrink_rm(a + j * lda, lda, kc, xr, x0, y + j, ldy, acc_y, 2, M);
-    for (; j < j1; j++) shrink_rm(a + j * lda, lda, kc, xr, x0, y + j, ldy, acc_y, 1, M);
-}
-
-/* Rows j0 .. j1-1 of one slice of A (a = its row 0) against m tokens: y[t * ldy + j] = A[j] . x_t.
- * Six tokens at a time against all the rows, over SHRINK_KC features at a time, so the tokens'
- * features stay in L1 while A's rows stream from L2. One or two tokens (memory-bound): four rows at
- * a time, independent FMA chains while A streams from memory. */
-static void shrink_rows(const float *a, int64_t K, int64_t j0, int64_t j1, const float *const *xr, int m, float *y,
-                        int64_t ldy) {
-    if (m <= 2) { /* A's rows read once each, in order */
-        if (m == 1)
-            shrink_block(a, K, j0, j1, K, xr, 0, y, ldy, 0, 1);
-        else
-            shrink_block(a, K, j0, j1, K, xr, 0, y, ldy, 0, 2);
-        return;
-    }
-    for (int64_t x0 = 0; x0 < K; x0 += SHRINK_KC) {
-        int64_t kc = K - x0 < SHRINK_KC ? K - x0 : SHRINK_KC;
-        for (int t = 0; t < m; t += 6) {
+/* Shrink by dot products over A's rows (fewer than MANY_TOKENS tokens): the tokens in groups, each
+ * against the rows two at a time (four for one or two tokens: memory-bound, A read once in order),
+ * over DOT_KC features at a time so a group's features stay in L1 while A comes from L2. */
+static void shrink_dot(const float *a, int64_t K, int64_t j0, int64_t j1, const float *const *xr, int m, float *y,
+                       int64_t ldy) {
+    const int ng = (m + 5) / 6;
+    const int64_t step = m <= 2 ? K : DOT_KC;
+    for (int64_t x0 = 0; x0 < K; x0 += step) {
+        const int64_t kc = K - x0 < step ? K - x0 : step;
+        const int acc = x0 > 0;
+        for (int g = 0; g < ng; g++) {
+            const int t = m * g / ng, c = m * (g + 1) / ng - t;
             const float *const *xs = xr + t;
             float *ys = y + t * ldy;
-            switch (m - t < 6 ? m - t : 6) {
-                case 1: shrink_block(a + x0, K, j0, j1, kc, xs, x0, ys, ldy, x0 > 0, 1); break;
-                case 2: shrink_block(a + x0, K, j0, j1, kc, xs, x0, ys, ldy, x0 > 0, 2); break;
-                case 3: shrink_block(a + x0, K, j0, j1, kc, xs, x0, ys, ldy, x0 > 0, 3); break;
-                case 4: shrink_block(a + x0, K, j0, j1, kc, xs, x0, ys, ldy, x0 > 0, 4); break;
-                case 5: shrink_block(a + x0, K, j0, j1, kc, xs, x0, ys, ldy, x0 > 0, 5); break;
-                case 6: shrink_block(a + x0, K, j0, j1, kc, xs, x0, ys, ldy, x0 > 0, 6); break;
+            const float *ax = a + x0;
+            int64_t j = j0;
+            for (; c <= 2 && j + 4 <= j1; j += 4) {
+                if (c == 1)
+                    shrink_rm(ax + j * K, K, kc, xs, x0, ys + j, ldy, acc, 4, 1);
+                else
+                    shrink_rm(ax + j * K, K, kc, xs, x0, ys + j, ldy, acc, 4, 2);
             }
+            for (; c > 2 && j + 2 <= j1; j += 2) {
+                switch (c) {
+                    case 3: shrink_rm(ax + j * K, K, kc, xs, x0, ys + j, ldy, acc, 2, 3); break;
+                    case 4: shrink_rm(ax + j * K, K, kc, xs, x0, ys + j, ldy, acc, 2, 4); break;
+                    case 5: shrink_rm(ax + j * K, K, kc, xs, x0, ys + j, ldy, acc, 2, 5); break;
+                    default: shrink_rm(ax + j * K, K, kc, xs, x0, ys + j, ldy, acc, 2, 6); break;
+                }
+            }
+            for (; j < j1; j++)
+                for (int q = 0; q < c; q++) shrink_rm(ax + j * K, K, kc, xs + q, x0, ys + q * ldy + j, ldy, acc, 1, 1);
         }
     }
 }
@@ -207,8 +295,9 @@ static inline __attribute__((always_inline)) void expand_dot(const float *b, int
     }
 }
 
-/* Bt[k * 16 + i] = B[n0 + i, k] for k < rk, i < 16; rows at or beyond `rows` read as zero. Columns
- * k in [rk, round_up(rk, 8)) may hold padding values: the caller never reads them. */
+/* Bt[k * 16 + i] = B[n0 + i, k] for k < rk, i < 16 (rows of B r_max apart; also A's, then r_max = K);
+ * rows at or beyond `rows` read as zero. Loads whole 8-column chunks, up to round_up(rk, 8) <= r_max,
+ * but stores only k < rk. */
 static void pack_tile(const float *b, int64_t r_max, int64_t rk, int64_t n0, int64_t rows, float *bt) {
     if (r_max % 8) { /* rows are not 8-float aligned chunks: scalar */
         for (int64_t k = 0; k < rk; k++)
@@ -241,15 +330,20 @@ static void pack_tile(const float *b, int64_t r_max, int64_t rk, int64_t n0, int
     }
 }
 
-/* One packed tile x M tokens: out_m[0:cols] += sum_k y_m[k] * Bt[k, 0:16], cols <= 16. */
-static inline __attribute__((always_inline)) void expand_tile(const float *bt, int64_t rk, const float *y,
-                                                              int64_t ldy, float *const *outr, int64_t n,
-                                                              int64_t cols, const int M) {
+/* The GEMM microkernel of both phases, M tokens x one packed tile of 16 columns (12 accumulators):
+ * out_m[n + i] = (init ? 0 : out_m[n + i]) + sum_{k < kn} in_m[k] * P[k * 16 + i] for i < cols <= 16.
+ * Shrink: P = 16 rows of A transposed, in = x rows, out = y rows; expand: P = 16 rows of B
+ * transposed, in = y rows, out = out rows. */
+static inline __attribute__((always_inline)) void tile_gemm(const float *P, int64_t kn, const float *const *in,
+                                                            float *const *outr, int64_t n, int64_t cols, int init,
+                                                            const int M) {
     __m256 acc[6][2];
     int full = cols == EXPAND_TILE;
     __m256i m0 = lane_mask(cols < 8 ? cols : 8), m1 = lane_mask(cols > 8 ? cols - 8 : 1);
     for (int m = 0; m < M; m++) {
-        if (full) {
+        if (init) {
+            acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+        } else if (full) {
             acc[m][0] = _mm256_loadu_ps(outr[m] + n);
             acc[m][1] = _mm256_loadu_ps(outr[m] + n + 8);
         } else {
@@ -257,12 +351,12 @@ static inline __attribute__((always_inline)) void expand_tile(const float *bt, i
             acc[m][1] = cols > 8 ? _mm256_maskload_ps(outr[m] + n + 8, m1) : _mm256_setzero_ps();
         }
     }
-    for (int64_t k = 0; k < rk; k++) {
-        __m256 b0 = _mm256_load_ps(bt + k * EXPAND_TILE), b1 = _mm256_load_ps(bt + k * EXPAND_TILE + 8);
+    for (int64_t k = 0; k < kn; k++) {
+        __m256 p0 = _mm256_load_ps(P + k * EXPAND_TILE), p1 = _mm256_load_ps(P + k * EXPAND_TILE + 8);
         for (int m = 0; m < M; m++) {
-            __m256 yb = _mm256_broadcast_ss(y + m * ldy + k);
-            acc[m][0] = _mm256_fmadd_ps(b0, yb, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(b1, yb, acc[m][1]);
+            __m256 v = _mm256_broadcast_ss(in[m] + k);
+            acc[m][0] = _mm256_fmadd_ps(p0, v, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(p1, v, acc[m][1]);
         }
     }
     for (int m = 0; m < M; m++) {
@@ -276,47 +370,87 @@ static inline __attribute__((always_inline)) void expand_tile(const float *bt, i
     }
 }
 
+/* tile_gemm for a group of c (3 to 6) tokens. */
+static inline __attribute__((always_inline)) void tile_group(const float *P, int64_t kn, const float *const *in,
+                                                             float *const *outr, int64_t n, int64_t cols, int init,
+                                                             int c) {
+    switch (c) {
+        case 3: tile_gemm(P, kn, in, outr, n, cols, init, 3); break;
+        case 4: tile_gemm(P, kn, in, outr, n, cols, init, 4); break;
+        case 5: tile_gemm(P, kn, in, outr, n, cols, init, 5); break;
+        default: tile_gemm(P, kn, in, outr, n, cols, init, 6); break;
+    }
+}
+
+/* Rows j0 .. j1-1 of one slice of A (a = its row 0) against m tokens: y[t * ldy + j] = A[j] . x_t.
+ * MANY_TOKENS or more: a GEMM like the expand's over 16 rows x SHRINK_KC features of A packed
+ * transposed (in L1), with no horizontal sums, and A read evenly while it runs; other rows (a rank
+ * or a thread's share not a multiple of 16) and fewer tokens: shrink_dot. */
+static void shrink_rows(const float *a, int64_t K, int64_t j0, int64_t j1, const float *const *xr, int m, float *y,
+                        int64_t ldy, prefetch_t *pf) {
+    float at[PANEL_FLOATS] __attribute__((aligned(32)));
+    const float *xs[BLOCK_TOKENS];
+    float *yr[BLOCK_TOKENS];
+    for (int t = 0; t < m; t++) yr[t] = y + t * ldy;
+    const int ng = (m + 5) / 6;
+    int64_t j = j0;
+    for (; m >= MANY_TOKENS && j + EXPAND_TILE <= j1; j += EXPAND_TILE) /* whole tiles: none half empty */
+        for (int64_t x0 = 0; x0 < K; x0 += SHRINK_KC) {
+            const int64_t kc = K - x0 < SHRINK_KC ? K - x0 : SHRINK_KC, used = EXPAND_TILE * kc * 4 / ng;
+            pack_tile(a + x0, K, kc, j, EXPAND_TILE, at);
+            for (int t = 0; t < m; t++) xs[t] = xr[t] + x0;
+            for (int g = 0; g < ng; g++) {
+                const int t = m * g / ng;
+                prefetch_ahead(pf, used, 1);
+                tile_group(at, kc, xs + t, yr + t, j, EXPAND_TILE, x0 == 0, m * (g + 1) / ng - t);
+            }
+        }
+    prefetch_ahead(pf, (j1 - j) * K * 4, 0);
+    shrink_dot(a, K, j, j1, xr, m, y, ldy);
+}
+
 /* Outputs n0 .. n1-1 of one slice (b = its row 0; n0 a multiple of EXPAND_TILE) for m tokens:
  * out_t[n] += B[n, :rk] . y_t. */
 static void expand_range(const float *b, int64_t r_max, int64_t rk, int64_t n0, int64_t n1, const float *y,
-                         int64_t ldy, float *const *outr, int m) {
+                         int64_t ldy, float *const *outr, int m, prefetch_t *pf) {
     if (m <= 2) {
+        prefetch_ahead(pf, (n1 - n0) * r_max * 4, 0);
         if (m == 1)
             expand_dot(b, r_max, rk, n0, n1, y, ldy, outr, 1);
         else
             expand_dot(b, r_max, rk, n0, n1, y, ldy, outr, 2);
         return;
     }
-    /* A panel of tiles is packed, then run six tokens at a time, so each token's out row is walked in
-     * order: few streams, and no run over one tile's rows, which alias in L1 when they are a multiple
-     * of 4 KB apart (gate_up: 12 KB). */
+    /* A panel of tiles is packed, then run for each group of (near-equally many, up to six) tokens,
+     * so each token's out row is walked in order: few streams, and no run over one tile's rows, which
+     * alias in L1 when they are a multiple of 4 KB apart (gate_up: 12 KB). */
     float bt[PANEL_FLOATS] __attribute__((aligned(32)));
+    const float *yr[BLOCK_TOKENS];
+    for (int t = 0; t < m; t++) yr[t] = y + t * ldy;
     const int64_t tile_floats = rk * EXPAND_TILE, per_panel = PANEL_FLOATS / tile_floats;
+    const int ng = (m + 5) / 6;
     for (int64_t p0 = n0; p0 < n1; p0 += per_panel * EXPAND_TILE) {
         int64_t p1 = p0 + per_panel * EXPAND_TILE < n1 ? p0 + per_panel * EXPAND_TILE : n1;
+        const int64_t used = (p1 - p0) * r_max * 4 / ng;
         for (int64_t n = p0; n < p1; n += EXPAND_TILE)
             pack_tile(b, r_max, rk, n, p1 - n < EXPAND_TILE ? p1 - n : EXPAND_TILE,
                       bt + (n - p0) / EXPAND_TILE * tile_floats);
-        for (int t = 0; t < m; t += 6) {
+        for (int g = 0; g < ng; g++) {
+            const int t = m * g / ng, c = m * (g + 1) / ng - t;
+            prefetch_ahead(pf, used, m >= MANY_TOKENS);
             for (int64_t n = p0; n < p1; n += EXPAND_TILE) {
                 const float *tile = bt + (n - p0) / EXPAND_TILE * tile_floats;
                 int64_t cols = p1 - n < EXPAND_TILE ? p1 - n : EXPAND_TILE;
-                switch (m - t < 6 ? m - t : 6) {
-                    case 1: expand_tile(tile, rk, y + t * ldy, ldy, outr + t, n, cols, 1); break;
-                    case 2: expand_tile(tile, rk, y + t * ldy, ldy, outr + t, n, cols, 2); break;
-                    case 3: expand_tile(tile, rk, y + t * ldy, ldy, outr + t, n, cols, 3); break;
-                    case 4: expand_tile(tile, rk, y + t * ldy, ldy, outr + t, n, cols, 4); break;
-                    case 5: expand_tile(tile, rk, y + t * ldy, ldy, outr + t, n, cols, 5); break;
-                    case 6: expand_tile(tile, rk, y + t * ldy, ldy, outr + t, n, cols, 6); break;
-                }
+                tile_group(tile, rk, yr + t, outr + t, n, cols, 0, c);
             }
         }
     }
 }
 
-#else
+#else /* portable: plain loops */
 static void shrink_rows(const float *a, int64_t K, int64_t j0, int64_t j1, const float *const *xr, int m, float *y,
-                        int64_t ldy) {
+                        int64_t ldy, prefetch_t *pf) {
+    prefetch_ahead(pf, (j1 - j0) * K * 4, 0);
     for (int64_t j = j0; j < j1; j++)
         for (int t = 0; t < m; t++) {
             float s = 0.0f;
@@ -326,7 +460,8 @@ static void shrink_rows(const float *a, int64_t K, int64_t j0, int64_t j1, const
 }
 
 static void expand_range(const float *b, int64_t r_max, int64_t rk, int64_t n0, int64_t n1, const float *y,
-                         int64_t ldy, float *const *outr, int m) {
+                         int64_t ldy, float *const *outr, int m, prefetch_t *pf) {
+    prefetch_ahead(pf, (n1 - n0) * r_max * 4, 0);
     for (int t = 0; t < m; t++)
         for (int64_t n = n0; n < n1; n++) {
             float s = 0.0f;
@@ -345,73 +480,32 @@ static void token_rows(const job_t *job, const block_t *blk, const float **xr, f
     }
 }
 
-/* Of a run of `units` equal units of cost `unit` starting at cost `base`, the first one whose cost
- * midpoint lies at or beyond `target`: thread tid takes [split(tid * total / nth), split((tid + 1) * ...)),
- * so neighbouring threads compute the same boundary and the ranges tile the run exactly. */
-static inline int64_t split_at(double base, double unit, int64_t units, double target) {
-    double v = (target - base) / unit - 0.5;
-    if (v <= 0) return 0;
-    int64_t i = (int64_t)v;
-    if ((double)i < v) i++;
-    return i > units ? units : i;
-}
-
-/* Thread tid's share of the expand: tiles of EXPAND_TILE rows of B over all blocks. With `prefetch`,
- * only asks for the first PREFETCH_BYTES of those rows of B to be brought into L2 (done before the
- * shrink, so a cold adapter's B streams in while the shrink computes). */
-static void expand_share(const job_t *job, int64_t tid, int64_t nth, int prefetch) {
-    const int64_t r_max = job->r_max, S = job->S, ldy = job->ldy;
-    float *outr[BLOCK_TOKENS];
-    double lo = job->expand_total * tid / nth, hi = job->expand_total * (tid + 1) / nth, base = 0.0;
-    int64_t budget = PREFETCH_BYTES;
-    for (int64_t i = 0; i < job->n_blocks; i++) {
-        const block_t *blk = job->blocks + i;
-        const int m = blk->end - blk->begin;
-        const int64_t rk = blk->rank;
-        const double unit = (double)EXPAND_TILE * rk * (m + FIXED_COST);
-        const float *b = job->B + (int64_t)blk->slot * job->N * r_max;
-        for (int64_t s = 0; s < S; s++) {
-            int64_t tiles = (job->w[s] + EXPAND_TILE - 1) / EXPAND_TILE;
-            int64_t t0 = split_at(base, unit, tiles, lo), t1 = split_at(base, unit, tiles, hi);
-            base += unit * tiles;
-            if (t0 >= t1) continue;
-            int64_t n0 = t0 * EXPAND_TILE, n1 = t1 * EXPAND_TILE < job->w[s] ? t1 * EXPAND_TILE : job->w[s];
-            const float *bs = b + job->off[s] * r_max;
-            if (prefetch) {
-                const char *p0 = (const char *)(bs + n0 * r_max), *p1 = (const char *)(bs + n1 * r_max);
-                for (const char *p = p0; p < p1 && budget > 0; p += 64, budget -= 64) __builtin_prefetch(p, 0, 2);
-                if (budget <= 0) return;
-                continue;
-            }
-            token_rows(job, blk, NULL, outr, job->off[s]);
-            expand_range(bs, r_max, rk, n0, n1, job->y + blk->begin * ldy + s * r_max, ldy, outr, m);
-        }
-    }
-}
-
-/* Thread tid's share of both phases. Shrink: units are rows of A (all of a block's tokens per row);
- * expand: tiles of EXPAND_TILE rows of B. Each weight row is read by one thread per block. */
+/* Thread tid's share of both phases (see walk_t): each weight row is read by one thread per block. */
 static void run(const job_t *job, int64_t tid, int64_t nth) {
     const int64_t K = job->K, r_max = job->r_max, S = job->S, ldy = job->ldy;
     const float *xr[BLOCK_TOKENS];
-    if (PREFETCH_BYTES > 0) expand_share(job, tid, nth, 1);
-    double lo = job->shrink_total * tid / nth, hi = job->shrink_total * (tid + 1) / nth, base = 0.0;
-    for (int64_t i = 0; i < job->n_blocks; i++) {
-        const block_t *blk = job->blocks + i;
-        const int m = blk->end - blk->begin;
-        const int64_t rk = blk->rank;
-        const double unit = (double)K * (m + FIXED_COST);
-        const float *a = job->A + (int64_t)blk->slot * S * r_max * K;
-        int have_rows = 0;
-        for (int64_t s = 0; s < S; s++, base += unit * rk) {
-            int64_t j0 = split_at(base, unit, rk, lo), j1 = split_at(base, unit, rk, hi);
-            if (j0 >= j1) continue;
-            if (!have_rows) token_rows(job, blk, xr, NULL, 0), have_rows = 1;
-            shrink_rows(a + s * r_max * K, K, j0, j1, xr, m, job->y + blk->begin * ldy + s * r_max, ldy);
-        }
+    float *outr[BLOCK_TOKENS];
+    prefetch_t pf = {.tid = tid, .nth = nth};
+    walk_start(&pf.w, job, 0, tid, nth);
+    prefetch_ahead(&pf, 0, 1);
+    walk_t w;
+    walk_start(&w, job, 0, tid, nth);
+    for (int64_t last = -1; walk_next(&w); last = w.i) {
+        const block_t *blk = job->blocks + w.i;
+        if (w.i != last) token_rows(job, blk, xr, NULL, 0);
+        shrink_rows(job->A + ((int64_t)blk->slot * S + w.s) * r_max * K, K, w.u0, w.u1, xr, blk->end - blk->begin,
+                    job->y + blk->begin * ldy + w.s * r_max, ldy, &pf);
     }
 #pragma omp barrier
-    expand_share(job, tid, nth, 0);
+    walk_start(&w, job, 1, tid, nth);
+    while (walk_next(&w)) {
+        const block_t *blk = job->blocks + w.i;
+        const int64_t n1 = w.u1 * EXPAND_TILE < job->w[w.s] ? w.u1 * EXPAND_TILE : job->w[w.s];
+        token_rows(job, blk, NULL, outr, job->off[w.s]);
+        expand_range(job->B + ((int64_t)blk->slot * job->N + job->off[w.s]) * r_max, r_max, blk->rank,
+                     w.u0 * EXPAND_TILE, n1, job->y + blk->begin * ldy + w.s * r_max, ldy, outr,
+                     blk->end - blk->begin, &pf);
+    }
 }
 
 /* Per calling thread, grown as needed and kept: the blocks and y, with no allocation per call. */
