@@ -144,17 +144,21 @@ def test_rope_matches_torch():
 
 
 def _paged(seqs_k, seqs_v, block_size, num_blocks, g):
-    """Scatters each sequence's K/V [len, kv, d] into shuffled blocks; returns caches and tables."""
+    """Scatters each sequence's K/V [len, kv, d] into shuffled blocks; returns caches and tables.
+    num_blocks None: just enough blocks, plus two left unused."""
     kv, d = seqs_k[0].shape[1:]
+    need = [math.ceil(ks.shape[0] / block_size) for ks in seqs_k]
+    num_blocks = sum(need) + 2 if num_blocks is None else num_blocks
     k_cache = torch.full((num_blocks, block_size, kv, d), float("nan"))  # unused slots must never be read
     v_cache = k_cache.clone()
     free = torch.randperm(num_blocks, generator=g).tolist()
     tables = []
-    for ks, vs in zip(seqs_k, seqs_v, strict=True):
-        blocks = [free.pop() for _ in range(math.ceil(ks.shape[0] / block_size))]
-        for j in range(ks.shape[0]):
-            k_cache[blocks[j // block_size], j % block_size] = ks[j]
-            v_cache[blocks[j // block_size], j % block_size] = vs[j]
+    for ks, vs, n_blocks in zip(seqs_k, seqs_v, need, strict=True):
+        blocks = [free.pop() for _ in range(n_blocks)]
+        j = torch.arange(ks.shape[0])
+        slots = torch.tensor(blocks)[j // block_size] * block_size + j % block_size
+        k_cache.view(-1, kv, d)[slots] = ks
+        v_cache.view(-1, kv, d)[slots] = vs
         tables.append(blocks)
     width = max(len(t) for t in tables) + 1  # padding column, as the engine's tables have
     return k_cache, v_cache, torch.tensor([t + [0] * (width - len(t)) for t in tables])
@@ -175,6 +179,53 @@ def test_decode_attention_matches_sdpa(heads, kv_heads, q_scale):
         ref = F.scaled_dot_product_attention(q[b].unsqueeze(1), ks[b].transpose(0, 1), vs[b].transpose(0, 1),
                                              enable_gqa=heads != kv_heads)  # [heads, 1, d]
         torch.testing.assert_close(out[b], ref.squeeze(1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(params=[1, 3], ids=["1thread", "3threads"])
+def attention_threads(request):
+    """The kernels' OpenMP team size (torch shares their runtime): 3 makes the kernel cut contexts
+    between threads and merge the partial softmaxes, a sequence even spanning all three."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _check_decode_attention(heads, kv_heads, d, bs, lens, g, q_scale=1.0):
+    """decode_attention over a fresh paged cache against float64 SDPA per sequence."""
+    ks = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
+    vs = [torch.randn(n, kv_heads, d, generator=g) for n in lens]
+    k_cache, v_cache, tables = _paged(ks, vs, bs, None, g)
+    q = torch.randn(len(lens), heads, d, generator=g) * q_scale
+    out = decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), max(lens), 1 / math.sqrt(d))
+    for b in range(len(lens)):
+        ref = F.scaled_dot_product_attention(q[b].unsqueeze(1).double(), ks[b].transpose(0, 1).double(),
+                                             vs[b].transpose(0, 1).double(), enable_gqa=heads != kv_heads)
+        torch.testing.assert_close(out[b], ref.squeeze(1).float(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("lens", [[1500], [5000], [5000, 7, 300], [129] * 10], ids=["b1-1500", "b1-5000", "mixed",
+                                                                                     "b10"])
+def test_decode_attention_long_contexts(lens, attention_threads):
+    _check_decode_attention(9, 3, 64, 16, lens, torch.Generator().manual_seed(len(lens) + lens[0]))
+
+
+@pytest.mark.parametrize("d", [128, 80, 36])  # 80: not a multiple of 64 (the kernel's register block); 36: of 8
+@pytest.mark.parametrize("heads,kv_heads,bs", [(8, 2, 16), (6, 6, 5)])
+def test_decode_attention_head_dims_and_block_sizes(d, heads, kv_heads, bs, attention_threads):
+    _check_decode_attention(heads, kv_heads, d, bs, [1, 9, 70, 400], torch.Generator().manual_seed(d + bs))
+
+
+def test_decode_attention_many_heads_and_empty_context(attention_threads):
+    """More query heads than the kernel takes at once (it makes passes), and a zero-length context,
+    which gives zeros."""
+    g = torch.Generator().manual_seed(5)
+    _check_decode_attention(40, 1, 64, 16, [300, 1], g)
+    k_cache = torch.randn(4, 16, 2, 32, generator=g)
+    q = torch.randn(2, 4, 32, generator=g)
+    out = decode_attention(q, k_cache, k_cache, torch.tensor([[0, 1], [2, 3]]), torch.tensor([0, 20]), 20, 0.2)
+    assert torch.equal(out[0], torch.zeros(4, 32))
+    assert out[1].isfinite().all()
 
 
 def test_decode_attention_refuses_mismatched_input():

@@ -104,6 +104,6 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     rc = fns["lp_decode_attention_f32"](q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
                                         tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, h, kvh, d, bs,
                                         scale, out.data_ptr())
-    if rc:
-        raise MemoryError("decode attention: out of memory for the score buffer")
+    if rc:  # (it returns 0 today; a future failure code must not pass silently)
+        raise RuntimeError(f"decode attention failed with code {rc}")
     return out
