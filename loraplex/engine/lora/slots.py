@@ -74,6 +74,7 @@ class LoraSlots:
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [slots], 0 = empty
         self.stats = LoraSlotStats()
         self._kernel_table = None  # kernel_table(), built on first use
+        self._views: dict[int, list] = {}  # slot -> _slot_views(slot)
         self._lock = threading.RLock()
         self._paths: dict[str, str] = {}  # registered adapter -> its PEFT directory
         self._cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, least recently used first
@@ -265,17 +266,28 @@ class LoraSlots:
         element is written once: the rank padding and untargeted slices are zeroed, not the lot)."""
         r_max, rank = self.max_lora_rank, lora.rank
         self.ranks[slot] = rank
-        for layer in range(self.config.num_layers):
-            for f, rows in self._rows.items():
-                a_buf, b_buf = self.lora_a[layer][f][slot], self.lora_b[layer][f][slot]  # [S*r_max, in], [out, r_max]
-                for s, (m, off, width) in enumerate(rows):
-                    a_rows, b_rows = a_buf[s * r_max:(s + 1) * r_max], b_buf[off:off + width]
-                    if (layer, m) not in lora.lora_a:
-                        a_rows.zero_()
-                        b_rows.zero_()
-                        continue
-                    a_rows[:rank].copy_(lora.lora_a[(layer, m)])  # [rank, in]
-                    torch.mul(lora.lora_b[(layer, m)], lora.scaling, out=b_rows[:, :rank])  # [width, rank]
-                    if rank < r_max:
-                        a_rows[rank:].zero_()
-                        b_rows[:, rank:].zero_()
+        for key, a_rows, b_rows in self._slot_views(slot):
+            if key not in lora.lora_a:
+                a_rows.zero_()
+                b_rows.zero_()
+                continue
+            a_rows[:rank].copy_(lora.lora_a[key])  # [rank, in]
+            torch.mul(lora.lora_b[key], lora.scaling, out=b_rows[:, :rank])  # [width, rank]
+            if rank < r_max:
+                a_rows[rank:].zero_()
+                b_rows[:, rank:].zero_()
+
+    def _slot_views(self, slot: int) -> list[tuple[tuple[int, str], torch.Tensor, torch.Tensor]]:
+        """Per (layer, module) of a slot: its A rows [r_max, in] and B rows [width, r_max] in the
+        stacked buffers, sliced once per slot (a load then only copies: it sits on a request's path)."""
+        views = self._views.get(slot)
+        if views is None:
+            r_max, views = self.max_lora_rank, []
+            for layer in range(self.config.num_layers):
+                for f, rows in self._rows.items():
+                    # [S*r_max, in], [out, r_max]
+                    a_buf, b_buf = self.lora_a[layer][f][slot], self.lora_b[layer][f][slot]
+                    views += [((layer, m), a_buf[s * r_max:(s + 1) * r_max], b_buf[off:off + width])
+                              for s, (m, off, width) in enumerate(rows)]
+            self._views[slot] = views
+        return views
