@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -78,6 +80,18 @@ def hf_model(loaded: LoadedModel):
     return model
 
 
+def interleaved_rounds(rounds: int, runs: dict[str, Callable[[], Any]]) -> dict[str, list]:
+    """Each named run's results (numbers rounded to 2 places), the runs taking turns `rounds` times
+    so drift in a shared machine's speed touches every side alike; a caller reports each run's best
+    round (noise only ever slows a run)."""
+    figures: dict[str, list] = {name: [] for name in runs}
+    for _ in range(max(rounds, 1)):
+        for name, run in runs.items():
+            result = run()
+            figures[name].append(round(result, 2) if isinstance(result, float) else result)
+    return figures
+
+
 def _ours(core: EngineCore, prompts: list[str], new_tokens: int, batch: int, model: str) -> float:
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     reqs = [GenerateRequest(f"b{i}", model, prompt=p, sampling=sp) for i, p in enumerate(prompts)]
@@ -118,16 +132,14 @@ def run_engine_bench(model: str, new_tokens: int, batch1_prompts: int, batch: in
     _ours(core, prompts1[:1], 8, 1, model)  # warm-up
     if hf is not None:
         _hf(hf, loaded.tokenizer, prompts1[:1], 8, 1)
-    # The roofline, our engine and HF take turns, `rounds` times, so drift in a shared machine's
-    # speed touches each alike; each figure is its best round (noise only ever slows a run).
-    runs: dict[str, list[float]] = {}
-    roofs = []
-    for _ in range(max(rounds, 1)):
-        roofs.append(roofline.measure())
-        for key, prompts, b in (("batch1", prompts1, 1), (f"batch{batch}", prompts_n, batch)):
-            runs.setdefault(f"{key}.ours", []).append(round(_ours(core, prompts, new_tokens, b, model), 2))
-            if hf is not None:
-                runs.setdefault(f"{key}.hf", []).append(round(_hf(hf, loaded.tokenizer, prompts, new_tokens, b), 2))
+    # the roofline takes its turn too, and its best round counts like the others'
+    runs: dict[str, Callable[[], Any]] = {"roofline": roofline.measure}
+    for key, prompts, b in (("batch1", prompts1, 1), (f"batch{batch}", prompts_n, batch)):
+        runs[f"{key}.ours"] = lambda p=prompts, b=b: _ours(core, p, new_tokens, b, model)
+        if hf is not None:
+            runs[f"{key}.hf"] = lambda p=prompts, b=b: _hf(hf, loaded.tokenizer, p, new_tokens, b)
+    runs = interleaved_rounds(rounds, runs)
+    roofs = runs.pop("roofline")
     roof = {k: max(r[k] for r in roofs) for k in roofs[0]}
     results = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.cli.bench.engine import bench_prompts, hf_model
+from loraplex.cli.bench.engine import bench_prompts, hf_model, interleaved_rounds
 from loraplex.engine.api import GenerateRequest, SamplingParams
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
@@ -107,12 +107,10 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
         zipf = [f"a{k}" for k in zipf_choices(batch, batch, 1.5)]
         patterns = {"identical": ["a0"] * batch, "zipf": zipf, "distinct": [f"a{i}" for i in range(batch)]}
         _ours(core, prompts[:2], [None, "a0"], 4, model, "warm")
-        # base and the three patterns take turns, `rounds` times, so drift in the machine's speed
-        # touches each alike; each one's best round counts
-        runs: dict[str, list[float]] = {name: [] for name in ("base", *patterns)}
-        for r in range(max(rounds, 1)):
-            for name, adapters in (("base", [None] * batch), *patterns.items()):
-                runs[name].append(round(_ours(core, prompts, adapters, new_tokens, model, f"{name}{r}-"), 2))
+        turns = iter(range(10**9))  # request ids stay unique across rounds
+        runs = interleaved_rounds(rounds, {
+            name: lambda a=adapters, n=name: _ours(core, prompts, a, new_tokens, model, f"{n}{next(turns)}-")
+            for name, adapters in (("base", [None] * batch), *patterns.items())})
         results = {
             "model": model, "dtype": "float32", "batch": batch, "rank": rank, "new_tokens": new_tokens,
             "targets": "q,k,v,o,gate,up,down", "rounds": runs,

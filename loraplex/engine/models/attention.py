@@ -38,16 +38,26 @@ class AttentionMetadata:
     # Block tables of the decodes [decodes, max_blocks], padded with block 0 (masked out): K/V are
     # gathered a whole block at a time, far cheaper than slot by slot.
     decode_blocks: torch.Tensor | None
-    # [decodes, 1, 1, max_blocks * block_size] additive: 0 on real context, -inf on padding. Built once
-    # per step in the model dtype, so no layer converts a boolean mask again.
-    decode_mask: torch.Tensor | None
     prefills: list[PrefillSeq]
     decode_lens: torch.Tensor | None = None  # [decodes] int64 context lengths (this token included)
     decode_max_len: int = 0
+    block_size: int = 1
+    dtype: torch.dtype = torch.float32  # the model's, for decode_mask
+
+    @functools.cached_property
+    def decode_mask(self) -> torch.Tensor | None:
+        """[decodes, 1, 1, max_blocks * block_size] additive: 0 on real context, -inf on padding.
+        Built on first use, once per step in the model dtype (so no layer converts a boolean mask
+        again), and only by the torch decode path: the CPU kernel reads the lengths instead."""
+        if self.decode_lens is None:
+            return None
+        pos = torch.arange(self.decode_blocks.shape[1] * self.block_size, device=self.decode_lens.device)
+        allowed = pos.unsqueeze(0) < self.decode_lens.unsqueeze(1)
+        return _additive(allowed, self.dtype).view(allowed.shape[0], 1, 1, -1)
 
 
 def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(allowed.shape, dtype=dtype).masked_fill_(~allowed, float("-inf"))
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
 def build_metadata(
@@ -80,25 +90,24 @@ def build_metadata(
                 prefills.append(PrefillSeq(row, row + new, ctx_slots.to(device),
                                            _additive(k_pos <= q_pos, dtype).to(device)))
         row += new
-    dec_blocks = dec_mask = dec_rows = None
+    dec_blocks = dec_rows = None
     if decode_seqs:
         max_blocks = -(-max(c for c, _ in decode_seqs) // block_size)
         table = [b[: -(-c // block_size)] for c, b in decode_seqs]
         dec_blocks = torch.tensor([t + [0] * (max_blocks - len(t)) for t in table], dtype=torch.long)
-        pos = torch.arange(max_blocks * block_size)
         lens = torch.tensor([c for c, _ in decode_seqs])
-        dec_mask = _additive(pos.unsqueeze(0) < lens.unsqueeze(1), dtype).view(len(decode_seqs), 1, 1, -1)
-        dec_blocks, dec_mask, lens = dec_blocks.to(device), dec_mask.to(device), lens.to(device)
+        dec_blocks, lens = dec_blocks.to(device), lens.to(device)
         dec_rows = torch.tensor(decode_rows, dtype=torch.long, device=device)
     return AttentionMetadata(
         slot_mapping=torch.cat(slot_parts).to(device),
         decode_rows=dec_rows,
         decode_all=not prefills and bool(decode_rows),
         decode_blocks=dec_blocks,
-        decode_mask=dec_mask,
         prefills=prefills,
         decode_lens=lens if decode_seqs else None,
         decode_max_len=max((c for c, _ in decode_seqs), default=0),
+        block_size=block_size,
+        dtype=dtype,
     )
 
 

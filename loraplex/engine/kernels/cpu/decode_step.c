@@ -58,10 +58,6 @@ static float bits_to_float(int64_t bits) {
     return (float)d;
 }
 
-typedef struct {
-    int64_t B, H, nh, kvh, D, I, qkv_out;
-} dims_t;
-
 int64_t lp_decode_step_scratch_floats(const int64_t *model, int64_t B) {
     int64_t H = model[M_HIDDEN], D = model[M_HEAD_DIM], I = model[M_INTER];
     int64_t qkv_out = (model[M_HEADS] + 2 * model[M_KV_HEADS]) * D;
@@ -104,10 +100,9 @@ static int check_step(const int64_t *model, const int64_t *step) {
 int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
     int rc = check_step(model, step);
     if (rc) return rc;
-    dims_t d = {step[S_BATCH], model[M_HIDDEN], model[M_HEADS], model[M_KV_HEADS], model[M_HEAD_DIM],
-                model[M_INTER], 0};
-    d.qkv_out = (d.nh + 2 * d.kvh) * d.D;
-    const int64_t B = d.B, H = d.H, q_size = d.nh * d.D, kv_size = d.kvh * d.D;
+    const int64_t B = step[S_BATCH], H = model[M_HIDDEN], nh = model[M_HEADS], kvh = model[M_KV_HEADS];
+    const int64_t D = model[M_HEAD_DIM], I = model[M_INTER];
+    const int64_t q_size = nh * D, kv_size = kvh * D, qkv_out = q_size + 2 * kv_size;
     const float eps = bits_to_float(model[M_EPS_BITS]), scale = bits_to_float(step[S_SCALE_BITS]);
     const float *cos_t = PTR(const float *, model[M_ROPE_COS]), *sin_t = PTR(const float *, model[M_ROPE_SIN]);
     const int64_t *pos = PTR(const int64_t *, step[S_POSITIONS]), *slot = PTR(const int64_t *, step[S_SLOTS]);
@@ -115,33 +110,33 @@ int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
     const int64_t *lora_tab = PTR(const int64_t *, step[S_LORA]);
     float *h = PTR(float *, step[S_H]);
     float *x = PTR(float *, step[S_SCRATCH]);
-    float *qkv = x + B * H, *attn = qkv + B * d.qkv_out, *gu = attn + B * q_size, *act = gu + B * 2 * d.I;
-    float *delta = act + B * d.I;
+    float *qkv = x + B * H, *attn = qkv + B * qkv_out, *gu = attn + B * q_size, *act = gu + B * 2 * I;
+    float *delta = act + B * I;
     const float *prev = 0; /* the previous sublayer's output, added to h by the next norm */
     for (int64_t l = 0; l < model[M_LAYERS]; l++) {
         const int64_t *w = model + MODEL_FIELDS + l * LAYER_FIELDS;
         lp_add_rms_norm_f32(h, prev, PTR(const float *, w[L_IN_NORM]), B, H, eps, x);
-        if ((rc = lp_linear_packed_f32(x, B, H, H, PTR(const float *, w[L_QKV]), d.qkv_out,
+        if ((rc = lp_linear_packed_f32(x, B, H, H, PTR(const float *, w[L_QKV]), qkv_out,
                                        PTR(const float *, w[L_QKV_BIAS]), qkv)))
             return rc;
-        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_QKV, x, H, qkv, d.qkv_out, B))) return rc;
-        lp_rope_f32(qkv, B, d.qkv_out, d.nh + d.kvh, d.D, pos, cos_t, sin_t);
+        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_QKV, x, H, qkv, qkv_out, B))) return rc;
+        lp_rope_f32(qkv, B, qkv_out, nh + kvh, D, pos, cos_t, sin_t);
         float *k_cache = PTR(float *, w[L_K_CACHE]), *v_cache = PTR(float *, w[L_V_CACHE]);
         for (int64_t b = 0; b < B; b++) { /* k, v: [slots, kv_heads * head_dim] */
-            memcpy(k_cache + slot[b] * kv_size, qkv + b * d.qkv_out + q_size, sizeof(float) * kv_size);
-            memcpy(v_cache + slot[b] * kv_size, qkv + b * d.qkv_out + q_size + kv_size, sizeof(float) * kv_size);
+            memcpy(k_cache + slot[b] * kv_size, qkv + b * qkv_out + q_size, sizeof(float) * kv_size);
+            memcpy(v_cache + slot[b] * kv_size, qkv + b * qkv_out + q_size + kv_size, sizeof(float) * kv_size);
         }
-        if ((rc = lp_decode_attention_f32(qkv, d.qkv_out, k_cache, v_cache, tables, step[S_MAX_BLOCKS], lens, B,
-                                          d.nh, d.kvh, d.D, model[M_BLOCK_SIZE], scale, attn)))
+        if ((rc = lp_decode_attention_f32(qkv, qkv_out, k_cache, v_cache, tables, step[S_MAX_BLOCKS], lens, B,
+                                          nh, kvh, D, model[M_BLOCK_SIZE], scale, attn)))
             return rc;
         if ((rc = lp_linear_packed_f32(attn, B, q_size, q_size, PTR(const float *, w[L_O]), H, 0, delta))) return rc;
         if (lora_tab && (rc = lora(lora_tab, step, l, MOD_O, attn, q_size, delta, H, B))) return rc;
         lp_add_rms_norm_f32(h, delta, PTR(const float *, w[L_POST_NORM]), B, H, eps, x);
-        if ((rc = lp_linear_packed_f32(x, B, H, H, PTR(const float *, w[L_GATE_UP]), 2 * d.I, 0, gu))) return rc;
-        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_GATE_UP, x, H, gu, 2 * d.I, B))) return rc;
-        lp_silu_mul_f32(gu, B, d.I, act);
-        if ((rc = lp_linear_packed_f32(act, B, d.I, d.I, PTR(const float *, w[L_DOWN]), H, 0, delta))) return rc;
-        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_DOWN, act, d.I, delta, H, B))) return rc;
+        if ((rc = lp_linear_packed_f32(x, B, H, H, PTR(const float *, w[L_GATE_UP]), 2 * I, 0, gu))) return rc;
+        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_GATE_UP, x, H, gu, 2 * I, B))) return rc;
+        lp_silu_mul_f32(gu, B, I, act);
+        if ((rc = lp_linear_packed_f32(act, B, I, I, PTR(const float *, w[L_DOWN]), H, 0, delta))) return rc;
+        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_DOWN, act, I, delta, H, B))) return rc;
         prev = delta;
     }
     /* the sampled rows: final residual add and norm into x's first rows, then the LM head */

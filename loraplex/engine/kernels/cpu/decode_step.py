@@ -65,8 +65,7 @@ class DecodeStepModel:
                 raise ValueError(f"{name} has width {t.shape[1]}, expected head_dim {head_dim}")
         require("norm", norm, 1)
         qkv_out = (heads + 2 * kv_heads) * head_dim
-        k0 = layers[0][7]
-        cache_shape = tuple(k0.shape)
+        cache_shape = tuple(layers[0][7].shape)  # the first layer's K cache
         for (in_norm, qkv, qkv_bias, o, post_norm, gate_up, down, k_cache, v_cache) in layers:
             for name, w, n, k in (("qkv", qkv, qkv_out, hidden), ("o", o, hidden, heads * head_dim),
                                   ("gate_up", gate_up, 2 * intermediate, hidden), ("down", down, hidden, intermediate)):
@@ -84,8 +83,7 @@ class DecodeStepModel:
                     raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {cache_shape}")
         if lm_head.in_features != hidden or norm.shape[0] != hidden:
             raise ValueError("the LM head and final norm must take the hidden size")
-        self.hidden, self.vocab, self.block_size = hidden, lm_head.out_features, cache_shape[1]
-        self.num_blocks = cache_shape[0]
+        self.hidden, self.vocab = hidden, lm_head.out_features
         self._keep = (rope_cos, rope_sin, norm, lm_head, list(layers))
         fields = [len(layers), hidden, heads, kv_heads, head_dim, intermediate, lm_head.out_features,
                   cache_shape[1], cache_shape[0] * cache_shape[1], _double_bits(eps), _ptr(rope_cos),
@@ -93,7 +91,7 @@ class DecodeStepModel:
         for layer in layers:
             fields += [_ptr(t) for t in layer]
         self.table = torch.tensor(fields, dtype=torch.int64)
-        self.scale = 1.0 / head_dim ** 0.5
+        self._scale_bits = _double_bits(1.0 / head_dim ** 0.5)  # the attention scale, as the step block holds it
         self.lora_dims = (len(layers), (hidden, qkv_out), (heads * head_dim, hidden), (hidden, 2 * intermediate),
                           (intermediate, hidden))  # layers, then (in, out) of qkv, o, gate_up, down
 
@@ -127,7 +125,7 @@ class DecodeStepModel:
             lora_fields = (lora.table.data_ptr(), lora_groups.rows.data_ptr(), lora_groups.num_rows,
                            lora_groups.groups.data_ptr(), lora_groups.num_groups)
         step = _STEP.pack(b, h.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), tables.data_ptr(),
-                          tables.shape[1], lens.data_ptr(), _double_bits(self.scale), scratch.data_ptr(),
+                          tables.shape[1], lens.data_ptr(), self._scale_bits, scratch.data_ptr(),
                           logits_rows.shape[0], logits_rows.data_ptr(), logits.data_ptr(), *lora_fields)
         rc = self._fns["lp_decode_step_f32"](self.table.data_ptr(), step)
         if rc:
