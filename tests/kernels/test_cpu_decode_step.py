@@ -24,12 +24,12 @@ BLOCK, BLOCKS_PER_SEQ = 16, 4
 PROMPTS = (5, 20, 33)  # context lengths before the decode: inside a block, past one, past two
 
 
-def _model_and_cache(preset: str):
+def _model_and_cache(preset: str, seqs: int = len(PROMPTS)):
     config, weights, _ = synthetic_model(preset)
     model = LlamaModel(config, weights)
     assert isinstance(model.ops, CpuKernelOps)
-    storage = allocate_kv_storage(config.num_layers, 16, BLOCK, config.num_kv_heads, config.head_dim,
-                                  torch.float32, torch.device("cpu"))
+    storage = allocate_kv_storage(config.num_layers, 1 + seqs * BLOCKS_PER_SEQ, BLOCK, config.num_kv_heads,
+                                  config.head_dim, torch.float32, torch.device("cpu"))
     return model, storage
 
 
@@ -37,18 +37,18 @@ def _blocks(i: int) -> list[int]:
     return list(range(1 + i * BLOCKS_PER_SEQ, 1 + (i + 1) * BLOCKS_PER_SEQ))  # block 0 stays unused
 
 
-def _prefill(model, storage, g) -> None:
+def _prefill(model, storage, g, prompts=PROMPTS) -> None:
     """Each prompt through the per-op path (prefills never take the fused step)."""
-    for i, n in enumerate(PROMPTS):
+    for i, n in enumerate(prompts):
         ids = torch.randint(0, model.config.vocab_size, (n,), generator=g)
         meta = build_metadata([(0, n, _blocks(i))], BLOCK, torch.device("cpu"))
         model.forward(ids, torch.arange(n), meta, layer_views(storage), torch.tensor([n - 1]))
 
 
-def _decode(model, storage, ids, logits_rows, lora=None, fused=True, monkeypatch=None):
-    meta = build_metadata([(n, 1, _blocks(i)) for i, n in enumerate(PROMPTS)], BLOCK, torch.device("cpu"))
+def _decode(model, storage, ids, logits_rows, lora=None, fused=True, monkeypatch=None, prompts=PROMPTS):
+    meta = build_metadata([(n, 1, _blocks(i)) for i, n in enumerate(prompts)], BLOCK, torch.device("cpu"))
     assert meta.decode_all
-    args = (ids, torch.tensor(PROMPTS), meta, layer_views(storage), logits_rows)
+    args = (ids, torch.tensor(prompts), meta, layer_views(storage), logits_rows)
     if fused:
         logits = model.ops.decode_step(model, *args, lora)
         assert logits is not None  # the fused path took the step
@@ -58,13 +58,13 @@ def _decode(model, storage, ids, logits_rows, lora=None, fused=True, monkeypatch
         return model.forward(*args, lora=lora)
 
 
-def _both_paths(model, storage, ids, logits_rows, monkeypatch, lora=None):
+def _both_paths(model, storage, ids, logits_rows, monkeypatch, lora=None, prompts=PROMPTS):
     """One decode step through each path from the same cache; the cache is left as it was."""
     before = storage.clone()
-    fused = _decode(model, storage, ids, logits_rows, lora, True, monkeypatch)
+    fused = _decode(model, storage, ids, logits_rows, lora, True, monkeypatch, prompts)
     after_fused = storage.clone()
     storage.copy_(before)
-    per_op = _decode(model, storage, ids, logits_rows, lora, False, monkeypatch)
+    per_op = _decode(model, storage, ids, logits_rows, lora, False, monkeypatch, prompts)
     assert torch.equal(fused, per_op)
     assert torch.equal(after_fused, storage)
     assert not torch.equal(before, storage)  # the step's K/V were written
@@ -100,6 +100,28 @@ def test_fused_decode_step_adds_each_tokens_adapter(tmp_path, monkeypatch):
     base = _both_paths(model, storage, ids, rows, monkeypatch)
     assert torch.equal(with_lora[1], base[1])  # the base token is untouched
     assert not torch.allclose(with_lora[0], base[0]) and not torch.allclose(with_lora[2], base[2])
+
+
+def test_side_prefetch_of_a_wide_batch_leaves_the_adapter_deltas_as_they_are(tmp_path, monkeypatch):
+    """At 8+ rows each GEMM asks for its LoRA call's A and B rows (decode_step.c, SIDE_MIN_ROWS): whole
+    slot blocks for the full-rank adapter, B's first 4 of 8 columns row by row for the other. A hint:
+    the step stays bit-identical to the per-op path, which asks for nothing."""
+    g = torch.Generator().manual_seed(4)
+    prompts = (5, 20, 33, 7, 16, 17, 2, 40, 9, 31)
+    model, storage = _model_and_cache("tiny", len(prompts))
+    slots = LoraSlots(model.config, max_loras=3, max_lora_rank=8, max_cpu_loras=3)
+    for name, rank, targets in (("a", 8, "all"), ("b", 4, ("q", "v", "gate", "down"))):
+        slots.register(name, make_peft_dir(tmp_path / name, model.config, rank, 16, targets, seed=rank))
+    a, b = slots.acquire("a"), slots.acquire("b")
+    token_slots = [a, a, a, a, b, b, b, -1, a, b]  # runs of one adapter, another, the base model
+    _prefill(model, storage, g, prompts)
+    ids = torch.randint(0, model.config.vocab_size, (len(prompts),), generator=g)
+    rows = torch.arange(len(prompts))
+    lora = StepLora(slots, LoraBatchIndex.from_token_slots(token_slots, torch.device("cpu")))
+    with_lora = _both_paths(model, storage, ids, rows, monkeypatch, lora, prompts)
+    base = _both_paths(model, storage, ids, rows, monkeypatch, prompts=prompts)
+    for i, slot in enumerate(token_slots):
+        assert torch.equal(with_lora[i], base[i]) == (slot < 0)
 
 
 def test_fused_decode_step_refuses_a_bad_index_and_writes_nothing(monkeypatch):

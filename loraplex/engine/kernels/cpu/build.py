@@ -36,6 +36,10 @@ def sources() -> list[Path]:
     return sorted(SOURCE_DIR.glob("*.c"))
 
 
+def headers() -> list[Path]:
+    return sorted(SOURCE_DIR.glob("*.h"))
+
+
 def enabled() -> bool:
     return os.environ.get("LORAPLEX_CPU_KERNELS", "1") != "0"
 
@@ -54,7 +58,7 @@ def _cpu_id() -> str:
 
 def _key(cc: str) -> str:
     h = hashlib.sha256()
-    for src in sources():
+    for src in sources() + headers():
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
     for part in (" ".join(FLAGS), version, _cpu_id()):

@@ -4,7 +4,7 @@
  * call for call, for a batch of B single-token decodes (so results are bit-identical to that path):
  *   for each layer l (delta = none before layer 0):
  *     h += delta; x = rms_norm(h) * in_norm                       lp_add_rms_norm_f32
- *     qkv = x @ Wqkv^T (+ bias) (+ LoRA qkv)                      lp_linear_packed_f32, lp_lora_f32_packed
+ *     qkv = x @ Wqkv^T (+ bias) (+ LoRA qkv)                      lp_linear_packed_side_f32, lp_lora_f32_packed
  *     rotate q and k heads of qkv at positions[b]                 lp_rope_f32
  *     k_cache[slot[b]] = k, v_cache[slot[b]] = v                  (this file)
  *     a = decode attention of q over each sequence's context      lp_decode_attention_f32
@@ -17,6 +17,11 @@
  * (layout below); the step block is built per call. Returns 0, or a negative code and writes no
  * K/V when a slot, block id or length is out of range.
  *
+ * LoRA: at SIDE_MIN_ROWS rows or more (compute-bound GEMMs) each projection's GEMM asks for the A and
+ * B rows of the step's adapters that its LoRA call reads next (lp_side_t): they come in under the
+ * GEMM's FMAs, with bandwidth it leaves idle, and the LoRA call reads them from L3 instead of waiting
+ * on memory (batches of many adapters are bound by reading them).
+ *
  * Why: at batch 1 a step is ~270 kernel calls, and their Python wrappers (argument checks, ctypes
  * conversion, tensor allocation) cost about as much as the non-GEMM work itself; here Python makes
  * one call per step and the checks are done once, when the tables are built.
@@ -24,17 +29,7 @@
 #include <stdint.h>
 #include <string.h>
 
-/* The per-op kernels, from the other files of this library. */
-int lp_linear_packed_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
-                         const float *bias, float *y);
-void lp_add_rms_norm_f32(float *h, const float *delta, const float *w, int64_t T, int64_t H, float eps, float *out);
-void lp_rope_f32(float *x, int64_t T, int64_t stride, int64_t n_heads, int64_t D, const int64_t *pos,
-                 const float *cos_t, const float *sin_t);
-void lp_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
-int lp_decode_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
-                            const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
-                            int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *out);
-int lp_lora_f32_packed(const int64_t *p);
+#include "kernels.h"
 
 /* Model table: MODEL_FIELDS header fields, then LAYER_FIELDS per layer. */
 enum { M_LAYERS, M_HIDDEN, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_INTER, M_VOCAB, M_BLOCK_SIZE, M_CACHE_SLOTS,
@@ -45,6 +40,9 @@ enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CA
 enum { LORA_MODULES = 4, LORA_WIDTHS = 4 };
 enum { R_SLOTS, R_RMAX, R_RANKS, R_MODULES, LORA_HEADER = R_MODULES + LORA_MODULES * (1 + LORA_WIDTHS) };
 enum { MOD_QKV, MOD_O, MOD_GATE_UP, MOD_DOWN };
+/* Below this many rows a GEMM is memory-bound: no side prefetch. */
+#define SIDE_MIN_ROWS 8
+#define MAX_SLICES 4
 /* Step block. */
 enum { S_BATCH, S_H, S_POSITIONS, S_SLOTS, S_TABLES, S_MAX_BLOCKS, S_LENS, S_SCALE_BITS, S_SCRATCH, S_N_LOGITS,
        S_LOGIT_ROWS, S_LOGITS, S_LORA, S_LORA_ROWS, S_LORA_NUM_ROWS, S_LORA_GROUPS, S_LORA_NUM_GROUPS,
@@ -58,24 +56,91 @@ static float bits_to_float(int64_t bits) {
     return (float)d;
 }
 
-int64_t lp_decode_step_scratch_floats(const int64_t *model, int64_t B) {
+static int64_t model_floats(const int64_t *model, int64_t B) {
     int64_t H = model[M_HIDDEN], D = model[M_HEAD_DIM], I = model[M_INTER];
     int64_t qkv_out = (model[M_HEADS] + 2 * model[M_KV_HEADS]) * D;
-    /* x, qkv, attention out, gate_up, act, delta */
-    return B * (H + qkv_out + model[M_HEADS] * D + 2 * I + I + H);
+    /* x, qkv, attention out, gate_up, act, delta; rounded to whole 64-byte lines */
+    return (B * (H + qkv_out + model[M_HEADS] * D + 2 * I + I + H) + 15) / 16 * 16;
 }
 
-/* out += the LoRA delta of the step's adapter tokens for one layer's fused module. */
-static int lora(const int64_t *tab, const int64_t *step, int64_t layer, int module, const float *x, int64_t K,
-                float *out, int64_t N, int64_t T) {
-    const int64_t *mod = tab + R_MODULES + module * (1 + LORA_WIDTHS);
-    const int64_t *ab = tab + LORA_HEADER + (layer * LORA_MODULES + module) * 2;
-    int64_t args[15 + LORA_WIDTHS] = {
-        (int64_t)(intptr_t)x, (int64_t)(intptr_t)out, T, K, N, ab[0], ab[1], tab[R_SLOTS], tab[R_RMAX],
-        tab[R_RANKS], step[S_LORA_ROWS], step[S_LORA_NUM_ROWS], step[S_LORA_GROUPS], step[S_LORA_NUM_GROUPS],
-        mod[0]};
-    for (int64_t s = 0; s < mod[0] && s < LORA_WIDTHS; s++) args[15 + s] = mod[1 + s];
+/* The scratch a step of B rows needs (lora_tab may be NULL): the activations, then for LoRA the side
+ * spans (int64, up to MAX_SLICES + 1 per adapter of the step; a step has at most B). */
+int64_t lp_decode_step_scratch_floats(const int64_t *model, const int64_t *lora_tab, int64_t B) {
+    return model_floats(model, B) + (lora_tab ? B * (MAX_SLICES + 1) * 4 * 2 : 0);
+}
+
+/* The LoRA work of one step: the tables and the side spans' buffer. */
+typedef struct {
+    const int64_t *tab, *step, *model;
+    int64_t *spans;
+} step_lora_t;
+
+static const int64_t *module_of(const step_lora_t *lo, int module) { return lo->tab + R_MODULES + module * 5; }
+
+static const int64_t *buffers_of(const step_lora_t *lo, int64_t layer, int module) {
+    return lo->tab + LORA_HEADER + (layer * LORA_MODULES + module) * 2; /* A, B */
+}
+
+/* A module's input features. */
+static int64_t module_in(const int64_t *model, int module) {
+    const int64_t I = model[M_INTER], q_size = model[M_HEADS] * model[M_HEAD_DIM];
+    return module == MOD_O ? q_size : module == MOD_DOWN ? I : model[M_HIDDEN];
+}
+
+static int64_t clamp_rank(const step_lora_t *lo, int64_t slot) {
+    const int64_t rk = PTR(const int32_t *, lo->tab[R_RANKS])[slot], r_max = lo->tab[R_RMAX];
+    return rk < 0 ? 0 : rk > r_max ? r_max : rk;
+}
+
+/* out += the LoRA delta of the step's adapter tokens for one layer's module (lora.c). */
+static int lora(const step_lora_t *lo, int64_t layer, int module, const float *x, float *out, int64_t T) {
+    int64_t args[15 + LORA_WIDTHS];
+    const int64_t *mod = module_of(lo, module), *ab = buffers_of(lo, layer, module);
+    int64_t N = 0;
+    for (int64_t s = 0; s < mod[0] && s < LORA_WIDTHS; s++) N += mod[1 + s], args[15 + s] = mod[1 + s];
+    const int64_t head[15] = {(int64_t)(intptr_t)x, (int64_t)(intptr_t)out, T, module_in(lo->model, module), N,
+                              ab[0], ab[1], lo->tab[R_SLOTS], lo->tab[R_RMAX], lo->tab[R_RANKS],
+                              lo->step[S_LORA_ROWS], lo->step[S_LORA_NUM_ROWS], lo->step[S_LORA_GROUPS],
+                              lo->step[S_LORA_NUM_GROUPS], mod[0]};
+    memcpy(args, head, sizeof head);
     return lp_lora_f32_packed(args);
+}
+
+/* The side spans of one layer's module: for each adapter of the step, its A rows (rk of each slice)
+ * and B's first rk columns, as lora.c's shrink and expand read them. */
+static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
+    lp_side_t side = {.spans = lo->spans};
+    if (lo->step[S_BATCH] < SIDE_MIN_ROWS) return side;
+    const int64_t *mod = module_of(lo, module), *ab = buffers_of(lo, layer, module);
+    const int64_t K = module_in(lo->model, module), r_max = lo->tab[R_RMAX], S = mod[0];
+    const int32_t *groups = PTR(const int32_t *, lo->step[S_LORA_GROUPS]);
+    int64_t N = 0, *sp = lo->spans;
+    for (int64_t s = 0; s < S; s++) N += mod[1 + s];
+    for (int64_t g = 0; g < lo->step[S_LORA_NUM_GROUPS]; g++) {
+        const int64_t slot = groups[3 * g];
+        if (slot < 0 || slot >= lo->tab[R_SLOTS]) continue; /* (lora.c refuses the step) */
+        const int64_t rk = clamp_rank(lo, slot);
+        if (rk == 0 || groups[3 * g + 2] == groups[3 * g + 1]) continue;
+        for (int64_t s = 0; s < S; s++, sp += 4)
+            sp[0] = ab[0] + ((slot * S + s) * r_max * K) * 4, sp[1] = 1, sp[2] = 0, sp[3] = rk * K * 4;
+        sp[0] = ab[1] + slot * N * r_max * 4, sp[1] = rk == r_max ? 1 : N, sp[2] = r_max * 4;
+        sp[3] = rk == r_max ? N * r_max * 4 : rk * 4;
+        sp += 4;
+    }
+    side.n = (sp - lo->spans) / 4;
+    for (int64_t i = 0; i < side.n; i++) side.count += lo->spans[4 * i + 1] * ((lo->spans[4 * i + 3] + 63) / 64);
+    return side;
+}
+
+/* y = x @ W^T (+ bias) for one layer's module, plus its adapter deltas when the step has any; the GEMM
+ * asks for the adapter weights the LoRA call then reads. */
+static int gemm(const step_lora_t *lo, int64_t layer, int module, const float *x, int64_t T, const float *wp,
+                int64_t N, const float *bias, float *y) {
+    const int64_t K = module_in(lo->model, module);
+    if (!lo->tab) return lp_linear_packed_f32(x, T, K, K, wp, N, bias, y);
+    const lp_side_t side = side_spans(lo, layer, module);
+    int rc = lp_linear_packed_side_f32(x, T, K, K, wp, N, bias, y, &side);
+    return rc ? rc : lora(lo, layer, module, x, y, T);
 }
 
 /* Checks every index the step will follow before anything is written. */
@@ -86,6 +151,7 @@ static int check_step(const int64_t *model, const int64_t *step) {
     const int64_t *tables = PTR(const int64_t *, step[S_TABLES]), *pos = PTR(const int64_t *, step[S_POSITIONS]);
     const int64_t *rows = PTR(const int64_t *, step[S_LOGIT_ROWS]);
     if (B < 1 || max_blocks < 1 || step[S_N_LOGITS] < 0 || step[S_N_LOGITS] > B) return -1;
+    if (step[S_LORA] && (step[S_LORA_NUM_GROUPS] < 0 || step[S_LORA_NUM_GROUPS] > B)) return -1; /* scratch */
     for (int64_t b = 0; b < B; b++) {
         if (slot[b] < 0 || slot[b] >= slots || lens[b] < 1 || lens[b] > max_blocks * bs) return -2;
         if (pos[b] < 0 || pos[b] >= model[M_MAX_POS]) return -2;
@@ -107,19 +173,19 @@ int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
     const float *cos_t = PTR(const float *, model[M_ROPE_COS]), *sin_t = PTR(const float *, model[M_ROPE_SIN]);
     const int64_t *pos = PTR(const int64_t *, step[S_POSITIONS]), *slot = PTR(const int64_t *, step[S_SLOTS]);
     const int64_t *tables = PTR(const int64_t *, step[S_TABLES]), *lens = PTR(const int64_t *, step[S_LENS]);
-    const int64_t *lora_tab = PTR(const int64_t *, step[S_LORA]);
     float *h = PTR(float *, step[S_H]);
     float *x = PTR(float *, step[S_SCRATCH]);
     float *qkv = x + B * H, *attn = qkv + B * qkv_out, *gu = attn + B * q_size, *act = gu + B * 2 * I;
     float *delta = act + B * I;
+    step_lora_t lo = {.tab = PTR(const int64_t *, step[S_LORA]), .step = step, .model = model};
+    if (lo.tab) lo.spans = (int64_t *)(x + model_floats(model, B)); /* lp_decode_step_scratch_floats' layout */
     const float *prev = 0; /* the previous sublayer's output, added to h by the next norm */
     for (int64_t l = 0; l < model[M_LAYERS]; l++) {
         const int64_t *w = model + MODEL_FIELDS + l * LAYER_FIELDS;
         lp_add_rms_norm_f32(h, prev, PTR(const float *, w[L_IN_NORM]), B, H, eps, x);
-        if ((rc = lp_linear_packed_f32(x, B, H, H, PTR(const float *, w[L_QKV]), qkv_out,
-                                       PTR(const float *, w[L_QKV_BIAS]), qkv)))
+        if ((rc = gemm(&lo, l, MOD_QKV, x, B, PTR(const float *, w[L_QKV]), qkv_out,
+                       PTR(const float *, w[L_QKV_BIAS]), qkv)))
             return rc;
-        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_QKV, x, H, qkv, qkv_out, B))) return rc;
         lp_rope_f32(qkv, B, qkv_out, nh + kvh, D, pos, cos_t, sin_t);
         float *k_cache = PTR(float *, w[L_K_CACHE]), *v_cache = PTR(float *, w[L_V_CACHE]);
         for (int64_t b = 0; b < B; b++) { /* k, v: [slots, kv_heads * head_dim] */
@@ -129,14 +195,11 @@ int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
         if ((rc = lp_decode_attention_f32(qkv, qkv_out, k_cache, v_cache, tables, step[S_MAX_BLOCKS], lens, B,
                                           nh, kvh, D, model[M_BLOCK_SIZE], scale, attn)))
             return rc;
-        if ((rc = lp_linear_packed_f32(attn, B, q_size, q_size, PTR(const float *, w[L_O]), H, 0, delta))) return rc;
-        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_O, attn, q_size, delta, H, B))) return rc;
+        if ((rc = gemm(&lo, l, MOD_O, attn, B, PTR(const float *, w[L_O]), H, 0, delta))) return rc;
         lp_add_rms_norm_f32(h, delta, PTR(const float *, w[L_POST_NORM]), B, H, eps, x);
-        if ((rc = lp_linear_packed_f32(x, B, H, H, PTR(const float *, w[L_GATE_UP]), 2 * I, 0, gu))) return rc;
-        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_GATE_UP, x, H, gu, 2 * I, B))) return rc;
+        if ((rc = gemm(&lo, l, MOD_GATE_UP, x, B, PTR(const float *, w[L_GATE_UP]), 2 * I, 0, gu))) return rc;
         lp_silu_mul_f32(gu, B, I, act);
-        if ((rc = lp_linear_packed_f32(act, B, I, I, PTR(const float *, w[L_DOWN]), H, 0, delta))) return rc;
-        if (lora_tab && (rc = lora(lora_tab, step, l, MOD_DOWN, act, I, delta, H, B))) return rc;
+        if ((rc = gemm(&lo, l, MOD_DOWN, act, B, PTR(const float *, w[L_DOWN]), H, 0, delta))) return rc;
         prev = delta;
     }
     /* the sampled rows: final residual add and norm into x's first rows, then the LM head */

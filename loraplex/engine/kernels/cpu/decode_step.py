@@ -30,7 +30,7 @@ _ERRORS = {-1: "invalid sizes", -2: "a cache slot, block id, position or row is 
 def _fns() -> dict | None:
     return functions({
         "lp_decode_step_f32": (ctypes.c_int, [_P, _P]),
-        "lp_decode_step_scratch_floats": (_I64, [_P, _I64]),
+        "lp_decode_step_scratch_floats": (_I64, [_P, _P, _I64]),
     })
 
 
@@ -114,8 +114,8 @@ class DecodeStepModel:
         require("logits_rows", logits_rows, 1, torch.int64)
         if tables.shape[0] != b:
             raise ValueError(f"tables has {tables.shape[0]} rows for {b} sequences")
-        scratch = torch.empty(self._fns["lp_decode_step_scratch_floats"](self.table.data_ptr(), b),
-                              dtype=torch.float32)
+        scratch = torch.empty(self._fns["lp_decode_step_scratch_floats"](
+            self.table.data_ptr(), lora.table.data_ptr() if lora is not None else None, b), dtype=torch.float32)
         logits = torch.empty(logits_rows.shape[0], self.vocab, dtype=torch.float32)
         lora_fields = (0, 0, 0, 0, 0)
         if lora is not None:  # (lora.c checks the groups against the batch and the slots)
