@@ -42,7 +42,6 @@ enum { R_SLOTS, R_RMAX, R_RANKS, R_MODULES, LORA_HEADER = R_MODULES + LORA_MODUL
 enum { MOD_QKV, MOD_O, MOD_GATE_UP, MOD_DOWN };
 /* Below this many rows a GEMM is memory-bound: no side prefetch. */
 #define SIDE_MIN_ROWS 8
-#define MAX_SLICES 4
 /* Step block. */
 enum { S_BATCH, S_H, S_POSITIONS, S_SLOTS, S_TABLES, S_MAX_BLOCKS, S_LENS, S_SCALE_BITS, S_SCRATCH, S_N_LOGITS,
        S_LOGIT_ROWS, S_LOGITS, S_LORA, S_LORA_ROWS, S_LORA_NUM_ROWS, S_LORA_GROUPS, S_LORA_NUM_GROUPS,
@@ -64,9 +63,9 @@ static int64_t model_floats(const int64_t *model, int64_t B) {
 }
 
 /* The scratch a step of B rows needs (lora_tab may be NULL): the activations, then for LoRA the side
- * spans (int64, up to MAX_SLICES + 1 per adapter of the step; a step has at most B). */
+ * spans (int64, up to LORA_WIDTHS + 1 per adapter of the step; a step has at most B). */
 int64_t lp_decode_step_scratch_floats(const int64_t *model, const int64_t *lora_tab, int64_t B) {
-    return model_floats(model, B) + (lora_tab ? B * (MAX_SLICES + 1) * 4 * 2 : 0);
+    return model_floats(model, B) + (lora_tab ? B * (LORA_WIDTHS + 1) * 4 * 2 : 0);
 }
 
 /* The LoRA work of one step: the tables and the side spans' buffer. */
@@ -75,7 +74,17 @@ typedef struct {
     int64_t *spans;
 } step_lora_t;
 
-static const int64_t *module_of(const step_lora_t *lo, int module) { return lo->tab + R_MODULES + module * 5; }
+/* A fused module's slice count, then its widths. */
+static const int64_t *module_of(const step_lora_t *lo, int module) {
+    return lo->tab + R_MODULES + module * (1 + LORA_WIDTHS);
+}
+
+/* A module's output features: the sum of its slices' widths. */
+static int64_t module_out(const int64_t *mod) {
+    int64_t N = 0;
+    for (int64_t s = 0; s < mod[0] && s < LORA_WIDTHS; s++) N += mod[1 + s];
+    return N;
+}
 
 static const int64_t *buffers_of(const step_lora_t *lo, int64_t layer, int module) {
     return lo->tab + LORA_HEADER + (layer * LORA_MODULES + module) * 2; /* A, B */
@@ -94,15 +103,12 @@ static int64_t clamp_rank(const step_lora_t *lo, int64_t slot) {
 
 /* out += the LoRA delta of the step's adapter tokens for one layer's module (lora.c). */
 static int lora(const step_lora_t *lo, int64_t layer, int module, const float *x, float *out, int64_t T) {
-    int64_t args[15 + LORA_WIDTHS];
-    const int64_t *mod = module_of(lo, module), *ab = buffers_of(lo, layer, module);
-    int64_t N = 0;
-    for (int64_t s = 0; s < mod[0] && s < LORA_WIDTHS; s++) N += mod[1 + s], args[15 + s] = mod[1 + s];
-    const int64_t head[15] = {(int64_t)(intptr_t)x, (int64_t)(intptr_t)out, T, module_in(lo->model, module), N,
-                              ab[0], ab[1], lo->tab[R_SLOTS], lo->tab[R_RMAX], lo->tab[R_RANKS],
-                              lo->step[S_LORA_ROWS], lo->step[S_LORA_NUM_ROWS], lo->step[S_LORA_GROUPS],
-                              lo->step[S_LORA_NUM_GROUPS], mod[0]};
-    memcpy(args, head, sizeof head);
+    const int64_t *mod = module_of(lo, module), *ab = buffers_of(lo, layer, module), *step = lo->step;
+    int64_t args[15 + LORA_WIDTHS] = {
+        (int64_t)(intptr_t)x, (int64_t)(intptr_t)out, T, module_in(lo->model, module), module_out(mod), ab[0], ab[1],
+        lo->tab[R_SLOTS], lo->tab[R_RMAX], lo->tab[R_RANKS], step[S_LORA_ROWS], step[S_LORA_NUM_ROWS],
+        step[S_LORA_GROUPS], step[S_LORA_NUM_GROUPS], mod[0]};
+    for (int64_t s = 0; s < mod[0] && s < LORA_WIDTHS; s++) args[15 + s] = mod[1 + s];
     return lp_lora_f32_packed(args);
 }
 
@@ -112,10 +118,9 @@ static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
     lp_side_t side = {.spans = lo->spans};
     if (lo->step[S_BATCH] < SIDE_MIN_ROWS) return side;
     const int64_t *mod = module_of(lo, module), *ab = buffers_of(lo, layer, module);
-    const int64_t K = module_in(lo->model, module), r_max = lo->tab[R_RMAX], S = mod[0];
+    const int64_t K = module_in(lo->model, module), N = module_out(mod), r_max = lo->tab[R_RMAX], S = mod[0];
     const int32_t *groups = PTR(const int32_t *, lo->step[S_LORA_GROUPS]);
-    int64_t N = 0, *sp = lo->spans;
-    for (int64_t s = 0; s < S; s++) N += mod[1 + s];
+    int64_t *sp = lo->spans;
     for (int64_t g = 0; g < lo->step[S_LORA_NUM_GROUPS]; g++) {
         const int64_t slot = groups[3 * g];
         if (slot < 0 || slot >= lo->tab[R_SLOTS]) continue; /* (lora.c refuses the step) */
@@ -128,7 +133,6 @@ static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
         sp += 4;
     }
     side.n = (sp - lo->spans) / 4;
-    for (int64_t i = 0; i < side.n; i++) side.count += lo->spans[4 * i + 1] * ((lo->spans[4 * i + 3] + 63) / 64);
     return side;
 }
 

@@ -3,12 +3,12 @@
 #define LORAPLEX_CPU_KERNELS_H
 #include <stdint.h>
 
-/* Memory a GEMM asks for while it runs, for the kernel after it (linear.c, side prefetch): lines
- * [first, first + count) of `n` spans, each int64 (address, rows, row stride in bytes, bytes per row),
- * each row counted as ceil(bytes / 64) 64-byte lines from its start. */
+/* Memory a GEMM asks for while it runs, for the kernel after it (linear.c, side prefetch): `n` spans,
+ * each int64 (address, rows, row stride in bytes, bytes per row), a row being ceil(bytes / 64) 64-byte
+ * lines from its start. */
 typedef struct {
     const int64_t *spans;
-    int64_t n, first, count;
+    int64_t n;
 } lp_side_t;
 
 int lp_linear_packed_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,

@@ -42,6 +42,13 @@ typedef struct {
 
 static inline int64_t row_lines(const int64_t *span) { return (span[3] + 63) / 64; }
 
+static int64_t side_lines(const lp_side_t *side) {
+    int64_t lines = 0;
+    for (int64_t i = 0; side && side->spans && i < side->n; i++)
+        lines += side->spans[4 * i + 1] * row_lines(side->spans + 4 * i);
+    return lines;
+}
+
 static void side_start(side_t *sd, const int64_t *spans, int64_t n, int64_t skip, int64_t count) {
     *sd = (side_t){.spans = spans, .n = n, .left = count};
     for (; sd->i < n && skip >= spans[4 * sd->i + 1] * row_lines(spans + 4 * sd->i); sd->i++)
@@ -192,10 +199,10 @@ static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float
 int lp_linear_packed_side_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
                               const float *bias, float *y, const lp_side_t *side) {
     if (M < 0 || K < 1 || N < 1 || lda < K) return -1;
-    if (side && (side->n < 0 || side->first < 0 || side->count < 0)) return -1;
+    if (side && side->n < 0) return -1;
     if (M == 0) return 0;
     const int64_t panels = (N + NR - 1) / NR, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
-    const int64_t side_count = side && side->spans ? side->count : 0;
+    const int64_t side_count = side_lines(side);
 #pragma omp parallel if (N * K >= PARALLEL_MIN_WEIGHTS)
     {
         int64_t t = 0, nt = 1;
@@ -207,7 +214,7 @@ int lp_linear_packed_side_f32(const float *x, int64_t M, int64_t lda, int64_t K,
         int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt, items = (p1 - p0) * blocks, item = 0;
         int64_t s0 = side_count * t / nt, share = side_count * (t + 1) / nt - s0;
         side_t sd;
-        side_start(&sd, share ? side->spans : 0, share ? side->n : 0, share ? side->first + s0 : 0, share);
+        side_start(&sd, share ? side->spans : 0, share ? side->n : 0, s0, share);
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
             for (int64_t p = p0; p < p1; p++, item++) {
