@@ -31,7 +31,8 @@ def sampling(data: s.ChatCompletionRequest | s.CompletionRequest, max_tokens: in
         seed=data.seed,
         presence_penalty=data.presence_penalty or 0.0,
         frequency_penalty=data.frequency_penalty or 0.0,
-        stop=stops)
+        stop=stops,
+        ignore_eos=data.ignore_eos)
 
 
 def chat_max_tokens(data: s.ChatCompletionRequest) -> int | None:

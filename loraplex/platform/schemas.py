@@ -44,6 +44,7 @@ class _Sampling(Struct, kw_only=True):
     user: str | None = None
     n: int = 1
     logprobs: bool | int | None = None
+    ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence tokens
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

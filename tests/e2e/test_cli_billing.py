@@ -90,7 +90,7 @@ def test_budgets_prices_and_exports_with_a_live_server(monkeypatch, env, tmp_pat
 
         free = openai.OpenAI(api_key=keys[1], base_url=f"{server.base_url}/v1", max_retries=0, timeout=60)
         stream = free.chat.completions.create(model="synthetic:tiny", messages=[{"role": "user", "content": "go"}],
-                                              max_tokens=1000, stream=True)
+                                              max_tokens=1000, stream=True, extra_body={"ignore_eos": True})
         for received, _ in enumerate(stream, 1):
             if received == 3:
                 break

@@ -74,6 +74,16 @@ def test_models_chat_stream_and_completions(demo):
     assert done.object == "text_completion" and done.usage.completion_tokens <= 5
 
 
+def test_ignore_eos_generates_max_tokens_past_the_end_of_sequence(demo):
+    msgs = [{"role": "user", "content": "go"}]  # sampled with this seed, the reply ends after a few dozen tokens
+    natural = demo.chat.completions.create(model="synthetic:tiny", messages=msgs, max_tokens=300, seed=2)
+    assert natural.choices[0].finish_reason == "stop" and natural.usage.completion_tokens < 300
+    forced = demo.chat.completions.create(model="synthetic:tiny", messages=msgs, max_tokens=300, seed=2,
+                                          extra_body={"ignore_eos": True})
+    assert forced.choices[0].finish_reason == "length" and forced.usage.completion_tokens == 300
+    assert forced.choices[0].message.content.startswith(natural.choices[0].message.content)
+
+
 def test_wrong_key_is_an_authentication_error(server):
     with pytest.raises(openai.AuthenticationError) as info:
         client(server, "lpx-" + "0" * 43).models.list()
@@ -131,8 +141,10 @@ def _disconnects(server) -> float:
 def test_client_disconnect_mid_stream_aborts_the_engine_request(server, demo):
     baseline, disconnects = _engine_stats(server), _disconnects(server)
     assert baseline["running"] == baseline["waiting"] == 0
+    # ignore_eos: left alone, the reply ends after a few dozen tokens, in about 0.1 s, which a loaded
+    # machine can finish sending before the server sees the client leave
     stream = demo.chat.completions.create(model="synthetic:tiny", messages=[{"role": "user", "content": "go"}],
-                                          max_tokens=2000, stream=True)
+                                          max_tokens=2000, stream=True, extra_body={"ignore_eos": True})
     for received, _ in enumerate(stream, 1):
         if received == 3:
             break
