@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.cli.bench.engine import bench_prompts, hf_model, interleaved_rounds
+from loraplex.cli.bench.engine import bench_prompts, hf_model, interleaved_rounds, paired_ratio
 from loraplex.engine.api import GenerateRequest, SamplingParams
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
@@ -125,8 +125,8 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
                                                              peft_new_tokens), 2),
                                         "new_tokens": peft_new_tokens}
     base = results["base_tok_s"]
-    results["ratios"] = {f"{k}_vs_base": round(results[k]["tok_s"] / base, 3)
-                         for k in ("identical", "zipf", "distinct")}
+    results["ratios"] = {f"{k}_vs_base": round(results[k]["tok_s"] / base, 3) for k in patterns}
+    results["paired_ratios"] = {f"{k}_vs_base": paired_ratio(runs, k, "base") for k in patterns}
     if not skip_peft:
         results["ratios"]["distinct_vs_peft"] = round(results["distinct"]["tok_s"] / results["peft_distinct"]["tok_s"],
                                                       2)
