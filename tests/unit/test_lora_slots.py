@@ -105,15 +105,28 @@ def test_untargeted_modules_and_layers_stay_zero(tmp_path, config):
     assert not a[slot].any() and not b[slot].any()
 
 
-def test_loading_overwrites_the_whole_slot(tmp_path, config):
-    slots = make(config, max_loras=1, r_max=16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])  # one C call / torch ops per block
+def test_loading_overwrites_the_whole_slot(tmp_path, config, dtype):
+    slots = make(config, max_loras=1, r_max=16, dtype=dtype)
     register(slots, tmp_path, "big", rank=16, targets="all", seed=2)
     small = register(slots, tmp_path, "small", rank=4, targets=["v"], seed=3)
+    mid = register(slots, tmp_path, "mid", rank=8, targets=["q", "down"], seed=4)
     assert slots.acquire("big") == 0
     slots.release("big")
     assert slots.acquire("small") == 0
     check_slot(slots, 0, load_peft_adapter(small, config))  # nothing of "big" is left
     assert slots.slot_of("big") is None and slots.stats.evictions == 1
+    slots.release("small")
+    assert slots.acquire("mid") == 0  # a larger rank over a smaller one
+    check_slot(slots, 0, load_peft_adapter(mid, config))
+    slots.release("mid")
+    slots.unregister("mid")  # frees the slot: all zero again
+    assert int(slots.ranks[0]) == 0
+    for layer in range(config.num_layers):
+        for module in FUSED:
+            assert not any(t[0].any() for t in slots.buffers(layer, module))
+    assert slots.acquire("big") == 0
+    check_slot(slots, 0, load_peft_adapter(tmp_path / "big", config))
 
 
 def test_apply_matches_merged_weights(tmp_path, tiny):

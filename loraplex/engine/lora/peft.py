@@ -306,13 +306,15 @@ def _read_checked(handle: dict[str, torch.Tensor], where: str, config: LlamaConf
             raise AdapterError(f"{where}: tensor {key!r} names adapter {adapter_name!r} but other tensors do not "
                                "(one adapter per file)")
         in_f, out_f = dims[module]
-        expected = [rank, in_f] if ab == "A" else [out_f, rank]
+        expected = (rank, in_f) if ab == "A" else (out_f, rank)
         tensor = handle[key]
-        shape, dtype = list(tensor.shape), _DTYPE_NAMES.get(tensor.dtype, str(tensor.dtype).removeprefix("torch."))
-        if shape != expected:
-            raise AdapterError(f"{where}: tensor {key!r} has shape {shape}, expected {expected} (r={rank}; "
-                               f"{peft_name} is {in_f} -> {out_f} in the base model)")
-        if dtype not in _DTYPES:
+        if tensor.shape != expected:
+            raise AdapterError(f"{where}: tensor {key!r} has shape {list(tensor.shape)}, expected {list(expected)} "
+                               f"(r={rank}; {peft_name} is {in_f} -> {out_f} in the base model)")
+        if tensor.dtype not in _DTYPE_NAMES:
+            dtype = str(tensor.dtype).removeprefix("torch.")
             raise AdapterError(f"{where}: tensor {key!r} has dtype {dtype}; expected float16, bfloat16 or float32")
-        found[ab][(layer, module)] = tensor.to(torch.float32).contiguous()
+        if tensor.dtype != torch.float32 or not tensor.is_contiguous():
+            tensor = tensor.to(torch.float32).contiguous()
+        found[ab][(layer, module)] = tensor
     return found

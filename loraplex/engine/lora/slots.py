@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex.engine.kernels.cpu.copy_blocks import block, copy_blocks, copy_blocks_available
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora
 from loraplex.engine.lora.peft import (
     FUSED,
@@ -75,6 +76,9 @@ class LoraSlots:
         self.stats = LoraSlotStats()
         self._kernel_table = None  # kernel_table(), built on first use
         self._views: dict[int, list] = {}  # slot -> _slot_views(slot)
+        # Per slot, the rank below which its A rows / B columns may hold non-zero values (all else is zero).
+        self._dirty = [0] * max_loras
+        self._copy_in_c = self.device.type == "cpu" and dtype == torch.float32 and copy_blocks_available()
         self._lock = threading.RLock()
         self._paths: dict[str, str] = {}  # registered adapter -> its PEFT directory
         self._cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, least recently used first
@@ -256,26 +260,49 @@ class LoraSlots:
 
     def _clear_slot(self, slot: int) -> None:
         self.ranks[slot] = 0
-        for layer in range(self.config.num_layers):
-            for f in FUSED:
-                self.lora_a[layer][f][slot].zero_()
-                self.lora_b[layer][f][slot].zero_()
+        self._run_blocks(self._slot_blocks(slot, None))
+        self._dirty[slot] = 0
 
     def _write_slot(self, slot: int, lora: LoraWeights) -> None:
-        """Overwrites the whole slot: A and scaling * B in their rows, zeros everywhere else (each
-        element is written once: the rank padding and untargeted slices are zeroed, not the lot)."""
-        r_max, rank = self.max_lora_rank, lora.rank
-        self.ranks[slot] = rank
-        for key, a_rows, b_rows in self._slot_views(slot):
-            if key not in lora.lora_a:
-                a_rows.zero_()
-                b_rows.zero_()
+        """Overwrites the whole slot: A and scaling * B in their rows, zeros everywhere else."""
+        self.ranks[slot] = lora.rank
+        self._run_blocks(self._slot_blocks(slot, lora))
+        self._dirty[slot] = lora.rank
+
+    def _slot_blocks(self, slot: int, lora: LoraWeights | None) -> list[tuple]:
+        """The writes that put `lora` (None: nothing) in the slot, as blocks (src or None, dst view, first
+        element in it, rows, cols, src row stride, dst row stride, scale): per (layer, module) its A rows
+        [rank, in] and scaled B columns [width, rank], then zeros over what an earlier adapter left between
+        the new rank (0 where untargeted) and the slot's dirty rank. Each element is written once at most,
+        and a slot that only ever held adapters of one rank is never zeroed (the buffers start at zero)."""
+        r_max, dirty, blocks = self.max_lora_rank, self._dirty[slot], []
+        rank = lora.rank if lora is not None else 0
+        for key, a_rows, b_rows in self._slot_views(slot):  # [r_max, in], [width, r_max]
+            (width, _), in_f = b_rows.shape, a_rows.shape[1]
+            a = lora.lora_a.get(key) if lora is not None else None
+            live = rank if a is not None else 0
+            if live:
+                blocks.append((a, a_rows, 0, live, in_f, in_f, in_f, 1.0))
+                blocks.append((lora.lora_b[key], b_rows, 0, width, live, live, r_max, lora.scaling))
+            if dirty > live:
+                blocks.append((None, a_rows, live * in_f, dirty - live, in_f, 0, in_f, 0.0))
+                blocks.append((None, b_rows, live, width, dirty - live, 0, r_max, 0.0))
+        return blocks
+
+    def _run_blocks(self, blocks: list[tuple]) -> None:
+        """One C call over all blocks for fp32 slots on the CPU; torch ops per block elsewhere."""
+        if self._copy_in_c:
+            copy_blocks([block(0 if src is None else src.data_ptr(), dst.data_ptr() + 4 * at, rows, cols, sld, dld,
+                               scale) for src, dst, at, rows, cols, sld, dld, scale in blocks])
+            return
+        for src, dst, at, rows, cols, _, dld, scale in blocks:
+            out = dst.as_strided((rows, cols), (dld, 1), dst.storage_offset() + at)
+            if src is None:
+                out.zero_()
                 continue
-            a_rows[:rank].copy_(lora.lora_a[key])  # [rank, in]
-            torch.mul(lora.lora_b[key], lora.scaling, out=b_rows[:, :rank])  # [width, rank]
-            if rank < r_max:
-                a_rows[rank:].zero_()
-                b_rows[:, rank:].zero_()
+            out.copy_(src)  # (across devices)
+            if scale != 1.0:
+                out.mul_(scale)
 
     def _slot_views(self, slot: int) -> list[tuple[tuple[int, str], torch.Tensor, torch.Tensor]]:
         """Per (layer, module) of a slot: its A rows [r_max, in] and B rows [width, r_max] in the

@@ -1,0 +1,46 @@
+"""copy_blocks.c (an adapter's slot write) against plain tensor slicing: copies, scaled copies and
+zero fills of strided blocks, in one call, and refusal of malformed entries before anything is written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loraplex.engine.kernels.cpu.copy_blocks import block, copy_blocks, copy_blocks_available
+
+
+def test_copy_blocks_builds():
+    assert copy_blocks_available()
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.5, -3.0])
+@pytest.mark.parametrize("count", [1, 40, 400])  # 400 big blocks run on several threads
+def test_blocks_copy_scale_and_zero(scale, count):
+    gen = torch.Generator().manual_seed(count)
+    dst = torch.randn(count, 12, 40, generator=gen)
+    src = torch.randn(count, 9, 33, generator=gen)
+    expected = dst.clone()
+    entries = []
+    for i in range(count):
+        rows, cols, r0, c0 = 3 + i % 7, 5 + i % 27, i % 3, i % 5
+        out = dst[i, r0:r0 + rows, c0:c0 + cols]
+        if i % 4 == 3:  # a zero fill
+            entries.append(block(0, out.data_ptr(), rows, cols, 0, 40, 0.0))
+            expected[i, r0:r0 + rows, c0:c0 + cols] = 0
+        else:  # rows of src [9, 33] (row stride 33) from column 1
+            part = src[i, :rows, 1:1 + cols]
+            entries.append(block(part.data_ptr(), out.data_ptr(), rows, cols, 33, 40, scale))
+            expected[i, r0:r0 + rows, c0:c0 + cols] = scale * part
+    copy_blocks(entries)
+    assert torch.equal(dst, expected)  # fp32 products rounded as torch rounds them; nothing else touched
+
+
+@pytest.mark.parametrize("bad", [dict(rows=-1), dict(cols=-2), dict(dst_ld=3), dict(src_ld=3)])
+def test_malformed_entries_refused_before_any_write(bad):
+    src, dst = torch.ones(4, 8), torch.zeros(4, 8)
+    fields = dict(rows=4, cols=8, src_ld=8, dst_ld=8) | bad
+    good = block(src.data_ptr(), dst.data_ptr(), 4, 8, 8, 8, 1.0)
+    with pytest.raises(ValueError, match="negative sizes or a row stride"):
+        copy_blocks([good, block(src.data_ptr(), dst.data_ptr(), fields["rows"], fields["cols"], fields["src_ld"],
+                                 fields["dst_ld"], 1.0)])
+    assert not dst.any()

@@ -1,0 +1,72 @@
+"""The safetensors reader of adapter loads: views equal to the safetensors library's tensors, odd
+alignments and mixed dtypes, and malformed files refused with ValueError."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from loraplex.engine.lora.st_reader import read_file, read_safetensors
+
+
+def raw_file(path, entries: dict[str, tuple[str, list[int], bytes]], pad: int = 0) -> None:
+    """Writes a safetensors file by hand: {name: (dtype, shape, data bytes)} in order, the header
+    padded with `pad` spaces (which shifts the data region's alignment)."""
+    header, data = {}, b""
+    for name, (dtype, shape, blob) in entries.items():
+        header[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(blob)]}
+        data += blob
+    text = json.dumps(header).encode() + b" " * pad
+    path.write_bytes(struct.pack("<Q", len(text)) + text + data)
+
+
+def test_matches_the_safetensors_library(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(3 + i, 5, generator=gen) for i in range(12)} | {"scalar": torch.tensor(2.5)}
+    save_file(tensors, tmp_path / "a.safetensors")
+    got, whole = read_safetensors(read_file(tmp_path / "a.safetensors"))
+    expected = load_file(tmp_path / "a.safetensors")
+    assert got.keys() == expected.keys()
+    for name, t in expected.items():
+        assert got[name].shape == t.shape and got[name].is_contiguous() and torch.equal(got[name], t)
+    assert whole is not None and whole.numel() == sum(t.numel() for t in expected.values())
+    assert torch.equal(whole.sort().values, torch.cat([t.reshape(-1) for t in expected.values()]).sort().values)
+
+
+@pytest.mark.parametrize("pad", [0, 1, 2, 3])
+def test_mixed_dtypes_and_misaligned_offsets(tmp_path, pad):
+    half = torch.tensor([1.5, -2.0, 3.25], dtype=torch.float16)  # 6 bytes: the next tensor is misaligned
+    single = torch.tensor([[0.1, 0.2], [0.3, 0.4]], dtype=torch.float32)
+    raw_file(tmp_path / "m.safetensors", {"h": ("F16", [3], half.numpy().tobytes()),
+                                          "f": ("F32", [2, 2], single.numpy().tobytes())}, pad=pad)
+    got, whole = read_safetensors(read_file(tmp_path / "m.safetensors"))
+    assert torch.equal(got["h"], half) and torch.equal(got["f"], single)
+    assert whole is None  # two dtypes: no one flat view
+
+
+@pytest.mark.parametrize("content, needle", [
+    (b"\x01\x00", "shorter than the 8-byte header"),
+    (struct.pack("<Q", 100) + b"{}", "runs past the end"),
+    (struct.pack("<Q", 4) + b"nope", "not valid JSON"),
+    (struct.pack("<Q", 2) + b"[]", "not a JSON object"),
+])
+def test_malformed_headers_refused(tmp_path, content, needle):
+    (tmp_path / "bad.safetensors").write_bytes(content)
+    with pytest.raises(ValueError, match=needle):
+        read_safetensors(read_file(tmp_path / "bad.safetensors"))
+
+
+@pytest.mark.parametrize("entry, needle", [
+    (("F32", [2, 2], b"\0" * 12), "do not fit the file"),  # 12 bytes for 16
+    (("F32", [-1, 4], b""), "do not fit the file"),
+    (("Q4", [2], b"\0" * 2), "malformed header entry"),
+    (("F32", "2x2", b"\0" * 16), "malformed header entry"),
+])
+def test_malformed_tensor_entries_refused(tmp_path, entry, needle):
+    raw_file(tmp_path / "bad.safetensors", {"w": entry})
+    with pytest.raises(ValueError, match=needle):
+        read_safetensors(read_file(tmp_path / "bad.safetensors"))
