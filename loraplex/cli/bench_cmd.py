@@ -34,7 +34,7 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
                                "help": "PEFT's mixed-adapter batch is slow: fewer tokens keep the run short"}),
         ("--skip-peft", {"action": "store_true"}),
         ("--rounds", {"type": int, "default": 3,
-                      "help": "interleaved rounds; each system's best round counts (a shared VM's noise only slows)"}),
+                      "help": "rounds, each with the four patterns' engines taking turns step by step; all count"}),
     ]),
     "gateway": ("gateway", "latency the platform adds (auth, limits, routing, usage) and its max rps", [
         ("--database-url", {"default": "postgresql://postgres@localhost:5432/postgres",

@@ -93,6 +93,31 @@ def interleaved_rounds(rounds: int, runs: dict[str, Callable[[], Any]]) -> dict[
     return figures
 
 
+def step_interleaved(cores: dict[str, EngineCore], requests: dict[str, list[GenerateRequest]],
+                     on_events: Callable[[str, list], None] | None = None) -> dict[str, float]:
+    """Each named core's tok/s over its own requests, the cores taking turns step by step: tokens over
+    the time spent in that core's steps. A step is tens of milliseconds and a shared machine's slow
+    phases last seconds, so every core's steps meet the same phases; whole runs taking turns (as
+    interleaved_rounds does) leave a phase to one side. All requests are checked before any is added;
+    on_events(name, events) sees each step's events, outside the timed part."""
+    prepared = {name: [cores[name].prepare(r) for r in reqs] for name, reqs in requests.items()}
+    for name, reqs in prepared.items():
+        for r in reqs:
+            cores[name].add(r)
+    busy = dict.fromkeys(cores, 0.0)
+    tokens = dict.fromkeys(cores, 0)
+    while any(core.has_work() for core in cores.values()):
+        for name, core in cores.items():
+            if core.has_work():
+                t0 = time.perf_counter()
+                events = core.step()
+                busy[name] += time.perf_counter() - t0
+                tokens[name] += sum(len(ev.token_ids) for ev in events)
+                if on_events is not None:
+                    on_events(name, events)
+    return {name: tokens[name] / busy[name] if busy[name] else 0.0 for name in cores}
+
+
 def paired_ratio(figures: dict[str, list], name: str, base: str) -> float:
     """The median over rounds of `name`'s figure over `base`'s in the same round. The runs of one
     round are adjacent in time, so a slow phase of a shared machine tends to touch both sides of each

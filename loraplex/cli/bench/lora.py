@@ -3,6 +3,12 @@ model alone and against HF PEFT's mixed-adapter batch, in one run.
 
 The adapters are made by PEFT itself (rank 16 on all seven projections, random non-zero A and B),
 saved to a temporary directory, and loaded by both systems from there.
+
+Each pattern (and the base model) runs on its own engine over the same loaded weights, and the
+engines take turns step by step (step_interleaved): on a shared VM whose speed drifts over seconds,
+whole runs taking turns left a fast or slow phase to one side and moved the ratios by up to 0.15
+(bench/RESULTS.md); steps tens of milliseconds apart meet the same phases. A pattern's tok/s is its
+tokens over the time spent in its own steps, over all rounds.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.cli.bench.engine import bench_prompts, hf_model, interleaved_rounds, paired_ratio
+from loraplex.cli.bench.engine import bench_prompts, hf_model, paired_ratio, step_interleaved
 from loraplex.engine.api import GenerateRequest, SamplingParams
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
@@ -56,13 +62,10 @@ def adapter_path(root: Path, i: int) -> Path:
     return root / f"a{i}"
 
 
-def _ours(core: EngineCore, prompts, adapters, new_tokens: int, model: str, tag: str) -> float:
+def _requests(prompts, adapters, new_tokens: int, model: str, tag: str) -> list[GenerateRequest]:
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-    reqs = [GenerateRequest(f"{tag}{i}", model, prompt=p, sampling=sp, adapter=a)
+    return [GenerateRequest(f"{tag}{i}", model, prompt=p, sampling=sp, adapter=a)
             for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))]
-    t0 = time.perf_counter()
-    generated = sum(len(c.token_ids) for c in core.run(reqs))
-    return generated / (time.perf_counter() - t0)
 
 
 @torch.inference_mode()
@@ -99,25 +102,35 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         peft_model = make_adapters(loaded, root, batch, rank)
-        core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=batch,
-                                       max_num_batched_tokens=2048, max_loras=batch, max_lora_rank=rank),
-                          loaded=loaded)
-        for i in range(batch):
-            core.add_adapter(f"a{i}", str(adapter_path(root, i)))
         zipf = [f"a{k}" for k in zipf_choices(batch, batch, 1.5)]
-        patterns = {"identical": ["a0"] * batch, "zipf": zipf, "distinct": [f"a{i}" for i in range(batch)]}
-        _ours(core, prompts[:2], [None, "a0"], 4, model, "warm")
-        turns = iter(range(10**9))  # request ids stay unique across rounds
-        runs = interleaved_rounds(rounds, {
-            name: lambda a=adapters, n=name: _ours(core, prompts, a, new_tokens, model, f"{n}{next(turns)}-")
-            for name, adapters in (("base", [None] * batch), *patterns.items())})
+        patterns = {"base": [None] * batch, "identical": ["a0"] * batch, "zipf": zipf,
+                    "distinct": [f"a{i}" for i in range(batch)]}
+        cores = {}
+        for name, adapters in patterns.items():  # one engine per pattern, all on the same loaded weights
+            used = sorted({a for a in adapters if a is not None}, key=lambda a: int(a[1:]))
+            core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=batch,
+                                           max_num_batched_tokens=2048, max_loras=max(len(used), 1),
+                                           max_lora_rank=rank), loaded=loaded)
+            for a in used:
+                core.add_adapter(a, str(adapter_path(root, int(a[1:]))))
+            core.run(_requests(prompts[:2], adapters[:2], 4, model, "warm"))  # tables built, kernels loaded
+            cores[name] = core
+        runs = {name: [] for name in patterns}
+        for r in range(max(rounds, 1)):
+            figures = step_interleaved(cores, {name: _requests(prompts, adapters, new_tokens, model, f"{name}{r}-")
+                                               for name, adapters in patterns.items()})
+            for name, tok_s in figures.items():
+                runs[name].append(round(tok_s, 2))
         results = {
             "model": model, "dtype": "float32", "batch": batch, "rank": rank, "new_tokens": new_tokens,
-            "targets": "q,k,v,o,gate,up,down", "rounds": runs,
-            "base_tok_s": max(runs["base"]),
+            "targets": "q,k,v,o,gate,up,down", "measure": "step-interleaved", "rounds": runs,
+            # every round generates the same tokens, so tokens over all step time is the harmonic mean
+            "base_tok_s": round(statistics.harmonic_mean(runs["base"]), 2),
         }
+        del patterns["base"]
         for name, adapters in patterns.items():
-            results[name] = {"tok_s": max(runs[name]), "distinct_adapters": len(set(adapters))}
+            results[name] = {"tok_s": round(statistics.harmonic_mean(runs[name]), 2),
+                             "distinct_adapters": len(set(adapters))}
         results["adapter_load_ms"] = round(_load_ms(loaded, root, min(9, batch), rank), 2)
         if not skip_peft:
             names = patterns["distinct"]
