@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -293,3 +295,17 @@ def test_constructor_checks(config):
         make(config, max_loras=0)
     with pytest.raises(ValueError, match="max_cpu_loras"):
         make(config, max_cpu=-1)
+
+
+def test_slot_write_takes_strided_and_half_precision_weights(tmp_path, config):
+    """LoraWeights built by hand (not by the loader) with transposed-view and fp16 tensors still land
+    exactly: the slot write makes its sources dense fp32 before the C path reads their rows."""
+    slots = make(config, max_loras=1, r_max=16)
+    path = register(slots, tmp_path, "a", rank=8, seed=5)
+    lora = load_peft_adapter(path, config)
+    odd = dataclasses.replace(
+        lora, lora_a={k: v.t().contiguous().t() if k[1] == "q" else v.half() for k, v in lora.lora_a.items()})
+    slots._write_slot(0, odd)
+    expected = dataclasses.replace(lora, lora_a={k: v if k[1] == "q" else v.half().float()
+                                                 for k, v in lora.lora_a.items()})
+    check_slot(slots, 0, expected)

@@ -281,9 +281,10 @@ class LoraSlots:
             (width, _), in_f = b_rows.shape, a_rows.shape[1]
             a = lora.lora_a.get(key) if lora is not None else None
             live = rank if a is not None else 0
-            if live:
-                blocks.append((a, a_rows, 0, live, in_f, in_f, in_f, 1.0))
-                blocks.append((lora.lora_b[key], b_rows, 0, width, live, live, r_max, lora.scaling))
+            if live:  # row-dense fp32 sources (the C path reads raw rows), as LoraWeights promises
+                a, b = _dense_f32(a), _dense_f32(lora.lora_b[key])
+                blocks.append((a, a_rows, 0, live, in_f, a.stride(0), in_f, 1.0))
+                blocks.append((b, b_rows, 0, width, live, b.stride(0), r_max, lora.scaling))
             if dirty > live:
                 blocks.append((None, a_rows, live * in_f, dirty - live, in_f, 0, in_f, 0.0))
                 blocks.append((None, b_rows, live, width, dirty - live, 0, r_max, 0.0))
@@ -318,3 +319,10 @@ class LoraSlots:
                               for s, (m, off, width) in enumerate(rows)]
             self._views[slot] = views
         return views
+
+
+def _dense_f32(t: torch.Tensor) -> torch.Tensor:
+    """t itself when it is fp32 on the CPU with dense rows (a loaded adapter's tensors are); else a copy that is."""
+    if t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1:
+        return t
+    return t.to("cpu", torch.float32).contiguous()
