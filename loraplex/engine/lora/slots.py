@@ -270,8 +270,8 @@ class LoraSlots:
         self._dirty[slot] = lora.rank
 
     def _slot_blocks(self, slot: int, lora: LoraWeights | None) -> list[tuple]:
-        """The writes that put `lora` (None: nothing) in the slot, as blocks (src or None, dst view, first
-        element in it, rows, cols, src row stride, dst row stride, scale): per (layer, module) its A rows
+        """The writes that put `lora` (None: nothing) in the slot, as blocks (src [rows, cols] or None, dst
+        view, first element in it, rows, cols, dst row stride, scale): per (layer, module) its A rows
         [rank, in] and scaled B columns [width, rank], then zeros over what an earlier adapter left between
         the new rank (0 where untargeted) and the slot's dirty rank. Each element is written once at most,
         and a slot that only ever held adapters of one rank is never zeroed (the buffers start at zero)."""
@@ -281,22 +281,26 @@ class LoraSlots:
             (width, _), in_f = b_rows.shape, a_rows.shape[1]
             a = lora.lora_a.get(key) if lora is not None else None
             live = rank if a is not None else 0
-            if live:  # row-dense fp32 sources (the C path reads raw rows), as LoraWeights promises
-                a, b = _dense_f32(a), _dense_f32(lora.lora_b[key])
-                blocks.append((a, a_rows, 0, live, in_f, a.stride(0), in_f, 1.0))
-                blocks.append((b, b_rows, 0, width, live, b.stride(0), r_max, lora.scaling))
+            if live:
+                blocks.append((a, a_rows, 0, live, in_f, in_f, 1.0))
+                blocks.append((lora.lora_b[key], b_rows, 0, width, live, r_max, lora.scaling))
             if dirty > live:
-                blocks.append((None, a_rows, live * in_f, dirty - live, in_f, 0, in_f, 0.0))
-                blocks.append((None, b_rows, live, width, dirty - live, 0, r_max, 0.0))
+                blocks.append((None, a_rows, live * in_f, dirty - live, in_f, in_f, 0.0))
+                blocks.append((None, b_rows, live, width, dirty - live, r_max, 0.0))
         return blocks
 
     def _run_blocks(self, blocks: list[tuple]) -> None:
         """One C call over all blocks for fp32 slots on the CPU; torch ops per block elsewhere."""
-        if self._copy_in_c:
-            copy_blocks([block(0 if src is None else src.data_ptr(), dst.data_ptr() + 4 * at, rows, cols, sld, dld,
-                               scale) for src, dst, at, rows, cols, sld, dld, scale in blocks])
+        if self._copy_in_c:  # C reads the sources' raw rows: made dense fp32 first (a loaded adapter's are)
+            entries, sources = [], []  # sources: alive until the call returns (some are copies)
+            for src, dst, at, rows, cols, dld, scale in blocks:
+                if src is not None:
+                    sources.append(src := _dense_f32(src))
+                entries.append(block(0 if src is None else src.data_ptr(), dst.data_ptr() + 4 * at, rows, cols,
+                                     0 if src is None else src.stride(0), dld, scale))
+            copy_blocks(entries)
             return
-        for src, dst, at, rows, cols, _, dld, scale in blocks:
+        for src, dst, at, rows, cols, dld, scale in blocks:
             out = dst.as_strided((rows, cols), (dld, 1), dst.storage_offset() + at)
             if src is None:
                 out.zero_()
