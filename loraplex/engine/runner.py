@@ -27,10 +27,10 @@ class StepLora:
         self.slots.apply(layer, module, x, out, self.index)
 
     def kernel_args(self):
-        """(the slots' kernel table, this step's tokens grouped by slot) for the fused CPU decode
-        step, or None where the slots have no kernel table."""
+        """(the slots' kernel table, this step's tokens grouped by slot, the adapter to fold or None)
+        for the fused CPU decode step, or None where the slots have no kernel table."""
         table = self.slots.kernel_table()
-        return None if table is None else (table, self.index.slot_groups)
+        return None if table is None else (table, self.index.slot_groups, self.slots.fold_for(self.index))
 
 
 class ModelRunner:

@@ -124,6 +124,56 @@ def test_side_prefetch_of_a_wide_batch_leaves_the_adapter_deltas_as_they_are(tmp
         assert torch.equal(with_lora[i], base[i]) == (slot < 0)
 
 
+def _fold_setup(tmp_path):
+    """12 sequences, 8 of them on adapter a (rank 12: two shrink panels for qkv), 2 on b, 2 on the base."""
+    g = torch.Generator().manual_seed(6)
+    prompts = (5, 20, 33, 7, 16, 17, 2, 40, 9, 31, 12, 3)
+    model, storage = _model_and_cache("tiny", len(prompts))
+    slots = LoraSlots(model.config, max_loras=3, max_lora_rank=16, max_cpu_loras=3)
+    for name, rank in (("a", 12), ("b", 4)):
+        slots.register(name, make_peft_dir(tmp_path / name, model.config, rank, 2 * rank, "all", seed=rank))
+    a, b = slots.acquire("a"), slots.acquire("b")
+    token_slots = [a, b, a, a, -1, a, a, b, a, a, -1, a]
+    _prefill(model, storage, g, prompts)
+    ids = torch.randint(0, model.config.vocab_size, (len(prompts),), generator=g)
+    lora = StepLora(slots, LoraBatchIndex.from_token_slots(token_slots, torch.device("cpu")))
+    return model, storage, slots, lora, token_slots, ids, prompts
+
+
+def test_an_adapter_holding_most_of_the_batch_is_folded_into_the_gemms(tmp_path, monkeypatch):
+    """Its rows (logits and K/V) match the per-op path to rounding (the delta is summed in another
+    order); the base model's and the other adapter's rows stay bit-identical."""
+    model, storage, slots, lora, token_slots, ids, prompts = _fold_setup(tmp_path)
+    fold = lora.kernel_args()[2]
+    assert fold is not None and fold[0] == token_slots[0]
+    rows, before = torch.arange(len(prompts)), storage.clone()
+    fused = _decode(model, storage, ids, rows, lora, True, monkeypatch, prompts)
+    fused_cache = storage.clone()
+    storage.copy_(before)
+    per_op = _decode(model, storage, ids, rows, lora, False, monkeypatch, prompts)
+    storage.copy_(before)
+    base = _decode(model, storage, ids, rows, None, True, monkeypatch, prompts)
+    for i, slot in enumerate(token_slots):
+        if slot == fold[0]:
+            torch.testing.assert_close(fused[i], per_op[i], rtol=1e-4, atol=1e-4)
+            assert not torch.allclose(fused[i], base[i])
+        else:
+            assert torch.equal(fused[i], per_op[i])
+    storage.copy_(before)
+    _decode(model, storage, ids, rows, lora, False, monkeypatch, prompts)
+    torch.testing.assert_close(fused_cache, storage, rtol=1e-4, atol=1e-4)
+
+
+def test_a_fold_packed_for_another_rank_is_refused_and_writes_nothing(tmp_path, monkeypatch):
+    model, storage, slots, lora, token_slots, ids, prompts = _fold_setup(tmp_path)
+    slot, block = slots.fold_for(lora.index)
+    monkeypatch.setattr(slots, "fold_for", lambda index: (slot, block[:-1]))
+    before = storage.clone()
+    with pytest.raises(ValueError, match="refused"):
+        _decode(model, storage, ids, torch.arange(len(prompts)), lora, True, monkeypatch, prompts)
+    assert torch.equal(before, storage)
+
+
 def test_fused_decode_step_refuses_a_bad_index_and_writes_nothing(monkeypatch):
     g = torch.Generator().manual_seed(2)
     model, storage = _model_and_cache("tiny")

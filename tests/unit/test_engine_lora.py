@@ -57,6 +57,22 @@ def test_mixed_batch_of_8_adapters_and_base_matches_merged_weights(adapter_dirs)
     assert got[0].token_ids != base_alone.run([req("b", prompts[0], None)])[0].token_ids
 
 
+def test_an_adapter_holding_most_of_the_batch_is_folded_and_matches_merged_weights(adapter_dirs):
+    """10 of 13 requests on one adapter: the fused decode step folds it into the base GEMMs (lora_fold.c,
+    slots.FOLD_MIN_*) while lora.c serves the other adapter; every request still matches its reference."""
+    prompts = mixed_prompts(13, seed=11)
+    core = make_core()
+    for i in (2, 3):
+        core.add_adapter(f"a{i}", str(adapter_dirs[i]))
+    adapters = ["a2", "a2", None, "a2", "a2", "a3", "a2", "a2", "a2", None, "a2", "a2", "a2"]
+    got = core.run([req(f"r{i}", p, a) for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))])
+    assert core.lora._folds, "the dominant adapter was never folded"
+    base_alone = make_core()
+    for i, (p, a) in enumerate(zip(prompts, adapters, strict=True)):
+        ref = merged_core(adapter_dirs[int(a[1:])]) if a else base_alone
+        assert got[i].token_ids == ref.run([req(f"w{i}", p, None)])[0].token_ids, f"request {i} (adapter {a})"
+
+
 def test_more_adapters_than_slots_all_complete_correctly(adapter_dirs):
     core = make_core(max_loras=2, max_lora_rank=64)
     for i, path in enumerate(adapter_dirs[:6]):

@@ -309,3 +309,27 @@ def test_slot_write_takes_strided_and_half_precision_weights(tmp_path, config):
     expected = dataclasses.replace(lora, lora_a={k: v if k[1] == "q" else v.half().float()
                                                  for k, v in lora.lora_a.items()})
     check_slot(slots, 0, expected)
+
+
+def test_the_dominant_adapter_is_packed_once_for_folding_and_repacked_after_its_slot_is_rewritten(tmp_path, config):
+    from loraplex.engine.kernels.cpu.decode_step import decode_step_available
+    from loraplex.engine.lora.slots import FOLD_MIN_SHARE, FOLD_MIN_TOKENS
+
+    if not decode_step_available():
+        pytest.skip("the CPU kernels are not built")
+    slots = make(config, max_loras=1, r_max=16)
+    register(slots, tmp_path, "a", rank=8)
+    slot = slots.acquire("a")
+    many = LoraBatchIndex.from_token_slots([slot] * FOLD_MIN_TOKENS + [-1] * 2)
+    first = slots.fold_for(many)
+    assert first[0] == slot and torch.equal(first[1], slots.kernel_table().pack_fold(slot))
+    assert slots.fold_for(many)[1] is first[1]  # packed once
+    assert slots.fold_for(LoraBatchIndex.from_token_slots([slot] * (FOLD_MIN_TOKENS - 1))) is None
+    too_few = int(FOLD_MIN_TOKENS / FOLD_MIN_SHARE) + 1
+    assert slots.fold_for(LoraBatchIndex.from_token_slots([slot] * FOLD_MIN_TOKENS + [-1] * too_few)) is None
+    slots.release("a")
+    register(slots, tmp_path, "b", rank=4, seed=1)
+    assert slots.acquire("b") == slot  # "a" evicted: the slot rewritten at another rank
+    second = slots.fold_for(many)
+    assert second[1].numel() < first[1].numel()
+    assert torch.equal(second[1], slots.kernel_table().pack_fold(slot))

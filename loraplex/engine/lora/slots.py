@@ -38,6 +38,13 @@ from loraplex.engine.lora.peft import (
 )
 from loraplex.engine.models.llama import LlamaConfig
 
+# An adapter is folded into the fused decode step's GEMMs (kernels/cpu/lora_fold.c) when it holds at
+# least this share of a step's tokens, and this many: then its shrink and expand run at the GEMM's rate
+# (lora.c reaches about 40% of it) and the shrink rows computed for the other tokens cost less than
+# the separate pass saves.
+FOLD_MIN_SHARE = 0.5
+FOLD_MIN_TOKENS = 8
+
 
 @dataclass
 class LoraSlotStats:
@@ -75,6 +82,7 @@ class LoraSlots:
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [slots], 0 = empty
         self.stats = LoraSlotStats()
         self._kernel_table = None  # kernel_table(), built on first use
+        self._folds: dict[int, torch.Tensor] = {}  # slot -> its adapter packed for folding (fold_for)
         self._views: dict[int, list] = {}  # slot -> _slot_views(slot)
         # Per slot, the rank below which its A rows / B columns may hold non-zero values (all else is zero).
         self._dirty = [0] * max_loras
@@ -113,9 +121,29 @@ class LoraSlots:
                                                     {f: self.slice_widths(f) for f in FUSED})
         return self._kernel_table
 
+    def fold_for(self, index: LoraBatchIndex) -> tuple[int, torch.Tensor] | None:
+        """(slot, packed block) of the step's adapter to fold into the fused decode step's GEMMs: the one
+        with the most tokens, when it has FOLD_MIN_SHARE of them and FOLD_MIN_TOKENS; else None. The
+        block is packed on first use and kept until the slot is rewritten."""
+        counts: dict[int, int] = {}
+        for start, end, slot in index.lora_segments:
+            counts[slot] = counts.get(slot, 0) + end - start
+        if not counts:
+            return None
+        slot, n = max(counts.items(), key=lambda kv: kv[1])
+        table = self.kernel_table()
+        if table is None or n < FOLD_MIN_TOKENS or n < FOLD_MIN_SHARE * index.num_tokens:
+            return None
+        with self._lock:
+            fold = self._folds.get(slot)
+            if fold is None:
+                fold = self._folds[slot] = table.pack_fold(slot)
+        return slot, fold
+
     def nbytes(self) -> int:
-        """Device memory of the slot buffers."""
-        return sum(t.numel() * t.element_size() for layer in (*self.lora_a, *self.lora_b) for t in layer.values())
+        """Device memory of the slot buffers and the folded copies."""
+        return (sum(t.numel() * t.element_size() for layer in (*self.lora_a, *self.lora_b) for t in layer.values())
+                + sum(t.numel() * t.element_size() for t in self._folds.values()))
 
     # --------------------------------------------------------------------------------- registry
 
@@ -259,12 +287,14 @@ class LoraSlots:
         return slot
 
     def _clear_slot(self, slot: int) -> None:
+        self._folds.pop(slot, None)
         self.ranks[slot] = 0
         self._run_blocks(self._slot_blocks(slot, None))
         self._dirty[slot] = 0
 
     def _write_slot(self, slot: int, lora: LoraWeights) -> None:
         """Overwrites the whole slot: A and scaling * B in their rows, zeros everywhere else."""
+        self._folds.pop(slot, None)
         self.ranks[slot] = lora.rank
         self._run_blocks(self._slot_blocks(slot, lora))
         self._dirty[slot] = lora.rank

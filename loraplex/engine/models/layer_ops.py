@@ -110,7 +110,7 @@ class CpuKernelOps(TorchOps):
         (more rows than the packed kernel serves, or adapters without a kernel table)."""
         if input_ids.shape[0] > self.lin.PACKED_MAX_ROWS:
             return None
-        lora_args = (None, None)
+        lora_args = (None, None, None)
         if lora is not None:
             lora_args = lora.kernel_args()
             if lora_args is None:

@@ -21,6 +21,10 @@
  * B rows of the step's adapters that its LoRA call reads next (lp_side_t): they come in under the
  * GEMM's FMAs, with bandwidth it leaves idle, and the LoRA call reads them from L3 instead of waiting
  * on memory (batches of many adapters are bound by reading them).
+ * With a fold (the step block's slot and that slot's lora_fold.c block), that adapter's tokens take
+ * their deltas inside each GEMM (lp_linear_fold_f32, at the GEMM's rate) and lora.c serves the
+ * other adapters' tokens: when one adapter holds most of a batch, its LoRA costs little more than
+ * its FLOPs.
  *
  * Why: at batch 1 a step is ~270 kernel calls, and their Python wrappers (argument checks, ctypes
  * conversion, tensor allocation) cost about as much as the non-GEMM work itself; here Python makes
@@ -35,17 +39,16 @@
 enum { M_LAYERS, M_HIDDEN, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_INTER, M_VOCAB, M_BLOCK_SIZE, M_CACHE_SLOTS,
        M_EPS_BITS, M_ROPE_COS, M_ROPE_SIN, M_MAX_POS, M_NORM, M_LM_HEAD, MODEL_FIELDS };
 enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, LAYER_FIELDS };
-/* LoRA table: slots, r_max, ranks, then per fused module (qkv, o, gate_up, down) its slice count
- * and up to 4 widths, then per layer and module the A and B buffers. */
-enum { LORA_MODULES = 4, LORA_WIDTHS = 4 };
-enum { R_SLOTS, R_RMAX, R_RANKS, R_MODULES, LORA_HEADER = R_MODULES + LORA_MODULES * (1 + LORA_WIDTHS) };
+/* The LoRA table's layout is in kernels.h (LP_R_*). */
+enum { LORA_MODULES = LP_LORA_MODULES, LORA_WIDTHS = LP_LORA_WIDTHS, LORA_HEADER = LP_LORA_HEADER };
+enum { R_SLOTS = LP_R_SLOTS, R_RMAX = LP_R_RMAX, R_RANKS = LP_R_RANKS, R_MODULES = LP_R_MODULES };
 enum { MOD_QKV, MOD_O, MOD_GATE_UP, MOD_DOWN };
 /* Below this many rows a GEMM is memory-bound: no side prefetch. */
 #define SIDE_MIN_ROWS 8
 /* Step block. */
 enum { S_BATCH, S_H, S_POSITIONS, S_SLOTS, S_TABLES, S_MAX_BLOCKS, S_LENS, S_SCALE_BITS, S_SCRATCH, S_N_LOGITS,
        S_LOGIT_ROWS, S_LOGITS, S_LORA, S_LORA_ROWS, S_LORA_NUM_ROWS, S_LORA_GROUPS, S_LORA_NUM_GROUPS,
-       STEP_FIELDS };
+       S_FOLD_SLOT, S_FOLD, S_FOLD_FLOATS, STEP_FIELDS };
 
 #define PTR(type, v) ((type)(intptr_t)(v))
 
@@ -62,16 +65,29 @@ static int64_t model_floats(const int64_t *model, int64_t B) {
     return (B * (H + qkv_out + model[M_HEADS] * D + 2 * I + I + H) + 15) / 16 * 16;
 }
 
+/* Floats of a fold's shrink rows: [B, panels of up to LORA_WIDTHS slices of r_max rows]. */
+static int64_t fold_y_floats(const int64_t *lora_tab, int64_t B) {
+    return B * ((LORA_WIDTHS * lora_tab[R_RMAX] + LP_NR - 1) / LP_NR * LP_NR);
+}
+
 /* The scratch a step of B rows needs (lora_tab may be NULL): the activations, then for LoRA the side
- * spans (int64, up to LORA_WIDTHS + 1 per adapter of the step; a step has at most B). */
+ * spans (int64, up to LORA_WIDTHS + 1 per adapter of the step; a step has at most B), the fold's
+ * shrink rows, its row mask (B bytes) and the groups left to lora.c (B int32 triples). */
 int64_t lp_decode_step_scratch_floats(const int64_t *model, const int64_t *lora_tab, int64_t B) {
-    return model_floats(model, B) + (lora_tab ? B * (LORA_WIDTHS + 1) * 4 * 2 : 0);
+    if (!lora_tab) return model_floats(model, B);
+    return model_floats(model, B) + B * (LORA_WIDTHS + 1) * 4 * 2 + fold_y_floats(lora_tab, B) + B + 3 * B;
 }
 
 /* The LoRA work of one step: the tables and the side spans' buffer. */
 typedef struct {
     const int64_t *tab, *step, *model;
     int64_t *spans;
+    const int32_t *groups; /* the groups lora.c serves (the step's, less the fold's) */
+    int64_t num_groups;
+    int64_t fold_slot, fold_rank; /* -1: no fold */
+    const float *fold_next;       /* the fold block's next module */
+    float *fold_y;
+    const uint8_t *fold_keep;
 } step_lora_t;
 
 /* A fused module's slice count, then its widths. */
@@ -107,7 +123,7 @@ static int lora(const step_lora_t *lo, int64_t layer, int module, const float *x
     int64_t args[15 + LORA_WIDTHS] = {
         (int64_t)(intptr_t)x, (int64_t)(intptr_t)out, T, module_in(lo->model, module), module_out(mod), ab[0], ab[1],
         lo->tab[R_SLOTS], lo->tab[R_RMAX], lo->tab[R_RANKS], step[S_LORA_ROWS], step[S_LORA_NUM_ROWS],
-        step[S_LORA_GROUPS], step[S_LORA_NUM_GROUPS], mod[0]};
+        (int64_t)(intptr_t)lo->groups, lo->num_groups, mod[0]};
     for (int64_t s = 0; s < mod[0] && s < LORA_WIDTHS; s++) args[15 + s] = mod[1 + s];
     return lp_lora_f32_packed(args);
 }
@@ -119,9 +135,9 @@ static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
     if (lo->step[S_BATCH] < SIDE_MIN_ROWS) return side;
     const int64_t *mod = module_of(lo, module), *ab = buffers_of(lo, layer, module);
     const int64_t K = module_in(lo->model, module), N = module_out(mod), r_max = lo->tab[R_RMAX], S = mod[0];
-    const int32_t *groups = PTR(const int32_t *, lo->step[S_LORA_GROUPS]);
+    const int32_t *groups = lo->groups;
     int64_t *sp = lo->spans;
-    for (int64_t g = 0; g < lo->step[S_LORA_NUM_GROUPS]; g++) {
+    for (int64_t g = 0; g < lo->num_groups; g++) {
         const int64_t slot = groups[3 * g];
         if (slot < 0 || slot >= lo->tab[R_SLOTS]) continue; /* (lora.c refuses the step) */
         const int64_t rk = clamp_rank(lo, slot);
@@ -136,15 +152,70 @@ static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
     return side;
 }
 
-/* y = x @ W^T (+ bias) for one layer's module, plus its adapter deltas when the step has any; the GEMM
- * asks for the adapter weights the LoRA call then reads. */
-static int gemm(const step_lora_t *lo, int64_t layer, int module, const float *x, int64_t T, const float *wp,
+/* y = x @ W^T (+ bias) for one layer's module, plus its adapter deltas when the step has any: the
+ * fold's inside the GEMM, the others' by lora.c, whose weights the GEMM asks for while it runs.
+ * Modules come in order (layer by layer, qkv, o, gate_up, down), as the fold block holds them. */
+static int gemm(step_lora_t *lo, int64_t layer, int module, const float *x, int64_t T, const float *wp,
                 int64_t N, const float *bias, float *y) {
     const int64_t K = module_in(lo->model, module);
     if (!lo->tab) return lp_linear_packed_f32(x, T, K, K, wp, N, bias, y);
-    const lp_side_t side = side_spans(lo, layer, module);
-    int rc = lp_linear_packed_side_f32(x, T, K, K, wp, N, bias, y, &side);
+    lp_side_t side = side_spans(lo, layer, module);
+    int rc;
+    if (lo->fold_slot >= 0) {
+        const int64_t *mod = module_of(lo, module), S = mod[0], rk = lo->fold_rank;
+        const int64_t pa = (S * rk + LP_NR - 1) / LP_NR;
+        const lp_fold_t fold = {.ap = lo->fold_next, .bp = lo->fold_next + pa * K * LP_NR, .pa = pa, .rank = rk,
+                                .S = S, .widths = mod + 1, .y = lo->fold_y, .keep = lo->fold_keep};
+        lo->fold_next += lp_fold_module_floats(K, N, S, mod + 1, rk);
+        /* the next module's shrink panels, which its GEMM reads first, come in under this one's FMAs */
+        const int next = (module + 1) % LORA_MODULES;
+        if (T >= SIDE_MIN_ROWS && (next || layer + 1 < lo->model[M_LAYERS])) {
+            const int64_t next_pa = (module_of(lo, next)[0] * rk + LP_NR - 1) / LP_NR;
+            int64_t *sp = lo->spans + 4 * side.n++; /* (room: the fold's group is not among the spans') */
+            sp[0] = (int64_t)(intptr_t)lo->fold_next, sp[1] = 1, sp[2] = 0;
+            sp[3] = next_pa * module_in(lo->model, next) * LP_NR * 4;
+        }
+        rc = lp_linear_fold_f32(x, T, K, K, wp, N, bias, y, &side, &fold);
+    } else {
+        rc = lp_linear_packed_side_f32(x, T, K, K, wp, N, bias, y, &side);
+    }
     return rc ? rc : lora(lo, layer, module, x, y, T);
+}
+
+/* The step's fold: checks it against the table, marks its rows and leaves lora.c the other groups. */
+static int fold_start(step_lora_t *lo, int64_t B) {
+    const int64_t *step = lo->step;
+    lo->groups = PTR(const int32_t *, step[S_LORA_GROUPS]), lo->num_groups = step[S_LORA_NUM_GROUPS];
+    lo->fold_slot = -1;
+    if (!step[S_FOLD]) return 0;
+    const int64_t slot = step[S_FOLD_SLOT];
+    if (slot < 0 || slot >= lo->tab[R_SLOTS] || clamp_rank(lo, slot) < 1) return -1;
+    int64_t ins[LORA_MODULES];
+    for (int m = 0; m < LORA_MODULES; m++) ins[m] = module_in(lo->model, m);
+    if (step[S_FOLD_FLOATS] != lp_lora_fold_floats(lo->tab, ins, lo->model[M_LAYERS], clamp_rank(lo, slot)))
+        return -1; /* packed for another rank (or another table) */
+    float *y = (float *)(lo->spans + B * (LORA_WIDTHS + 1) * 4);
+    uint8_t *keep = (uint8_t *)(y + fold_y_floats(lo->tab, B));
+    int32_t *rest = (int32_t *)(keep + 4 * B); /* (keep has B floats' room: rest stays aligned) */
+    const int32_t *groups = lo->groups, *rows = PTR(const int32_t *, step[S_LORA_ROWS]);
+    int64_t n = 0;
+    memset(keep, 0, B);
+    for (int64_t g = 0; g < lo->num_groups; g++) {
+        const int32_t *grp = groups + 3 * g;
+        if (grp[0] != slot) {
+            memcpy(rest + 3 * n++, grp, 3 * sizeof(int32_t));
+            continue;
+        }
+        if (grp[1] < 0 || grp[2] < grp[1] || grp[2] > step[S_LORA_NUM_ROWS]) return -2;
+        for (int32_t i = grp[1]; i < grp[2]; i++) {
+            if (rows[i] < 0 || rows[i] >= B) return -2;
+            keep[rows[i]] = 1;
+        }
+    }
+    lo->groups = rest, lo->num_groups = n;
+    lo->fold_slot = slot, lo->fold_rank = clamp_rank(lo, slot);
+    lo->fold_next = PTR(const float *, step[S_FOLD]), lo->fold_y = y, lo->fold_keep = keep;
+    return 0;
 }
 
 /* Checks every index the step will follow before anything is written. */
@@ -182,7 +253,10 @@ int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
     float *qkv = x + B * H, *attn = qkv + B * qkv_out, *gu = attn + B * q_size, *act = gu + B * 2 * I;
     float *delta = act + B * I;
     step_lora_t lo = {.tab = PTR(const int64_t *, step[S_LORA]), .step = step, .model = model};
-    if (lo.tab) lo.spans = (int64_t *)(x + model_floats(model, B)); /* lp_decode_step_scratch_floats' layout */
+    if (lo.tab) {
+        lo.spans = (int64_t *)(x + model_floats(model, B)); /* lp_decode_step_scratch_floats' layout */
+        if ((rc = fold_start(&lo, B))) return rc;
+    }
     const float *prev = 0; /* the previous sublayer's output, added to h by the next norm */
     for (int64_t l = 0; l < model[M_LAYERS]; l++) {
         const int64_t *w = model + MODEL_FIELDS + l * LAYER_FIELDS;

@@ -21,7 +21,7 @@ from loraplex.engine.kernels.cpu.linear import PackedWeight
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 LORA_MODULES = ("qkv", "o", "gate_up", "down")  # decode_step.c's order
 _LORA_WIDTHS = 4
-_STEP = struct.Struct("17q")
+_STEP = struct.Struct("20q")
 _ERRORS = {-1: "invalid sizes", -2: "a cache slot, block id, position or row is out of range",
            -3: "out of memory"}
 
@@ -31,6 +31,8 @@ def _fns() -> dict | None:
     return functions({
         "lp_decode_step_f32": (ctypes.c_int, [_P, _P]),
         "lp_decode_step_scratch_floats": (_I64, [_P, _P, _I64]),
+        "lp_lora_fold_floats": (_I64, [_P, _P, _I64, _I64]),
+        "lp_lora_fold_pack": (ctypes.c_int, [_P, _P, _I64, _I64, _P, _I64]),
     })
 
 
@@ -97,11 +99,13 @@ class DecodeStepModel:
 
     def run(self, h: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, tables: torch.Tensor,
             lens: torch.Tensor, logits_rows: torch.Tensor, lora: DecodeStepLora | None = None,
-            lora_groups=None) -> torch.Tensor:
+            lora_groups=None, lora_fold: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
         """One decode step for B sequences: h [B, hidden] (the embedded tokens; the residual stream is
         updated in place), positions, slot_mapping, lens [B] int64, tables [B, max_blocks] int64,
         logits_rows [n] int64. With `lora` (a DecodeStepLora) and `lora_groups` (the step's
-        LoraBatchIndex.slot_groups), adapter deltas are added. Returns logits [n, vocab] fp32."""
+        LoraBatchIndex.slot_groups), adapter deltas are added; with `lora_fold` (slot, that slot's
+        DecodeStepLora.pack_fold block) that adapter's deltas are folded into the GEMMs. Returns logits
+        [n, vocab] fp32."""
         require("h", h, 2)
         b = h.shape[0]
         if h.shape[1] != self.hidden:
@@ -117,13 +121,15 @@ class DecodeStepModel:
         scratch = torch.empty(self._fns["lp_decode_step_scratch_floats"](
             self.table.data_ptr(), lora.table.data_ptr() if lora is not None else None, b), dtype=torch.float32)
         logits = torch.empty(logits_rows.shape[0], self.vocab, dtype=torch.float32)
-        lora_fields = (0, 0, 0, 0, 0)
+        lora_fields = (0, 0, 0, 0, 0, 0, 0, 0)
         if lora is not None:  # (lora.c checks the groups against the batch and the slots)
             if lora.dims != self.lora_dims:
                 raise ValueError(f"the LoRA table's (in, out) per module {lora.dims} do not fit the model's "
                                  f"{self.lora_dims}")
+            fold_slot, fold = lora_fold if lora_fold is not None else (-1, None)
             lora_fields = (lora.table.data_ptr(), lora_groups.rows.data_ptr(), lora_groups.num_rows,
-                           lora_groups.groups.data_ptr(), lora_groups.num_groups)
+                           lora_groups.groups.data_ptr(), lora_groups.num_groups, fold_slot,
+                           0 if fold is None else fold.data_ptr(), 0 if fold is None else fold.numel())
         step = _STEP.pack(b, h.data_ptr(), positions.data_ptr(), slot_mapping.data_ptr(), tables.data_ptr(),
                           tables.shape[1], lens.data_ptr(), self._scale_bits, scratch.data_ptr(),
                           logits_rows.shape[0], logits_rows.data_ptr(), logits.data_ptr(), *lora_fields)
@@ -165,3 +171,19 @@ class DecodeStepLora:
         self._keep = (list(lora_a), list(lora_b), ranks)
         self.dims = (len(lora_a), *((lora_a[0][m].shape[2], lora_b[0][m].shape[1]) for m in LORA_MODULES))
         self.table = torch.tensor(fields, dtype=torch.int64)
+        self._ranks = ranks
+        self._ins = torch.tensor([lora_a[0][m].shape[2] for m in LORA_MODULES], dtype=torch.int64)
+        self._fns = _fns()
+
+    def pack_fold(self, slot: int) -> torch.Tensor:
+        """The adapter in `slot` packed for folding into the step's GEMMs (lora_fold.c's layout), from
+        the slot buffers as they are now: pack again after the slot is rewritten."""
+        if not 0 <= slot < self._ranks.shape[0] or int(self._ranks[slot]) < 1:
+            raise ValueError(f"slot {slot} holds no adapter")
+        rank = min(int(self._ranks[slot]), int(self.table[1]))
+        floats = self._fns["lp_lora_fold_floats"](self.table.data_ptr(), self._ins.data_ptr(), self.dims[0], rank)
+        out = torch.empty(floats, dtype=torch.float32)
+        if self._fns["lp_lora_fold_pack"](self.table.data_ptr(), self._ins.data_ptr(), self.dims[0], slot,
+                                          out.data_ptr(), floats):
+            raise ValueError(f"lp_lora_fold_pack refused slot {slot}")
+        return out

@@ -11,10 +11,44 @@ typedef struct {
     int64_t n;
 } lp_side_t;
 
+/* Packed GEMM panels hold this many output columns (linear.c's layout). */
+#define LP_NR 24
+
+/* One adapter's LoRA folded into a packed GEMM (linear.c, lp_linear_fold_f32): its A as extra panels
+ * whose outputs (the shrink, y) feed an extension of each output panel's reduction (the expand).
+ * lora_fold.c packs them: ap [pa, K, LP_NR] holds A's live rows (S slices of `rank` rows, in slice
+ * order: row i = s * rank + r), zero beyond S * rank; bp holds, per output panel p in order,
+ * [len_p, LP_NR] with len_p, e0_p from lp_fold_ext: bp_p[e, j] = B[p * LP_NR + j, r] where column
+ * p * LP_NR + j lies in slice s and e0_p + e = s * rank + r, else 0. */
+typedef struct {
+    const float *ap, *bp;
+    int64_t pa, rank, S;
+    const int64_t *widths; /* S slice widths (their sum is the GEMM's N) */
+    float *y;              /* scratch [M, pa * LP_NR]: the shrink */
+    const uint8_t *keep;   /* rows the adapter applies to (others get no delta); NULL = all */
+} lp_fold_t;
+
+/* The y columns output panel p (of a GEMM with N outputs) reads: the rank-blocks of the slices its
+ * columns lie in. Returns their count len_p and sets *e0 to the first. */
+int64_t lp_fold_ext(const int64_t *widths, int64_t S, int64_t rank, int64_t N, int64_t p, int64_t *e0);
+
+/* Floats of one module's fold block (ap, then bp) for an adapter of this rank (lora_fold.c). */
+int64_t lp_fold_module_floats(int64_t K, int64_t N, int64_t S, const int64_t *widths, int64_t rank);
+int64_t lp_lora_fold_floats(const int64_t *tab, const int64_t *ins, int64_t layers, int64_t rank);
+
+/* The LoRA table (decode_step.py's DecodeStepLora): slots, r_max, ranks, then per fused module (qkv, o,
+ * gate_up, down) its slice count and up to LP_LORA_WIDTHS widths, then per layer and module the A
+ * [slots, S * r_max, in] and B [slots, out, r_max] buffers. */
+enum { LP_LORA_MODULES = 4, LP_LORA_WIDTHS = 4 };
+enum { LP_R_SLOTS, LP_R_RMAX, LP_R_RANKS, LP_R_MODULES,
+       LP_LORA_HEADER = LP_R_MODULES + LP_LORA_MODULES * (1 + LP_LORA_WIDTHS) };
+
 int lp_linear_packed_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
                          const float *bias, float *y);
 int lp_linear_packed_side_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
                               const float *bias, float *y, const lp_side_t *side);
+int lp_linear_fold_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
+                       const float *bias, float *y, const lp_side_t *side, const lp_fold_t *fold);
 void lp_add_rms_norm_f32(float *h, const float *delta, const float *w, int64_t T, int64_t H, float eps, float *out);
 void lp_rope_f32(float *x, int64_t T, int64_t stride, int64_t n_heads, int64_t D, const int64_t *pos,
                  const float *cos_t, const float *sin_t);

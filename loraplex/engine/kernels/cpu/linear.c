@@ -10,6 +10,12 @@
  * panels are read in order, once per call, by a register-blocked 4 x 24 kernel (12 accumulators),
  * the threads splitting the panels; rows are taken in blocks of 64 so a block of x stays in cache.
  * Software prefetches keep the weights arriving at the rate the kernel uses them (see panel()).
+ *
+ * Fold (lp_linear_fold_f32): with one adapter's LoRA folded in, for the rows it applies to,
+ *     y[m, n] += sum_{e < len_p} ys[m, e0_p + e] * bp_p[e, n - p * NR]     (p = n / NR)
+ * where ys[m, :] = x[m, :] @ ap^T is computed first (its own panels, the threads splitting the rows),
+ * so shrink and expand run at the GEMM's rate inside its parallel region: the expand is a short
+ * extension of each panel's k loop (16 more steps after K at rank 16, on the same accumulators).
  */
 #include <stdint.h>
 #include <string.h>
@@ -20,7 +26,7 @@
 #include <omp.h>
 #endif
 
-#define NR 24
+#define NR LP_NR
 #define MR 4
 #define ROW_BLOCK 64
 /* Below this many weights a second thread costs more than it saves. */
@@ -73,6 +79,28 @@ static const char *side_take(side_t *sd, int64_t want, int64_t *n) {
     return p;
 }
 
+/* A panel's folded expand (lp_fold_t): len more k steps over b [len, NR], reading the shrink rows at
+ * y (row stride ld). len 0: none. */
+typedef struct {
+    const float *b, *y;
+    int64_t ld, len;
+} ext_t;
+
+static const ext_t NO_EXT = {0};
+
+int64_t lp_fold_ext(const int64_t *widths, int64_t S, int64_t rank, int64_t N, int64_t p, int64_t *e0) {
+    int64_t c0 = p * NR, c1 = (c0 + NR < N ? c0 + NR : N) - 1, s0 = -1, s1 = -1, off = 0;
+    for (int64_t s = 0; s < S; off += widths[s++]) {
+        if (s0 < 0 && c0 < off + widths[s]) s0 = s;
+        if (c1 < off + widths[s]) {
+            s1 = s;
+            break;
+        }
+    }
+    *e0 = s0 * rank;
+    return s0 < 0 || s1 < 0 ? 0 : (s1 - s0 + 1) * rank;
+}
+
 void lp_pack_f32(const float *w, int64_t N, int64_t K, float *wp) {
     int64_t panels = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
@@ -94,7 +122,8 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                                                              const float *wp, const float *bias, float *y,
                                                              int64_t ldy, int64_t cols, uintptr_t pf,
                                                              int64_t pfstep, const char *side, int64_t side_k,
-                                                             const int R, const int PF, const int SIDE) {
+                                                             const ext_t *ext, const float *ey, const int R,
+                                                             const int PF, const int SIDE) {
     __m256 acc[MR][3];
 #pragma GCC unroll 4
     for (int r = 0; r < R; r++)
@@ -112,6 +141,18 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
 #pragma GCC unroll 4
         for (int r = 0; r < R; r++) {
             __m256 a = _mm256_broadcast_ss(x + r * lda + k);
+            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
+            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
+            acc[r][2] = _mm256_fmadd_ps(a, b2, acc[r][2]);
+        }
+    }
+    for (int64_t e = 0; e < ext->len; e++) { /* the folded expand: more k steps, over ys and bp */
+        __m256 b0 = _mm256_loadu_ps(ext->b + e * NR), b1 = _mm256_loadu_ps(ext->b + e * NR + 8),
+               b2 = _mm256_loadu_ps(ext->b + e * NR + 16);
+        if (R > 2) __asm__("" : "+x"(b0), "+x"(b1), "+x"(b2)); /* (as above) */
+#pragma GCC unroll 4
+        for (int r = 0; r < R; r++) {
+            __m256 a = _mm256_broadcast_ss(ey + r * ext->ld + e);
             acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
             acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
             acc[r][2] = _mm256_fmadd_ps(a, b2, acc[r][2]);
@@ -141,7 +182,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
 }
 
 #define ROWS(R, PF, SD) panel_rows(x + m * lda, lda, K, wp, bias, y + m * ldy, ldy, cols, gpf, step, side, side_k, \
-                                  R, PF, SD)
+                                  ext, ext->len ? ext->y + m * ext->ld : 0, R, PF, SD)
 /* r (1 to 4) rows at m, with or without prefetching (and side prefetching) */
 #define GROUP(PF, SD)                    \
     switch (r) {                         \
@@ -160,7 +201,8 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
  * neither. A prefetch never faults, so the ones that run past the last panel are harmless (their
  * addresses are integers, not pointers past the array). */
 static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float *wp, const float *bias,
-                  float *y, int64_t ldy, int64_t cols, const float *next, side_t *sd, int64_t side_lines) {
+                  float *y, int64_t ldy, int64_t cols, const float *next, side_t *sd, int64_t side_lines,
+                  const ext_t *ext) {
     int64_t groups = (M + MR - 1) / MR, step = (NR * 4 + groups - 1) / groups, m = 0;
     uintptr_t pf = (uintptr_t)next;
     if (groups == 1) pf = (uintptr_t)wp + (M == 2 ? 1024 : 1536), step = NR * 4;
@@ -184,22 +226,42 @@ static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float
 }
 #else
 static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float *wp, const float *bias,
-                  float *y, int64_t ldy, int64_t cols, const float *next, side_t *sd, int64_t side_lines) {
+                  float *y, int64_t ldy, int64_t cols, const float *next, side_t *sd, int64_t side_lines,
+                  const ext_t *ext) {
     (void)next, (void)sd, (void)side_lines;
     for (int64_t m = 0; m < M; m++)
         for (int64_t j = 0; j < cols; j++) {
-            float s = bias ? bias[j] : 0.0f;
+            float s = 0.0f;
             for (int64_t k = 0; k < K; k++) s += x[m * lda + k] * wp[k * NR + j];
-            y[m * ldy + j] = s;
+            for (int64_t e = 0; e < ext->len; e++) s += ext->y[m * ext->ld + e] * ext->b[e * NR + j];
+            y[m * ldy + j] = s + (bias ? bias[j] : 0.0f);
         }
 }
 #endif
 
-/* y = x @ W^T (+ bias), asking for the side lines while it runs (side may be NULL). */
-int lp_linear_packed_side_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
-                              const float *bias, float *y, const lp_side_t *side) {
+/* The fold's first phase, by this thread (its share of the rows, panels of ap against each): the
+ * shrink ys = x @ ap^T, zeroed in the rows the adapter does not apply to. */
+static void fold_shrink(const float *x, int64_t M, int64_t lda, int64_t K, const lp_fold_t *fold, int64_t t,
+                        int64_t nt) {
+    const int64_t ld = fold->pa * NR, r0 = M * t / nt, r1 = M * (t + 1) / nt;
+    side_t none = {0};
+    for (int64_t m0 = r0; m0 < r1; m0 += ROW_BLOCK) {
+        const int64_t rows = r1 - m0 < ROW_BLOCK ? r1 - m0 : ROW_BLOCK;
+        for (int64_t q = 0; q < fold->pa; q++)
+            panel(x + m0 * lda, lda, rows, K, fold->ap + q * K * NR, 0, fold->y + m0 * ld + q * NR, ld, NR,
+                  q + 1 < fold->pa ? fold->ap + (q + 1) * K * NR : 0, &none, 0, &NO_EXT);
+    }
+    for (int64_t m = r0; fold->keep && m < r1; m++)
+        if (!fold->keep[m]) memset(fold->y + m * ld, 0, sizeof(float) * ld);
+}
+
+/* y = x @ W^T (+ bias), asking for the side lines while it runs (side may be NULL), with the fold's
+ * adapter delta added to its rows (fold may be NULL). */
+static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N, const float *bias,
+                  float *y, const lp_side_t *side, const lp_fold_t *fold) {
     if (M < 0 || K < 1 || N < 1 || lda < K) return -1;
     if (side && side->n < 0) return -1;
+    if (fold && (fold->pa < 1 || fold->rank < 1 || fold->S < 1 || fold->pa * NR < fold->S * fold->rank)) return -1;
     if (M == 0) return 0;
     const int64_t panels = (N + NR - 1) / NR, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t side_count = side_lines(side);
@@ -209,26 +271,53 @@ int lp_linear_packed_side_f32(const float *x, int64_t M, int64_t lda, int64_t K,
 #ifdef _OPENMP
         t = omp_get_thread_num(), nt = omp_get_num_threads();
 #endif
+        if (fold) {
+            fold_shrink(x, M, lda, K, fold, t, nt);
+#pragma omp barrier
+        }
         /* a contiguous run of panels per thread, so "the next panel" is the thread's own; the row
          * blocks need no barrier between them, so one parallel region serves them all */
         int64_t p0 = panels * t / nt, p1 = panels * (t + 1) / nt, items = (p1 - p0) * blocks, item = 0;
         int64_t s0 = side_count * t / nt, share = side_count * (t + 1) / nt - s0;
+        /* where panel p0's expand block starts in bp (the blocks of the panels before it) */
+        int64_t b0 = 0, e0 = 0;
+        for (int64_t p = 0; fold && p < p0; p++) b0 += lp_fold_ext(fold->widths, fold->S, fold->rank, N, p, &e0) * NR;
         side_t sd;
         side_start(&sd, share ? side->spans : 0, share ? side->n : 0, s0, share);
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
-            int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK;
+            int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, boff = b0;
             for (int64_t p = p0; p < p1; p++, item++) {
                 int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+                ext_t ext = NO_EXT;
+                if (fold) {
+                    ext.len = lp_fold_ext(fold->widths, fold->S, fold->rank, N, p, &e0);
+                    ext.b = fold->bp + boff, ext.ld = fold->pa * NR, ext.y = fold->y + m0 * ext.ld + e0;
+                    boff += ext.len * NR;
+                    /* the next panel's expand block (about as long as this one's), asked for now: the
+                     * weights' prefetch does not cover it, and its first row group would wait on it */
+                    for (int64_t off = 0; p + 1 < p1 && off < ext.len * NR; off += 16)
+                        __builtin_prefetch(fold->bp + boff + off, 0, 3);
+                }
                 panel(x + m0 * lda, lda, rows, K, wp + p * K * NR, bias ? bias + p * NR : 0, y + m0 * N + p * NR, N,
                       cols, p + 1 < p1 ? wp + (p + 1) * K * NR : 0, &sd,
-                      share * (item + 1) / items - share * item / items);
+                      share * (item + 1) / items - share * item / items, &ext);
             }
         }
     }
     return 0;
 }
 
+int lp_linear_packed_side_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
+                              const float *bias, float *y, const lp_side_t *side) {
+    return linear(x, M, lda, K, wp, N, bias, y, side, 0);
+}
+
+int lp_linear_fold_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
+                       const float *bias, float *y, const lp_side_t *side, const lp_fold_t *fold) {
+    return linear(x, M, lda, K, wp, N, bias, y, side, fold);
+}
+
 int lp_linear_packed_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
                          const float *bias, float *y) {
-    return lp_linear_packed_side_f32(x, M, lda, K, wp, N, bias, y, 0);
+    return linear(x, M, lda, K, wp, N, bias, y, 0, 0);
 }

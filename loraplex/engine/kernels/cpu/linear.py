@@ -13,12 +13,23 @@ from loraplex.engine.kernels.cpu.build import functions, require
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
 
+class _Fold(ctypes.Structure):
+    """kernels.h's lp_fold_t."""
+    _fields_ = [("ap", _P), ("bp", _P), ("pa", _I64), ("rank", _I64), ("S", _I64), ("widths", _P), ("y", _P),
+                ("keep", _P)]
+
+
+NR = 24  # output columns per packed panel (linear.c)
+
+
 @functools.cache
 def _fns() -> dict | None:
     return functions({
         "lp_packed_size": (_I64, [_I64, _I64]),
         "lp_pack_f32": (None, [_P, _I64, _I64, _P]),
         "lp_linear_packed_f32": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P]),
+        "lp_linear_fold_f32": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, ctypes.POINTER(_Fold)]),
+        "lp_fold_module_floats": (_I64, [_I64, _I64, _I64, _P, _I64]),
     })
 
 
@@ -74,3 +85,40 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
                                 y.data_ptr())
     return y
 
+
+
+def fold_module_floats(in_features: int, widths: tuple[int, ...], rank: int) -> int:
+    """Floats of one module's block in a fold (lora_fold.c's layout) for an adapter of this rank."""
+    w = torch.tensor(widths, dtype=torch.int64)
+    return _fns()["lp_fold_module_floats"](in_features, sum(widths), len(widths), w.data_ptr(), rank)
+
+
+def packed_linear_fold(x: torch.Tensor, w: PackedWeight, block: torch.Tensor, widths: tuple[int, ...], rank: int,
+                       keep: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ W^T plus, in the rows `keep` marks (uint8 [tokens], None = all), the delta of an adapter
+    folded in: `block` is one module's fold block (lora_fold.c's layout, fold_module_floats floats) of
+    an adapter of `rank` over slices of these output widths. linear.c's fold, as the fused decode step
+    runs it; x [tokens, in] fp32 contiguous."""
+    require("x", x, 2)
+    require("block", block, 1)
+    t, k = x.shape
+    if k != w.in_features or sum(widths) != w.out_features or rank < 1:
+        raise ValueError(f"x [{t}, {k}], widths {widths} and rank {rank} do not fit the weight "
+                         f"[{w.out_features}, {w.in_features}]")
+    if block.numel() != fold_module_floats(k, widths, rank):
+        raise ValueError(f"the fold block has {block.numel()} floats, expected {fold_module_floats(k, widths, rank)}")
+    if keep is not None:
+        require("keep", keep, 1, torch.uint8)
+        if keep.shape[0] != t:
+            raise ValueError(f"keep has {keep.shape[0]} entries for {t} rows")
+    pa = -(-len(widths) * rank // NR)
+    wt = torch.tensor(widths, dtype=torch.int64)
+    y_scratch = torch.empty(t, pa * NR, dtype=torch.float32)
+    fold = _Fold(block.data_ptr(), block.data_ptr() + pa * k * NR * 4, pa, rank, len(widths), wt.data_ptr(),
+                 y_scratch.data_ptr(), None if keep is None else keep.data_ptr())
+    y = torch.empty(t, w.out_features, dtype=torch.float32)
+    rc = _fns()["lp_linear_fold_f32"](x.data_ptr(), t, k, k, w.data.data_ptr(), w.out_features, None, y.data_ptr(),
+                                      None, ctypes.byref(fold))
+    if rc:
+        raise ValueError("lp_linear_fold_f32 refused the call: invalid sizes")
+    return y
