@@ -64,6 +64,7 @@ static void side_start(side_t *sd, const int64_t *spans, int64_t n, int64_t skip
 
 /* Up to `want` lines that lie together in the current row: returns the first one's address and sets
  * *n; moves past them. */
+__attribute__((unused)) /* (the portable panel() asks for no side lines) */
 static const char *side_take(side_t *sd, int64_t want, int64_t *n) {
     want = want < sd->left ? want : sd->left;
     *n = 0;
