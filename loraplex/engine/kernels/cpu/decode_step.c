@@ -65,17 +65,21 @@ static int64_t model_floats(const int64_t *model, int64_t B) {
     return (B * (H + qkv_out + model[M_HEADS] * D + 2 * I + I + H) + 15) / 16 * 16;
 }
 
+/* Side spans a step may ask for: up to LORA_WIDTHS + 1 per adapter (a step has at most B), and one
+ * for the fold's next shrink panels. */
+static int64_t side_room(int64_t B) { return B * (LORA_WIDTHS + 1) + 1; }
+
 /* Floats of a fold's shrink rows: [B, panels of up to LORA_WIDTHS slices of r_max rows]. */
 static int64_t fold_y_floats(const int64_t *lora_tab, int64_t B) {
     return B * ((LORA_WIDTHS * lora_tab[R_RMAX] + LP_NR - 1) / LP_NR * LP_NR);
 }
 
 /* The scratch a step of B rows needs (lora_tab may be NULL): the activations, then for LoRA the side
- * spans (int64, up to LORA_WIDTHS + 1 per adapter of the step; a step has at most B), the fold's
+ * spans (side_room), the fold's
  * shrink rows, its row mask (B bytes) and the groups left to lora.c (B int32 triples). */
 int64_t lp_decode_step_scratch_floats(const int64_t *model, const int64_t *lora_tab, int64_t B) {
     if (!lora_tab) return model_floats(model, B);
-    return model_floats(model, B) + B * (LORA_WIDTHS + 1) * 4 * 2 + fold_y_floats(lora_tab, B) + B + 3 * B;
+    return model_floats(model, B) + side_room(B) * 4 * 2 + fold_y_floats(lora_tab, B) + B + 3 * B;
 }
 
 /* The LoRA work of one step: the tables and the side spans' buffer. */
@@ -171,7 +175,7 @@ static int gemm(step_lora_t *lo, int64_t layer, int module, const float *x, int6
         const int next = (module + 1) % LORA_MODULES;
         if (T >= SIDE_MIN_ROWS && (next || layer + 1 < lo->model[M_LAYERS])) {
             const int64_t next_pa = (module_of(lo, next)[0] * rk + LP_NR - 1) / LP_NR;
-            int64_t *sp = lo->spans + 4 * side.n++; /* (room: the fold's group is not among the spans') */
+            int64_t *sp = lo->spans + 4 * side.n++; /* (side_room counts it) */
             sp[0] = (int64_t)(intptr_t)lo->fold_next, sp[1] = 1, sp[2] = 0;
             sp[3] = next_pa * module_in(lo->model, next) * LP_NR * 4;
         }
@@ -194,7 +198,7 @@ static int fold_start(step_lora_t *lo, int64_t B) {
     for (int m = 0; m < LORA_MODULES; m++) ins[m] = module_in(lo->model, m);
     if (step[S_FOLD_FLOATS] != lp_lora_fold_floats(lo->tab, ins, lo->model[M_LAYERS], clamp_rank(lo, slot)))
         return -1; /* packed for another rank (or another table) */
-    float *y = (float *)(lo->spans + B * (LORA_WIDTHS + 1) * 4);
+    float *y = (float *)(lo->spans + side_room(B) * 4);
     uint8_t *keep = (uint8_t *)(y + fold_y_floats(lo->tab, B));
     int32_t *rest = (int32_t *)(keep + 4 * B); /* (keep has B floats' room: rest stays aligned) */
     const int32_t *groups = lo->groups, *rows = PTR(const int32_t *, step[S_LORA_ROWS]);
