@@ -94,18 +94,6 @@ typedef struct {
     const uint8_t *fold_keep;
 } step_lora_t;
 
-/* A fused module's slice count, then its widths. */
-static const int64_t *module_of(const step_lora_t *lo, int module) {
-    return lo->tab + R_MODULES + module * (1 + LORA_WIDTHS);
-}
-
-/* A module's output features: the sum of its slices' widths. */
-static int64_t module_out(const int64_t *mod) {
-    int64_t N = 0;
-    for (int64_t s = 0; s < mod[0] && s < LORA_WIDTHS; s++) N += mod[1 + s];
-    return N;
-}
-
 static const int64_t *buffers_of(const step_lora_t *lo, int64_t layer, int module) {
     return lo->tab + LORA_HEADER + (layer * LORA_MODULES + module) * 2; /* A, B */
 }
@@ -123,9 +111,9 @@ static int64_t clamp_rank(const step_lora_t *lo, int64_t slot) {
 
 /* out += the LoRA delta of the step's adapter tokens for one layer's module (lora.c). */
 static int lora(const step_lora_t *lo, int64_t layer, int module, const float *x, float *out, int64_t T) {
-    const int64_t *mod = module_of(lo, module), *ab = buffers_of(lo, layer, module), *step = lo->step;
+    const int64_t *mod = lp_lora_module(lo->tab, module), *ab = buffers_of(lo, layer, module), *step = lo->step;
     int64_t args[15 + LORA_WIDTHS] = {
-        (int64_t)(intptr_t)x, (int64_t)(intptr_t)out, T, module_in(lo->model, module), module_out(mod), ab[0], ab[1],
+        (int64_t)(intptr_t)x, (int64_t)(intptr_t)out, T, module_in(lo->model, module), lp_lora_module_out(mod), ab[0], ab[1],
         lo->tab[R_SLOTS], lo->tab[R_RMAX], lo->tab[R_RANKS], step[S_LORA_ROWS], step[S_LORA_NUM_ROWS],
         (int64_t)(intptr_t)lo->groups, lo->num_groups, mod[0]};
     for (int64_t s = 0; s < mod[0] && s < LORA_WIDTHS; s++) args[15 + s] = mod[1 + s];
@@ -137,8 +125,8 @@ static int lora(const step_lora_t *lo, int64_t layer, int module, const float *x
 static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
     lp_side_t side = {.spans = lo->spans};
     if (lo->step[S_BATCH] < SIDE_MIN_ROWS) return side;
-    const int64_t *mod = module_of(lo, module), *ab = buffers_of(lo, layer, module);
-    const int64_t K = module_in(lo->model, module), N = module_out(mod), r_max = lo->tab[R_RMAX], S = mod[0];
+    const int64_t *mod = lp_lora_module(lo->tab, module), *ab = buffers_of(lo, layer, module);
+    const int64_t K = module_in(lo->model, module), N = lp_lora_module_out(mod), r_max = lo->tab[R_RMAX], S = mod[0];
     const int32_t *groups = lo->groups;
     int64_t *sp = lo->spans;
     for (int64_t g = 0; g < lo->num_groups; g++) {
@@ -166,15 +154,15 @@ static int gemm(step_lora_t *lo, int64_t layer, int module, const float *x, int6
     lp_side_t side = side_spans(lo, layer, module);
     int rc;
     if (lo->fold_slot >= 0) {
-        const int64_t *mod = module_of(lo, module), S = mod[0], rk = lo->fold_rank;
-        const int64_t pa = (S * rk + LP_NR - 1) / LP_NR;
+        const int64_t *mod = lp_lora_module(lo->tab, module), S = mod[0], rk = lo->fold_rank;
+        const int64_t pa = lp_fold_panels(S, rk);
         const lp_fold_t fold = {.ap = lo->fold_next, .bp = lo->fold_next + pa * K * LP_NR, .pa = pa, .rank = rk,
                                 .S = S, .widths = mod + 1, .y = lo->fold_y, .keep = lo->fold_keep};
         lo->fold_next += lp_fold_module_floats(K, N, S, mod + 1, rk);
         /* the next module's shrink panels, which its GEMM reads first, come in under this one's FMAs */
         const int next = (module + 1) % LORA_MODULES;
         if (T >= SIDE_MIN_ROWS && (next || layer + 1 < lo->model[M_LAYERS])) {
-            const int64_t next_pa = (module_of(lo, next)[0] * rk + LP_NR - 1) / LP_NR;
+            const int64_t next_pa = lp_fold_panels(lp_lora_module(lo->tab, next)[0], rk);
             int64_t *sp = lo->spans + 4 * side.n++; /* (side_room counts it) */
             sp[0] = (int64_t)(intptr_t)lo->fold_next, sp[1] = 1, sp[2] = 0;
             sp[3] = next_pa * module_in(lo->model, next) * LP_NR * 4;
@@ -193,10 +181,11 @@ static int fold_start(step_lora_t *lo, int64_t B) {
     lo->fold_slot = -1;
     if (!step[S_FOLD]) return 0;
     const int64_t slot = step[S_FOLD_SLOT];
-    if (slot < 0 || slot >= lo->tab[R_SLOTS] || clamp_rank(lo, slot) < 1) return -1;
+    if (slot < 0 || slot >= lo->tab[R_SLOTS]) return -1;
+    const int64_t rank = clamp_rank(lo, slot);
     int64_t ins[LORA_MODULES];
     for (int m = 0; m < LORA_MODULES; m++) ins[m] = module_in(lo->model, m);
-    if (step[S_FOLD_FLOATS] != lp_lora_fold_floats(lo->tab, ins, lo->model[M_LAYERS], clamp_rank(lo, slot)))
+    if (rank < 1 || step[S_FOLD_FLOATS] != lp_lora_fold_floats(lo->tab, ins, lo->model[M_LAYERS], rank))
         return -1; /* packed for another rank (or another table) */
     float *y = (float *)(lo->spans + side_room(B) * 4);
     uint8_t *keep = (uint8_t *)(y + fold_y_floats(lo->tab, B));
@@ -217,7 +206,7 @@ static int fold_start(step_lora_t *lo, int64_t B) {
         }
     }
     lo->groups = rest, lo->num_groups = n;
-    lo->fold_slot = slot, lo->fold_rank = clamp_rank(lo, slot);
+    lo->fold_slot = slot, lo->fold_rank = rank;
     lo->fold_next = PTR(const float *, step[S_FOLD]), lo->fold_y = y, lo->fold_keep = keep;
     return 0;
 }

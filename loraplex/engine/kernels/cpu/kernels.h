@@ -43,6 +43,21 @@ enum { LP_LORA_MODULES = 4, LP_LORA_WIDTHS = 4 };
 enum { LP_R_SLOTS, LP_R_RMAX, LP_R_RANKS, LP_R_MODULES,
        LP_LORA_HEADER = LP_R_MODULES + LP_LORA_MODULES * (1 + LP_LORA_WIDTHS) };
 
+/* Fused module m's entry in the LoRA table: its slice count, then its widths. */
+static inline const int64_t *lp_lora_module(const int64_t *tab, int64_t m) {
+    return tab + LP_R_MODULES + m * (1 + LP_LORA_WIDTHS);
+}
+
+/* A module's output features: the sum of its slices' widths. */
+static inline int64_t lp_lora_module_out(const int64_t *mod) {
+    int64_t N = 0;
+    for (int64_t s = 0; s < mod[0] && s < LP_LORA_WIDTHS; s++) N += mod[1 + s];
+    return N;
+}
+
+/* A fold's shrink panels over S slices of `rank` rows. */
+static inline int64_t lp_fold_panels(int64_t S, int64_t rank) { return (S * rank + LP_NR - 1) / LP_NR; }
+
 int lp_linear_packed_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
                          const float *bias, float *y);
 int lp_linear_packed_side_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,

@@ -86,7 +86,6 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     return y
 
 
-
 def fold_module_floats(in_features: int, widths: tuple[int, ...], rank: int) -> int:
     """Floats of one module's block in a fold (lora_fold.c's layout) for an adapter of this rank."""
     w = torch.tensor(widths, dtype=torch.int64)

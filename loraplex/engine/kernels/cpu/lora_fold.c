@@ -23,32 +23,30 @@
 #define NR LP_NR
 
 int64_t lp_fold_module_floats(int64_t K, int64_t N, int64_t S, const int64_t *widths, int64_t rank) {
-    int64_t floats = (S * rank + NR - 1) / NR * K * NR, e0;
+    int64_t floats = lp_fold_panels(S, rank) * K * NR, e0;
     for (int64_t p = 0; p < (N + NR - 1) / NR; p++) floats += lp_fold_ext(widths, S, rank, N, p, &e0) * NR;
     return floats;
 }
 
-static const int64_t *widths_of(const int64_t *tab, int64_t m) { return tab + LP_R_MODULES + m * (1 + LP_LORA_WIDTHS); }
-
-static int64_t width_sum(const int64_t *mod) {
-    int64_t N = 0;
-    for (int64_t s = 0; s < mod[0]; s++) N += mod[1 + s];
-    return N;
+/* Where each module's block starts within a layer's (off[LP_LORA_MODULES]: the layer's floats). */
+static void module_offsets(const int64_t *tab, const int64_t *ins, int64_t rank, int64_t *off) {
+    off[0] = 0;
+    for (int64_t m = 0; m < LP_LORA_MODULES; m++) {
+        const int64_t *mod = lp_lora_module(tab, m);
+        off[m + 1] = off[m] + lp_fold_module_floats(ins[m], lp_lora_module_out(mod), mod[0], mod + 1, rank);
+    }
 }
 
 /* Floats of a slot's whole fold block: every layer's four modules. */
 int64_t lp_lora_fold_floats(const int64_t *tab, const int64_t *ins, int64_t layers, int64_t rank) {
-    int64_t per_layer = 0;
-    for (int64_t m = 0; m < LP_LORA_MODULES; m++) {
-        const int64_t *mod = widths_of(tab, m);
-        per_layer += lp_fold_module_floats(ins[m], width_sum(mod), mod[0], mod + 1, rank);
-    }
-    return per_layer * layers;
+    int64_t off[LP_LORA_MODULES + 1];
+    module_offsets(tab, ins, rank, off);
+    return off[LP_LORA_MODULES] * layers;
 }
 
 static void pack_module(const float *A, const float *B, int64_t K, int64_t N, int64_t S, const int64_t *widths,
                         int64_t r_max, int64_t rk, float *dst) {
-    const int64_t pa = (S * rk + NR - 1) / NR;
+    const int64_t pa = lp_fold_panels(S, rk);
     for (int64_t q = 0; q < pa; q++)
         for (int64_t j = 0; j < NR; j++) { /* one A row into column j of panel q */
             const int64_t i = q * NR + j, s = i / rk, r = i % rk;
@@ -77,15 +75,12 @@ int lp_lora_fold_pack(const int64_t *tab, const int64_t *ins, int64_t layers, in
     if (slot < 0 || slot >= tab[LP_R_SLOTS] || layers < 1) return -1;
     const int64_t r_max = tab[LP_R_RMAX], rk = ((const int32_t *)(intptr_t)tab[LP_R_RANKS])[slot];
     if (rk < 1 || rk > r_max || floats != lp_lora_fold_floats(tab, ins, layers, rk)) return -1;
-    int64_t module_off[LP_LORA_MODULES + 1] = {0};
-    for (int64_t m = 0; m < LP_LORA_MODULES; m++) {
-        const int64_t *mod = widths_of(tab, m);
-        module_off[m + 1] = module_off[m] + lp_fold_module_floats(ins[m], width_sum(mod), mod[0], mod + 1, rk);
-    }
+    int64_t module_off[LP_LORA_MODULES + 1];
+    module_offsets(tab, ins, rk, module_off);
 #pragma omp parallel for schedule(dynamic)
     for (int64_t lm = 0; lm < layers * LP_LORA_MODULES; lm++) {
-        const int64_t l = lm / LP_LORA_MODULES, m = lm % LP_LORA_MODULES, *mod = widths_of(tab, m);
-        const int64_t K = ins[m], N = width_sum(mod), S = mod[0];
+        const int64_t l = lm / LP_LORA_MODULES, m = lm % LP_LORA_MODULES, *mod = lp_lora_module(tab, m);
+        const int64_t K = ins[m], N = lp_lora_module_out(mod), S = mod[0];
         const int64_t *ab = tab + LP_LORA_HEADER + lm * 2;
         const float *A = (const float *)(intptr_t)ab[0] + slot * S * r_max * K;
         const float *B = (const float *)(intptr_t)ab[1] + slot * N * r_max;
