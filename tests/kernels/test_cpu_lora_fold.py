@@ -12,9 +12,9 @@ import torch
 from loraplex.engine.kernels.cpu import linear
 from loraplex.engine.kernels.cpu.decode_step import LORA_MODULES, DecodeStepLora
 
-NR = linear.NR
-
 pytestmark = pytest.mark.skipif(not linear.linear_available(), reason="the CPU kernels are not built")
+
+NR = linear.panel_columns() if linear.linear_available() else 0
 
 
 def _slice_of(widths: tuple[int, ...], n: int) -> int:
@@ -27,12 +27,15 @@ def _slice_of(widths: tuple[int, ...], n: int) -> int:
 
 def fold_block(a: torch.Tensor, b: torch.Tensor, widths: tuple[int, ...], rank: int) -> torch.Tensor:
     """The documented layout: a [S * rank, K] (slice s's rows at s * rank), b [N, rank] (each output
-    column's row of its slice's B) -> ap [pa, K, NR] then per output panel its [len, NR] block."""
-    k = a.shape[1]
-    pa = -(-a.shape[0] // NR)
-    ap = torch.zeros(pa * NR, k)
-    ap[:a.shape[0]] = a
-    parts = [ap.view(pa, NR, k).transpose(1, 2).reshape(-1)]
+    column's row of its slice's B) -> ap [pa, K, aw] then per output panel its [len, NR] block, where
+    the shrink panels are aw = min(NR, S * rank rounded up to whole vectors of NR / 3) wide."""
+    k, rows = a.shape[1], a.shape[0]
+    vw = NR // 3
+    aw = min(NR, -(-rows // vw) * vw)
+    pa = -(-rows // aw)
+    ap = torch.zeros(pa * aw, k)
+    ap[:rows] = a
+    parts = [ap.view(pa, aw, k).transpose(1, 2).reshape(-1)]
     n_out = sum(widths)
     for p in range(-(-n_out // NR)):
         cols = range(p * NR, min(n_out, p * NR + NR))
@@ -59,11 +62,11 @@ def reference(x, w, a, b, widths, rank, keep):
 
 
 @pytest.mark.parametrize("in_features,widths,rank,tokens", [
-    (64, (64, 32, 32), 8, 5),        # a panel straddles the q/k boundary; one row group
-    (96, (40, 30), 13, 70),          # odd rank: 26 rows in 2 shrink panels; more rows than a row block
+    (64, (64, 32, 32), 8, 5),        # a panel straddles the q/k boundary (24 or 48 columns); one row group
+    (96, (40, 30), 29, 70),          # odd rank: 58 rows in 2-3 shrink panels; more rows than a row block
     (576, (576, 192, 192), 16, 32),  # the default model's qkv: two threads share the panels
     (1536, (576,), 16, 1),           # down at one row: a padded shrink panel
-    (128, (96, 96, 64), 64, 9),      # rank 64 over 3 slices: 8 shrink panels
+    (128, (96, 96, 64), 64, 9),      # rank 64 over 3 slices: 4-8 shrink panels; two row groups
 ])
 @pytest.mark.parametrize("masked", [False, True])
 def test_folded_gemm_adds_the_adapter_delta_to_the_kept_rows(in_features, widths, rank, tokens, masked):

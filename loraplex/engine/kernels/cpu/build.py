@@ -32,6 +32,12 @@ SOURCE_DIR = Path(__file__).parent
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-Wall", "-Werror"]
 
 
+def flags() -> list[str]:
+    """FLAGS plus LORAPLEX_CPU_CFLAGS (split on spaces): e.g. `-mno-avx512f` builds the AVX2 kernels on
+    an AVX-512 machine, to test or compare both."""
+    return FLAGS + os.environ.get("LORAPLEX_CPU_CFLAGS", "").split()
+
+
 def sources() -> list[Path]:
     return sorted(SOURCE_DIR.glob("*.c"))
 
@@ -61,7 +67,7 @@ def _key(cc: str) -> str:
     for src in sources() + headers():
         h.update(src.name.encode() + b"\0" + src.read_bytes())
     version = subprocess.run([cc, "--version"], capture_output=True, text=True).stdout
-    for part in (" ".join(FLAGS), version, _cpu_id()):
+    for part in (" ".join(flags()), version, _cpu_id()):
         h.update(part.encode() + b"\0")
     return h.hexdigest()[:16]
 
@@ -80,7 +86,7 @@ def build(cache_dir: Path | None = None) -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, *map(str, sources()), "-o", tmp], capture_output=True, text=True)
+        done = subprocess.run([cc, *flags(), *map(str, sources()), "-o", tmp], capture_output=True, text=True)
         if done.returncode:
             raise RuntimeError(f"building the CPU kernels failed: {done.stderr.strip()[:2000]}")
         os.replace(tmp, target)  # atomic: a concurrent build loses nothing

@@ -155,17 +155,16 @@ static int gemm(step_lora_t *lo, int64_t layer, int module, const float *x, int6
     int rc;
     if (lo->fold_slot >= 0) {
         const int64_t *mod = lp_lora_module(lo->tab, module), S = mod[0], rk = lo->fold_rank;
-        const int64_t pa = lp_fold_panels(S, rk);
-        const lp_fold_t fold = {.ap = lo->fold_next, .bp = lo->fold_next + pa * K * LP_NR, .pa = pa, .rank = rk,
-                                .S = S, .widths = mod + 1, .y = lo->fold_y, .keep = lo->fold_keep};
+        const lp_fold_t fold = {.ap = lo->fold_next, .bp = lo->fold_next + lp_fold_shrink_floats(K, S, rk),
+                                .pa = lp_fold_panels(S, rk), .rank = rk, .S = S, .widths = mod + 1,
+                                .y = lo->fold_y, .keep = lo->fold_keep};
         lo->fold_next += lp_fold_module_floats(K, N, S, mod + 1, rk);
         /* the next module's shrink panels, which its GEMM reads first, come in under this one's FMAs */
         const int next = (module + 1) % LORA_MODULES;
         if (T >= SIDE_MIN_ROWS && (next || layer + 1 < lo->model[M_LAYERS])) {
-            const int64_t next_pa = lp_fold_panels(lp_lora_module(lo->tab, next)[0], rk);
             int64_t *sp = lo->spans + 4 * side.n++; /* (side_room counts it) */
             sp[0] = (int64_t)(intptr_t)lo->fold_next, sp[1] = 1, sp[2] = 0;
-            sp[3] = next_pa * module_in(lo->model, next) * LP_NR * 4;
+            sp[3] = lp_fold_shrink_floats(module_in(lo->model, next), lp_lora_module(lo->tab, next)[0], rk) * 4;
         }
         rc = lp_linear_fold_f32(x, T, K, K, wp, N, bias, y, &side, &fold);
     } else {

@@ -11,13 +11,20 @@ typedef struct {
     int64_t n;
 } lp_side_t;
 
-/* Packed GEMM panels hold this many output columns (linear.c's layout). */
-#define LP_NR 24
+/* Packed GEMM panels hold LP_NR output columns (linear.c's layout): three vectors of LP_VW floats,
+ * the build's vector width (lp_panel_columns tells the Python side). */
+#if defined(__AVX512F__)
+#define LP_VW 16
+#else
+#define LP_VW 8
+#endif
+#define LP_NR (3 * LP_VW)
 
 /* One adapter's LoRA folded into a packed GEMM (linear.c, lp_linear_fold_f32): its A as extra panels
  * whose outputs (the shrink, y) feed an extension of each output panel's reduction (the expand).
- * lora_fold.c packs them: ap [pa, K, LP_NR] holds A's live rows (S slices of `rank` rows, in slice
- * order: row i = s * rank + r), zero beyond S * rank; bp holds, per output panel p in order,
+ * lora_fold.c packs them: ap [pa, K, aw] holds A's live rows (S slices of `rank` rows, in slice
+ * order: row i = s * rank + r), zero beyond S * rank, in panels of aw = lp_fold_width(S, rank) columns
+ * (pa = lp_fold_panels); bp holds, per output panel p in order,
  * [len_p, LP_NR] with len_p, e0_p from lp_fold_ext: bp_p[e, j] = B[p * LP_NR + j, r] where column
  * p * LP_NR + j lies in slice s and e0_p + e = s * rank + r, else 0. */
 typedef struct {
@@ -55,9 +62,24 @@ static inline int64_t lp_lora_module_out(const int64_t *mod) {
     return N;
 }
 
-/* A fold's shrink panels over S slices of `rank` rows. */
-static inline int64_t lp_fold_panels(int64_t S, int64_t rank) { return (S * rank + LP_NR - 1) / LP_NR; }
+/* A fold's shrink panel width over S slices of `rank` rows: whole vectors, at most LP_NR (so a rank-16
+ * adapter's o and down shrink read one vector-wide panel, not a panel two thirds padding). */
+static inline int64_t lp_fold_width(int64_t S, int64_t rank) {
+    const int64_t w = (S * rank + LP_VW - 1) / LP_VW * LP_VW;
+    return w < LP_NR ? w : LP_NR;
+}
 
+/* A fold's shrink panels over S slices of `rank` rows. */
+static inline int64_t lp_fold_panels(int64_t S, int64_t rank) {
+    return (S * rank + lp_fold_width(S, rank) - 1) / lp_fold_width(S, rank);
+}
+
+/* Floats of a fold's shrink panels (ap) over K input features: where its bp starts. */
+static inline int64_t lp_fold_shrink_floats(int64_t K, int64_t S, int64_t rank) {
+    return lp_fold_panels(S, rank) * K * lp_fold_width(S, rank);
+}
+
+int64_t lp_panel_columns(void);
 int lp_linear_packed_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
                          const float *bias, float *y);
 int lp_linear_packed_side_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,

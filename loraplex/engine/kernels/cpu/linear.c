@@ -1,14 +1,15 @@
 /* Linear layers for CPU serving over weights packed once at load: y = x @ W^T (+ bias), fp32.
  *
  * Semantics: for m < M, n < N:  y[m, n] = sum_k x[m, k] * W[n, k] + (bias ? bias[n] : 0),
- * where W [N, K] is given packed (lp_pack_f32) as panels of NR = 24 output columns:
+ * where W [N, K] is given packed (lp_pack_f32) as panels of NR output columns, three vectors of the
+ * build's width (48 with AVX-512, else 24; lp_panel_columns):
  * Wp[p, k, j] = W[p * NR + j, k] (zero beyond N), so a panel is one contiguous K x NR block.
  *
  * Why: the decode batches a server runs (1 to a few dozen tokens) are where MKL is weakest on this
  * kind of CPU: a batch-1 GEMV streams the weights on one thread, and at 32 rows MKL repacks the
  * weights on every call and reaches about half the machine's FMA rate (bench/RESULTS.md). Packed
- * panels are read in order, once per call, by a register-blocked 4 x 24 kernel (12 accumulators),
- * the threads splitting the panels; rows are taken in blocks of 64 so a block of x stays in cache.
+ * panels are read in order, once per call, by a register-blocked kernel (8 x 48 with AVX-512, 4 x 24
+ * with AVX2), the threads splitting the panels; rows are taken in blocks of 64 so a block of x stays in cache.
  * Software prefetches keep the weights arriving at the rate the kernel uses them (see panel()).
  *
  * Fold (lp_linear_fold_f32): with one adapter's LoRA folded in, for the rows it applies to,
@@ -27,10 +28,12 @@
 #endif
 
 #define NR LP_NR
-#define MR 4
+#define VW LP_VW
 #define ROW_BLOCK 64
 /* Below this many weights a second thread costs more than it saves. */
 #define PARALLEL_MIN_WEIGHTS (64 * 1024)
+
+int64_t lp_panel_columns(void) { return NR; }
 
 int64_t lp_packed_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * NR * K; }
 
@@ -113,127 +116,182 @@ void lp_pack_f32(const float *w, int64_t N, int64_t K, float *wp) {
             }
 }
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+/* One kernel body for both vector widths: a panel row is three vectors (NR = 3 * VW columns). With
+ * AVX-512, 8 rows x 48 columns (24 accumulators of the 32 registers); with AVX2, 4 x 24 (12 of 16). */
+#if defined(__AVX512F__)
+#define MR 8
+#ifndef SIDE_SHIFT
+#define SIDE_SHIFT 0
+#endif
+typedef __m512 vec_t;
+#define VLOAD _mm512_loadu_ps
+#define VSTORE _mm512_storeu_ps
+#define VSET1 _mm512_set1_ps
+#define VZERO _mm512_setzero_ps
+#define VFMA _mm512_fmadd_ps
+#define VADD _mm512_add_ps
+#else
+#define MR 4
+#define SIDE_SHIFT 2
+typedef __m256 vec_t;
+#define VLOAD _mm256_loadu_ps
+#define VSTORE _mm256_storeu_ps
+#define VSET1 _mm256_set1_ps
+#define VZERO _mm256_setzero_ps
+#define VFMA _mm256_fmadd_ps
+#define VADD _mm256_add_ps
+#endif
+_Static_assert(NR == 3 * VW, "a panel row is three vectors");
+#define SIDE_MASK ((1 << SIDE_SHIFT) - 1)
 
-/* R (<= 4) rows of x against one panel, writing `cols` (<= NR) columns of y; inlined with constant
- * R, PF and SIDE so the accumulators stay in registers. With PF it prefetches pf + k * pfstep on each
- * k; with SIDE also side + 64 * (k / 4) on every fourth k below side_k. */
+/* R (<= MR) rows of x against one panel of NV (1 to 3) vectors per k (a GEMM's panels have 3, a fold's
+ * shrink panels may be narrower), writing `cols` (<= NV * VW) columns of y; inlined with constant R,
+ * NV, PF and SIDE so the accumulators stay in registers. With PF it prefetches pfn lines from
+ * pf + k * pfstep on each k; with SIDE also one line of side on every 2^SIDE_SHIFT-th k below side_k.
+ * The folded expand (ext) runs on full panels only (NV 3). */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t lda, int64_t K,
                                                              const float *wp, const float *bias, float *y,
                                                              int64_t ldy, int64_t cols, uintptr_t pf,
-                                                             int64_t pfstep, const char *side, int64_t side_k,
-                                                             const ext_t *ext, const float *ey, const int R,
-                                                             const int PF, const int SIDE) {
-    __m256 acc[MR][3];
-#pragma GCC unroll 4
+                                                             int64_t pfstep, int64_t pfn, const char *side,
+                                                             int64_t side_k, const ext_t *ext, const float *ey,
+                                                             const int R, const int NV, const int PF, const int SIDE) {
+    const int W = NV * VW; /* floats per panel row */
+    vec_t acc[MR][3];
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 3
-        for (int c = 0; c < 3; c++) acc[r][c] = _mm256_setzero_ps();
+        for (int c = 0; c < NV; c++) acc[r][c] = VZERO();
     for (int64_t k = 0; k < K; k++) {
-        __m256 b0 = _mm256_loadu_ps(wp + k * NR), b1 = _mm256_loadu_ps(wp + k * NR + 8),
-               b2 = _mm256_loadu_ps(wp + k * NR + 16);
+        vec_t b0 = VLOAD(wp + k * W), b1 = NV > 1 ? VLOAD(wp + k * W + VW) : VZERO(),
+              b2 = NV > 2 ? VLOAD(wp + k * W + 2 * VW) : VZERO();
         /* Pins the panel row in registers. Left alone, GCC folds the three loads into every row's
          * FMAs (12 loads per k instead of 3), and the load ports, not the FMAs, set the pace. With
          * 1-2 rows the FMAs are not the limit, and the folded form (fewer instructions) was faster. */
-        if (R > 2) __asm__("" : "+x"(b0), "+x"(b1), "+x"(b2));
-        if (PF) _mm_prefetch((const char *)(pf + k * pfstep), _MM_HINT_T0);
-        if (SIDE && (k & 3) == 2 && k < side_k) _mm_prefetch(side + (k >> 2) * 64, _MM_HINT_T1);
-#pragma GCC unroll 4
+        if (R > 2) __asm__("" : "+v"(b0), "+v"(b1), "+v"(b2));
+        if (PF)
+            for (int64_t i = 0; i < pfn; i++) _mm_prefetch((const char *)(pf + k * pfstep + 64 * i), _MM_HINT_T0);
+        if (SIDE && (k & SIDE_MASK) == (SIDE_MASK + 1) / 2 && k < side_k)
+            _mm_prefetch(side + (k >> SIDE_SHIFT) * 64, _MM_HINT_T1);
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            __m256 a = _mm256_broadcast_ss(x + r * lda + k);
-            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
-            acc[r][2] = _mm256_fmadd_ps(a, b2, acc[r][2]);
+            vec_t a = VSET1(x[r * lda + k]);
+            acc[r][0] = VFMA(a, b0, acc[r][0]);
+            if (NV > 1) acc[r][1] = VFMA(a, b1, acc[r][1]);
+            if (NV > 2) acc[r][2] = VFMA(a, b2, acc[r][2]);
         }
     }
-    for (int64_t e = 0; e < ext->len; e++) { /* the folded expand: more k steps, over ys and bp */
-        __m256 b0 = _mm256_loadu_ps(ext->b + e * NR), b1 = _mm256_loadu_ps(ext->b + e * NR + 8),
-               b2 = _mm256_loadu_ps(ext->b + e * NR + 16);
-        if (R > 2) __asm__("" : "+x"(b0), "+x"(b1), "+x"(b2)); /* (as above) */
-#pragma GCC unroll 4
+    for (int64_t e = 0; NV == 3 && e < ext->len; e++) { /* the folded expand: more k steps, over ys and bp */
+        vec_t b0 = VLOAD(ext->b + e * NR), b1 = VLOAD(ext->b + e * NR + VW), b2 = VLOAD(ext->b + e * NR + 2 * VW);
+        if (R > 2) __asm__("" : "+v"(b0), "+v"(b1), "+v"(b2)); /* (as above) */
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            __m256 a = _mm256_broadcast_ss(ey + r * ext->ld + e);
-            acc[r][0] = _mm256_fmadd_ps(a, b0, acc[r][0]);
-            acc[r][1] = _mm256_fmadd_ps(a, b1, acc[r][1]);
-            acc[r][2] = _mm256_fmadd_ps(a, b2, acc[r][2]);
+            vec_t a = VSET1(ey[r * ext->ld + e]);
+            acc[r][0] = VFMA(a, b0, acc[r][0]);
+            acc[r][1] = VFMA(a, b1, acc[r][1]);
+            acc[r][2] = VFMA(a, b2, acc[r][2]);
         }
     }
     /* the accumulators leave registers only here, by name: indexing them in a loop over a
      * run-time bound makes GCC keep them in memory through the k loop (half the speed) */
-    if (cols == NR) {
-        __m256 d0 = _mm256_setzero_ps(), d1 = d0, d2 = d0;
-        if (bias) d0 = _mm256_loadu_ps(bias), d1 = _mm256_loadu_ps(bias + 8), d2 = _mm256_loadu_ps(bias + 16);
-#pragma GCC unroll 4
+    if (cols == W) {
+        vec_t d0 = VZERO(), d1 = d0, d2 = d0;
+        if (bias) d0 = VLOAD(bias), d1 = NV > 1 ? VLOAD(bias + VW) : d1, d2 = NV > 2 ? VLOAD(bias + 2 * VW) : d2;
+#pragma GCC unroll 8
         for (int r = 0; r < R; r++) {
-            _mm256_storeu_ps(y + r * ldy, _mm256_add_ps(acc[r][0], d0));
-            _mm256_storeu_ps(y + r * ldy + 8, _mm256_add_ps(acc[r][1], d1));
-            _mm256_storeu_ps(y + r * ldy + 16, _mm256_add_ps(acc[r][2], d2));
+            VSTORE(y + r * ldy, VADD(acc[r][0], d0));
+            if (NV > 1) VSTORE(y + r * ldy + VW, VADD(acc[r][1], d1));
+            if (NV > 2) VSTORE(y + r * ldy + 2 * VW, VADD(acc[r][2], d2));
         }
         return;
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
-        float tmp[NR];
-        _mm256_storeu_ps(tmp, acc[r][0]);
-        _mm256_storeu_ps(tmp + 8, acc[r][1]);
-        _mm256_storeu_ps(tmp + 16, acc[r][2]);
+        float tmp[NR] = {0}; /* (only cols <= NV * VW are read; the compiler cannot tell) */
+        VSTORE(tmp, acc[r][0]);
+        if (NV > 1) VSTORE(tmp + VW, acc[r][1]);
+        if (NV > 2) VSTORE(tmp + 2 * VW, acc[r][2]);
         for (int64_t j = 0; j < cols; j++) y[r * ldy + j] = tmp[j] + (bias ? bias[j] : 0.0f);
     }
 }
 
-#define ROWS(R, PF, SD) panel_rows(x + m * lda, lda, K, wp, bias, y + m * ldy, ldy, cols, gpf, step, side, side_k, \
-                                  ext, ext->len ? ext->y + m * ext->ld : 0, R, PF, SD)
-/* r (1 to 4) rows at m, with or without prefetching (and side prefetching) */
-#define GROUP(PF, SD)                    \
-    switch (r) {                         \
-        case 4: ROWS(4, PF, SD); break;  \
-        case 3: ROWS(3, PF, SD); break;  \
-        case 2: ROWS(2, PF, SD); break;  \
-        default: ROWS(1, PF, SD); break; \
+#define ROWS(R, NV, PF, SD)                                                                                  \
+    panel_rows(x + m * lda, lda, K, wp, bias, y + m * ldy, ldy, cols, gpf, step, pfn, side, side_k, ext,     \
+               ext->len ? ext->y + m * ext->ld : 0, R, NV, PF, SD)
+#if MR == 8
+#define WIDE_ROWS(NV, PF, SD)               \
+    case 8: ROWS(8, NV, PF, SD); break;     \
+    case 7: ROWS(7, NV, PF, SD); break;     \
+    case 6: ROWS(6, NV, PF, SD); break;     \
+    case 5: ROWS(5, NV, PF, SD); break;
+#else
+#define WIDE_ROWS(NV, PF, SD)
+#endif
+/* r (1 to MR) rows at m, with or without prefetching (and side prefetching) */
+#define GROUP(NV, PF, SD)                    \
+    switch (r) {                             \
+        WIDE_ROWS(NV, PF, SD)                \
+        case 4: ROWS(4, NV, PF, SD); break;  \
+        case 3: ROWS(3, NV, PF, SD); break;  \
+        case 2: ROWS(2, NV, PF, SD); break;  \
+        default: ROWS(1, NV, PF, SD); break; \
+    }
+/* ... for a panel of nv vectors per k (side prefetching only on full panels, as the GEMMs ask) */
+#define GROUP_NV(PF)             \
+    if (nv == 3) {               \
+        GROUP(3, PF, 0)          \
+    } else if (nv == 2) {        \
+        GROUP(2, PF, 0)          \
+    } else {                     \
+        GROUP(1, PF, 0)          \
     }
 
-/* M rows of x against one panel, in groups of at most 4 rows as even as can be (5 = 3 + 2,
- * 9 = 3 + 3 + 3: measured faster than 4 + 1 and 4 + 4 + 1). Prefetching as measured best on
- * Zen 3: with several groups, they read the panel from L2 and prefetch the next one (`next`, or
- * none) in equal slices, so it arrives from memory at an even rate instead of in a burst that the
- * first group waits on. One group of 2 to 4 rows streams the panel from memory and prefetches
- * 1-1.5 KB ahead of its reads (up to 15% faster than the hardware prefetcher alone); one row needs
- * neither. A prefetch never faults, so the ones that run past the last panel are harmless (their
- * addresses are integers, not pointers past the array). */
-static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float *wp, const float *bias,
+/* M rows of x against one panel (nv vectors of VW columns per k), in groups of at most MR rows as even
+ * as can be (with MR 4: 5 = 3 + 2, 9 = 3 + 3 + 3, measured faster than 4 + 1 and 4 + 4 + 1).
+ * Prefetching as measured best on Zen 3: with several groups, they read the panel from L2 and
+ * prefetch the next one (`next`, or none) in equal slices, so it arrives from memory at an even rate
+ * instead of in a burst that the first group waits on. One group of 2 to MR rows streams the panel
+ * from memory and prefetches 1-1.5 KB ahead of its reads (up to 15% faster than the hardware
+ * prefetcher alone); one row needs neither. A group asks for one line per whole 64 bytes of its
+ * per-k share (at least one). A prefetch never faults, so the ones that run past the last panel are
+ * harmless (their addresses are integers, not pointers past the array). */
+static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float *wp, int64_t nv, const float *bias,
                   float *y, int64_t ldy, int64_t cols, const float *next, side_t *sd, int64_t side_lines,
                   const ext_t *ext) {
-    int64_t groups = (M + MR - 1) / MR, step = (NR * 4 + groups - 1) / groups, m = 0;
+    const int64_t row_bytes = nv * VW * 4;
+    int64_t groups = (M + MR - 1) / MR, step = (row_bytes + groups - 1) / groups, m = 0;
     uintptr_t pf = (uintptr_t)next;
-    if (groups == 1) pf = (uintptr_t)wp + (M == 2 ? 1024 : 1536), step = NR * 4;
+    if (groups == 1) pf = (uintptr_t)wp + (M == 2 ? 1024 : 1536), step = row_bytes;
+    const int64_t pfn = step < 128 ? 1 : step / 64;
     for (int64_t g = 0; g < groups; g++) {
         int64_t r = (M - m + groups - g - 1) / (groups - g);
         uintptr_t gpf = pf ? pf + g * step * K : 0;
         /* this group's share of the side lines (and what earlier groups could not take) */
         int64_t n = 0, side_k = 0;
         sd->owed += side_lines * (g + 1) / groups - side_lines * g / groups;
-        const char *side = gpf ? side_take(sd, sd->owed < K / 4 ? sd->owed : K / 4, &n) : 0;
-        sd->owed -= n, side_k = n * 4;
+        const int64_t room = K >> SIDE_SHIFT;
+        const char *side = gpf && nv == 3 ? side_take(sd, sd->owed < room ? sd->owed : room, &n) : 0;
+        sd->owed -= n, side_k = n << SIDE_SHIFT;
         if (M > 1 && gpf && side_k) {
-            GROUP(1, 1)
+            GROUP(3, 1, 1)
         } else if (M > 1 && gpf) {
-            GROUP(1, 0)
+            GROUP_NV(1)
         } else {
-            GROUP(0, 0)
+            GROUP_NV(0)
         }
         m += r;
     }
 }
 #else
-static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float *wp, const float *bias,
+static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float *wp, int64_t nv, const float *bias,
                   float *y, int64_t ldy, int64_t cols, const float *next, side_t *sd, int64_t side_lines,
                   const ext_t *ext) {
     (void)next, (void)sd, (void)side_lines;
     for (int64_t m = 0; m < M; m++)
         for (int64_t j = 0; j < cols; j++) {
             float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) s += x[m * lda + k] * wp[k * NR + j];
+            for (int64_t k = 0; k < K; k++) s += x[m * lda + k] * wp[k * nv * VW + j];
             for (int64_t e = 0; e < ext->len; e++) s += ext->y[m * ext->ld + e] * ext->b[e * NR + j];
             y[m * ldy + j] = s + (bias ? bias[j] : 0.0f);
         }
@@ -244,13 +302,13 @@ static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float
  * shrink ys = x @ ap^T, zeroed in the rows the adapter does not apply to. */
 static void fold_shrink(const float *x, int64_t M, int64_t lda, int64_t K, const lp_fold_t *fold, int64_t t,
                         int64_t nt) {
-    const int64_t ld = fold->pa * NR, r0 = M * t / nt, r1 = M * (t + 1) / nt;
+    const int64_t aw = lp_fold_width(fold->S, fold->rank), ld = fold->pa * aw, r0 = M * t / nt, r1 = M * (t + 1) / nt;
     side_t none = {0};
     for (int64_t m0 = r0; m0 < r1; m0 += ROW_BLOCK) {
         const int64_t rows = r1 - m0 < ROW_BLOCK ? r1 - m0 : ROW_BLOCK;
         for (int64_t q = 0; q < fold->pa; q++)
-            panel(x + m0 * lda, lda, rows, K, fold->ap + q * K * NR, 0, fold->y + m0 * ld + q * NR, ld, NR,
-                  q + 1 < fold->pa ? fold->ap + (q + 1) * K * NR : 0, &none, 0, &NO_EXT);
+            panel(x + m0 * lda, lda, rows, K, fold->ap + q * K * aw, aw / VW, 0, fold->y + m0 * ld + q * aw, ld, aw,
+                  q + 1 < fold->pa ? fold->ap + (q + 1) * K * aw : 0, &none, 0, &NO_EXT);
     }
     for (int64_t m = r0; fold->keep && m < r1; m++)
         if (!fold->keep[m]) memset(fold->y + m * ld, 0, sizeof(float) * ld);
@@ -262,7 +320,7 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const float
                   float *y, const lp_side_t *side, const lp_fold_t *fold) {
     if (M < 0 || K < 1 || N < 1 || lda < K) return -1;
     if (side && side->n < 0) return -1;
-    if (fold && (fold->pa < 1 || fold->rank < 1 || fold->S < 1 || fold->pa * NR < fold->S * fold->rank)) return -1;
+    if (fold && (fold->rank < 1 || fold->S < 1 || fold->pa != lp_fold_panels(fold->S, fold->rank))) return -1;
     if (M == 0) return 0;
     const int64_t panels = (N + NR - 1) / NR, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t side_count = side_lines(side);
@@ -292,14 +350,14 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const float
                 ext_t ext = NO_EXT;
                 if (fold) {
                     ext.len = lp_fold_ext(fold->widths, fold->S, fold->rank, N, p, &e0);
-                    ext.b = fold->bp + boff, ext.ld = fold->pa * NR, ext.y = fold->y + m0 * ext.ld + e0;
+                    ext.b = fold->bp + boff, ext.ld = fold->pa * lp_fold_width(fold->S, fold->rank), ext.y = fold->y + m0 * ext.ld + e0;
                     boff += ext.len * NR;
                     /* the next panel's expand block (about as long as this one's), asked for now: the
                      * weights' prefetch does not cover it, and its first row group would wait on it */
                     for (int64_t off = 0; p + 1 < p1 && off < ext.len * NR; off += 16)
                         __builtin_prefetch(fold->bp + boff + off, 0, 3);
                 }
-                panel(x + m0 * lda, lda, rows, K, wp + p * K * NR, bias ? bias + p * NR : 0, y + m0 * N + p * NR, N,
+                panel(x + m0 * lda, lda, rows, K, wp + p * K * NR, 3, bias ? bias + p * NR : 0, y + m0 * N + p * NR, N,
                       cols, p + 1 < p1 ? wp + (p + 1) * K * NR : 0, &sd,
                       share * (item + 1) / items - share * item / items, &ext);
             }

@@ -19,12 +19,10 @@ class _Fold(ctypes.Structure):
                 ("keep", _P)]
 
 
-NR = 24  # output columns per packed panel (linear.c)
-
-
 @functools.cache
 def _fns() -> dict | None:
     return functions({
+        "lp_panel_columns": (_I64, []),
         "lp_packed_size": (_I64, [_I64, _I64]),
         "lp_pack_f32": (None, [_P, _I64, _I64, _P]),
         "lp_linear_packed_f32": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P]),
@@ -35,6 +33,13 @@ def _fns() -> dict | None:
 
 def linear_available() -> bool:
     return _fns() is not None
+
+
+@functools.cache
+def panel_columns() -> int:
+    """Output columns per packed panel in this build of linear.c: three vectors, 48 with AVX-512, 24
+    with AVX2 or none."""
+    return _fns()["lp_panel_columns"]()
 
 
 # Batches above this many rows go to MKL over the unpacked weight. On the model's shapes the packed
@@ -86,6 +91,15 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     return y
 
 
+def fold_shrink_panels(slices: int, rank: int) -> tuple[int, int]:
+    """A fold's shrink panels over `slices` slices of `rank` rows (kernels.h, lp_fold_width and
+    lp_fold_panels): (columns per panel, panels). Whole vectors of a third of a GEMM panel, at most a
+    GEMM panel."""
+    vw = panel_columns() // 3
+    width = min(panel_columns(), -(-slices * rank // vw) * vw)
+    return width, -(-slices * rank // width)
+
+
 def fold_module_floats(in_features: int, widths: tuple[int, ...], rank: int) -> int:
     """Floats of one module's block in a fold (lora_fold.c's layout) for an adapter of this rank."""
     w = torch.tensor(widths, dtype=torch.int64)
@@ -110,10 +124,10 @@ def packed_linear_fold(x: torch.Tensor, w: PackedWeight, block: torch.Tensor, wi
         require("keep", keep, 1, torch.uint8)
         if keep.shape[0] != t:
             raise ValueError(f"keep has {keep.shape[0]} entries for {t} rows")
-    pa = -(-len(widths) * rank // NR)
+    aw, pa = fold_shrink_panels(len(widths), rank)
     wt = torch.tensor(widths, dtype=torch.int64)
-    y_scratch = torch.empty(t, pa * NR, dtype=torch.float32)
-    fold = _Fold(block.data_ptr(), block.data_ptr() + pa * k * NR * 4, pa, rank, len(widths), wt.data_ptr(),
+    y_scratch = torch.empty(t, pa * aw, dtype=torch.float32)
+    fold = _Fold(block.data_ptr(), block.data_ptr() + pa * k * aw * 4, pa, rank, len(widths), wt.data_ptr(),
                  y_scratch.data_ptr(), None if keep is None else keep.data_ptr())
     y = torch.empty(t, w.out_features, dtype=torch.float32)
     rc = _fns()["lp_linear_fold_f32"](x.data_ptr(), t, k, k, w.data.data_ptr(), w.out_features, None, y.data_ptr(),

@@ -3,8 +3,8 @@
  * Semantics: for a slot of the LoRA table (kernels.h) holding an adapter of rank rk = ranks[slot]
  * (1 <= rk <= r_max), lp_lora_fold_pack writes, for each layer l and fused module m in order
  * (qkv, o, gate_up, down), with K = ins[m], N and the S slice widths w_s of m, off_s = w_0 + .. + w_{s-1}:
- *     ap [pa, K, NR], pa = ceil(S * rk / NR):   ap[q, k, j] = A[slot, s * r_max + r, k]  (q * NR + j = s * rk + r)
- *                                                              0 beyond S * rk rows
+ *     ap [pa, K, aw], aw = min(NR, S * rk rounded up to whole vectors of LP_VW), pa = ceil(S * rk / aw):
+ *         ap[q, k, j] = A[slot, s * r_max + r, k]  (q * aw + j = s * rk + r), 0 beyond S * rk rows
  *     bp, per output panel p < ceil(N / NR), [len_p, NR] (len_p, e0_p: lp_fold_ext):
  *         bp_p[e, j] = B[slot, n, r]  where n = p * NR + j < N lies in slice s and e0_p + e = s * rk + r,
  *                      0 elsewhere
@@ -23,7 +23,7 @@
 #define NR LP_NR
 
 int64_t lp_fold_module_floats(int64_t K, int64_t N, int64_t S, const int64_t *widths, int64_t rank) {
-    int64_t floats = lp_fold_panels(S, rank) * K * NR, e0;
+    int64_t floats = lp_fold_shrink_floats(K, S, rank), e0;
     for (int64_t p = 0; p < (N + NR - 1) / NR; p++) floats += lp_fold_ext(widths, S, rank, N, p, &e0) * NR;
     return floats;
 }
@@ -46,17 +46,17 @@ int64_t lp_lora_fold_floats(const int64_t *tab, const int64_t *ins, int64_t laye
 
 static void pack_module(const float *A, const float *B, int64_t K, int64_t N, int64_t S, const int64_t *widths,
                         int64_t r_max, int64_t rk, float *dst) {
-    const int64_t pa = lp_fold_panels(S, rk);
+    const int64_t pa = lp_fold_panels(S, rk), aw = lp_fold_width(S, rk);
     for (int64_t q = 0; q < pa; q++)
-        for (int64_t j = 0; j < NR; j++) { /* one A row into column j of panel q */
-            const int64_t i = q * NR + j, s = i / rk, r = i % rk;
-            float *col = dst + q * K * NR + j;
+        for (int64_t j = 0; j < aw; j++) { /* one A row into column j of panel q */
+            const int64_t i = q * aw + j, s = i / rk, r = i % rk;
+            float *col = dst + q * K * aw + j;
             if (i < S * rk)
-                for (int64_t k = 0; k < K; k++) col[k * NR] = A[(s * r_max + r) * K + k];
+                for (int64_t k = 0; k < K; k++) col[k * aw] = A[(s * r_max + r) * K + k];
             else
-                for (int64_t k = 0; k < K; k++) col[k * NR] = 0.0f;
+                for (int64_t k = 0; k < K; k++) col[k * aw] = 0.0f;
         }
-    float *bp = dst + pa * K * NR;
+    float *bp = dst + lp_fold_shrink_floats(K, S, rk);
     for (int64_t p = 0; p < (N + NR - 1) / NR; p++) {
         int64_t e0, len = lp_fold_ext(widths, S, rk, N, p, &e0);
         memset(bp, 0, sizeof(float) * len * NR);

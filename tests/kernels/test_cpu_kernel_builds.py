@@ -1,0 +1,41 @@
+"""The narrower builds of the CPU kernels, run on this machine: the packed GEMM and the fold have one
+layout per vector width (48-column panels with AVX-512, 24 with AVX2 or none), so the tests of the
+layout-dependent kernels run again in a child process under each build a smaller CPU would get.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from loraplex.engine.kernels.cpu import linear
+
+pytestmark = pytest.mark.skipif(not linear.linear_available(), reason="the CPU kernels are not built")
+
+HERE = os.path.dirname(__file__)
+LAYOUT_TESTS = [
+    os.path.join(HERE, "test_cpu_lora_fold.py"),
+    os.path.join(HERE, "test_cpu_kernels.py") + "::test_packed_linear_matches_f_linear",
+    os.path.join(HERE, "test_cpu_kernels.py") + "::test_packed_kernel_prefetch_and_thread_edges",
+    os.path.join(HERE, "test_cpu_decode_step.py")
+    + "::test_an_adapter_holding_most_of_the_batch_is_folded_into_the_gemms",
+]
+
+
+@pytest.mark.parametrize("cflags,columns", [
+    ("-mno-avx512f", 24),                       # AVX2 and FMA: 4 x 24 kernel
+    ("-mno-avx512f -mno-avx2 -mno-fma", 24),    # no vector intrinsics: the portable loops
+])
+def test_the_layout_dependent_kernels_pass_under_a_narrower_build(cflags, columns):
+    env = dict(os.environ, LORAPLEX_CPU_CFLAGS=cflags)
+    probe = subprocess.run([sys.executable, "-c", "from loraplex.engine.kernels.cpu import linear; "
+                            "print(linear.panel_columns())"], env=env, capture_output=True, text=True, timeout=300)
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    assert int(probe.stdout.strip()) == columns
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *LAYOUT_TESTS],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " passed" in done.stdout and "skipped" not in done.stdout
