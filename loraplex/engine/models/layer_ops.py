@@ -108,7 +108,7 @@ class CpuKernelOps(TorchOps):
         """Every layer of an all-decode step in one C call (kernels/cpu/decode_step.c), the same
         kernels in the same order as the per-op path; None when this step takes the per-op path
         (more rows than the packed kernel serves, or adapters without a kernel table)."""
-        if input_ids.shape[0] > self.lin.PACKED_MAX_ROWS:
+        if input_ids.shape[0] > self.lin.packed_max_rows():
             return None
         lora_args = (None, None, None)
         if lora is not None:

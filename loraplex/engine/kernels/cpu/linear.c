@@ -122,9 +122,6 @@ void lp_pack_f32(const float *w, int64_t N, int64_t K, float *wp) {
  * AVX-512, 8 rows x 48 columns (24 accumulators of the 32 registers); with AVX2, 4 x 24 (12 of 16). */
 #if defined(__AVX512F__)
 #define MR 8
-#ifndef SIDE_SHIFT
-#define SIDE_SHIFT 0
-#endif
 typedef __m512 vec_t;
 #define VLOAD _mm512_loadu_ps
 #define VSTORE _mm512_storeu_ps
@@ -134,7 +131,6 @@ typedef __m512 vec_t;
 #define VADD _mm512_add_ps
 #else
 #define MR 4
-#define SIDE_SHIFT 2
 typedef __m256 vec_t;
 #define VLOAD _mm256_loadu_ps
 #define VSTORE _mm256_storeu_ps
@@ -144,6 +140,11 @@ typedef __m256 vec_t;
 #define VADD _mm256_add_ps
 #endif
 _Static_assert(NR == 3 * VW, "a panel row is three vectors");
+/* Side lines: one per 2^SIDE_SHIFT k-steps. Denser was slower on Zen 3 (AVX2) and on a Xeon with
+ * AVX-512 (one per k or per 2: distinct 0.59 / 0.64 of base against 0.65 at one per 4). */
+#ifndef SIDE_SHIFT
+#define SIDE_SHIFT 2
+#endif
 #define SIDE_MASK ((1 << SIDE_SHIFT) - 1)
 
 /* R (<= MR) rows of x against one panel of NV (1 to 3) vectors per k (a GEMM's panels have 3, a fold's

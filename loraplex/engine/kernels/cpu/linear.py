@@ -42,10 +42,19 @@ def panel_columns() -> int:
     return _fns()["lp_panel_columns"]()
 
 
-# Batches above this many rows go to MKL over the unpacked weight. On the model's shapes the packed
-# kernel was 1.1-1.8x MKL's F.linear up to 256 rows (1 and 2 threads, cold weights) and about even
-# at 384-512, where MKL's own cache blocking catches up.
-PACKED_MAX_ROWS = 256
+# Batches above packed_max_rows() rows go to MKL over the unpacked weight. With AVX2 (24-column
+# panels) the packed kernel was 1.1-1.8x MKL's F.linear up to 256 rows on the model's shapes (1 and 2
+# threads, cold weights) and about even at 384-512, where MKL's own cache blocking catches up. With
+# AVX-512 (48-column panels) it was 1.05-1.5x MKL from 256 to 2048 rows (bench/RESULTS.md), so it
+# serves every batch.
+AVX2_PACKED_MAX_ROWS = 256
+PACKED_MAX_ROWS: int | None = None  # None: by the build, as above (tests set it to force a path)
+
+
+def packed_max_rows() -> int:
+    if PACKED_MAX_ROWS is not None:
+        return PACKED_MAX_ROWS
+    return AVX2_PACKED_MAX_ROWS if panel_columns() < 48 else 1 << 62
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,7 @@ def pack(w: torch.Tensor) -> PackedWeight:
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, W, bias) for x [tokens, in] (rows may be strided, features dense) -> [tokens, out]."""
-    if x.dim() == 2 and x.shape[0] > PACKED_MAX_ROWS:
+    if x.dim() == 2 and x.shape[0] > packed_max_rows():
         return torch.nn.functional.linear(x, w.weight, bias)
     fns = _fns()
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
