@@ -80,6 +80,7 @@ static inline int64_t lp_fold_shrink_floats(int64_t K, int64_t S, int64_t rank) 
 }
 
 int64_t lp_panel_columns(void);
+int64_t lp_fold_shrink_width(int64_t S, int64_t rank); /* lp_fold_width, for the Python side */
 int lp_linear_packed_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
                          const float *bias, float *y);
 int lp_linear_packed_side_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,

@@ -35,6 +35,8 @@
 
 int64_t lp_panel_columns(void) { return NR; }
 
+int64_t lp_fold_shrink_width(int64_t S, int64_t rank) { return lp_fold_width(S, rank); }
+
 int64_t lp_packed_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * NR * K; }
 
 /* Side prefetch (lp_side_t): a compute-bound GEMM asks for memory the kernel after it reads (the
@@ -147,6 +149,12 @@ _Static_assert(NR == 3 * VW, "a panel row is three vectors");
 #endif
 #define SIDE_MASK ((1 << SIDE_SHIFT) - 1)
 
+/* y[j] = tmp[j] (+ bias[j]) for j < cols: a partial panel's row. Not inlined: the vectorizer would
+ * otherwise compile this loop once per row of every instantiation of panel_rows (40 s of build). */
+static __attribute__((noinline)) void store_cols(const float *tmp, int64_t cols, const float *bias, float *y) {
+    for (int64_t j = 0; j < cols; j++) y[j] = tmp[j] + (bias ? bias[j] : 0.0f);
+}
+
 /* R (<= MR) rows of x against one panel of NV (1 to 3) vectors per k (a GEMM's panels have 3, a fold's
  * shrink panels may be narrower), writing `cols` (<= NV * VW) columns of y; inlined with constant R,
  * NV, PF and SIDE so the accumulators stay in registers. With PF it prefetches pfn lines from
@@ -213,7 +221,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
         VSTORE(tmp, acc[r][0]);
         if (NV > 1) VSTORE(tmp + VW, acc[r][1]);
         if (NV > 2) VSTORE(tmp + 2 * VW, acc[r][2]);
-        for (int64_t j = 0; j < cols; j++) y[r * ldy + j] = tmp[j] + (bias ? bias[j] : 0.0f);
+        store_cols(tmp, cols, bias, y + r * ldy);
     }
 }
 

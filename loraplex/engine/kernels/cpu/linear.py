@@ -23,6 +23,7 @@ class _Fold(ctypes.Structure):
 def _fns() -> dict | None:
     return functions({
         "lp_panel_columns": (_I64, []),
+        "lp_fold_shrink_width": (_I64, [_I64, _I64]),
         "lp_packed_size": (_I64, [_I64, _I64]),
         "lp_pack_f32": (None, [_P, _I64, _I64, _P]),
         "lp_linear_packed_f32": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P]),
@@ -104,8 +105,7 @@ def fold_shrink_panels(slices: int, rank: int) -> tuple[int, int]:
     """A fold's shrink panels over `slices` slices of `rank` rows (kernels.h, lp_fold_width and
     lp_fold_panels): (columns per panel, panels). Whole vectors of a third of a GEMM panel, at most a
     GEMM panel."""
-    vw = panel_columns() // 3
-    width = min(panel_columns(), -(-slices * rank // vw) * vw)
+    width = _fns()["lp_fold_shrink_width"](slices, rank)
     return width, -(-slices * rank // width)
 
 
