@@ -1,7 +1,7 @@
 """Builds this directory's C kernels once per machine and loads them with ctypes.
 
-Why C and not a torch extension: the kernels need no torch headers, so a build takes about a
-second with the system's `cc` and needs neither ninja nor pybind11. They run their parallel loops
+Why C and not a torch extension: the kernels need no torch headers, so a build takes a few
+seconds with the system's `cc` and needs neither ninja nor pybind11. They run their parallel loops
 on OpenMP; torch ships `libgomp.so.1` and has it loaded before this library, so both share one
 OpenMP runtime and one thread pool (two runtimes would fight over the same cores).
 
