@@ -217,7 +217,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
     }
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) {
-        float tmp[NR] = {0}; /* (only cols <= NV * VW are read; the compiler cannot tell) */
+        float tmp[NR];
         VSTORE(tmp, acc[r][0]);
         if (NV > 1) VSTORE(tmp + VW, acc[r][1]);
         if (NV > 2) VSTORE(tmp + 2 * VW, acc[r][2]);
@@ -307,11 +307,14 @@ static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float
 }
 #endif
 
+/* Floats per row of a fold's shrink output (its panels' columns): the row stride of fold->y. */
+static inline int64_t fold_ld(const lp_fold_t *fold) { return fold->pa * lp_fold_width(fold->S, fold->rank); }
+
 /* The fold's first phase, by this thread (its share of the rows, panels of ap against each): the
  * shrink ys = x @ ap^T, zeroed in the rows the adapter does not apply to. */
 static void fold_shrink(const float *x, int64_t M, int64_t lda, int64_t K, const lp_fold_t *fold, int64_t t,
                         int64_t nt) {
-    const int64_t aw = lp_fold_width(fold->S, fold->rank), ld = fold->pa * aw, r0 = M * t / nt, r1 = M * (t + 1) / nt;
+    const int64_t aw = lp_fold_width(fold->S, fold->rank), ld = fold_ld(fold), r0 = M * t / nt, r1 = M * (t + 1) / nt;
     side_t none = {0};
     for (int64_t m0 = r0; m0 < r1; m0 += ROW_BLOCK) {
         const int64_t rows = r1 - m0 < ROW_BLOCK ? r1 - m0 : ROW_BLOCK;
@@ -349,6 +352,7 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const float
         int64_t s0 = side_count * t / nt, share = side_count * (t + 1) / nt - s0;
         /* where panel p0's expand block starts in bp (the blocks of the panels before it) */
         int64_t b0 = 0, e0 = 0;
+        const int64_t ys_ld = fold ? fold_ld(fold) : 0;
         for (int64_t p = 0; fold && p < p0; p++) b0 += lp_fold_ext(fold->widths, fold->S, fold->rank, N, p, &e0) * NR;
         side_t sd;
         side_start(&sd, share ? side->spans : 0, share ? side->n : 0, s0, share);
@@ -359,7 +363,7 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const float
                 ext_t ext = NO_EXT;
                 if (fold) {
                     ext.len = lp_fold_ext(fold->widths, fold->S, fold->rank, N, p, &e0);
-                    ext.b = fold->bp + boff, ext.ld = fold->pa * lp_fold_width(fold->S, fold->rank), ext.y = fold->y + m0 * ext.ld + e0;
+                    ext.b = fold->bp + boff, ext.ld = ys_ld, ext.y = fold->y + m0 * ext.ld + e0;
                     boff += ext.len * NR;
                     /* the next panel's expand block (about as long as this one's), asked for now: the
                      * weights' prefetch does not cover it, and its first row group would wait on it */
