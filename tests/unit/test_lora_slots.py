@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -68,9 +66,9 @@ def check_slot(slots, slot, lora):
             exp_a, exp_b = torch.zeros_like(a_buf), torch.zeros_like(b_buf)
             off = 0
             for s, m in enumerate(modules):
-                if (layer, m) in lora.lora_a:
-                    exp_a[s * r_max:s * r_max + rank] = lora.lora_a[(layer, m)]
-                    exp_b[off:off + w[m], :rank] = lora.scaling * lora.lora_b[(layer, m)]
+                if (layer, m) in lora.offsets:
+                    exp_a[s * r_max:s * r_max + rank] = lora.a(layer, m)
+                    exp_b[off:off + w[m], :rank] = lora.scaling * lora.b(layer, m)
                 off += w[m]
             assert off == b_buf.shape[0]
             torch.testing.assert_close(a_buf, exp_a.to(slots.dtype).float(), rtol=0, atol=0)
@@ -161,7 +159,7 @@ def test_merged_weights_is_w_plus_scaled_ba(tmp_path, tiny):
     lora = load_peft_adapter(path, config)
     merged = merged_weights(tiny.weights, config, lora)
     q, kv, i = config.q_size, config.kv_size, config.intermediate_size
-    d = {m: 2.0 * lora.lora_b[(0, m)] @ lora.lora_a[(0, m)] for m in ("q", "v", "up", "o")}
+    d = {m: 2.0 * lora.b(0, m) @ lora.a(0, m) for m in ("q", "v", "up", "o")}
     w = tiny.weights
     expected_qkv = w["layers.0.qkv"] + torch.cat([d["q"], torch.zeros(kv, config.hidden_size), d["v"]])
     torch.testing.assert_close(merged["layers.0.qkv"], expected_qkv)
@@ -297,18 +295,32 @@ def test_constructor_checks(config):
         make(config, max_cpu=-1)
 
 
-def test_slot_write_takes_strided_and_half_precision_weights(tmp_path, config):
-    """LoraWeights built by hand (not by the loader) with transposed-view and fp16 tensors still land
-    exactly: the slot write makes its sources dense fp32 before the C path reads their rows."""
+def test_half_precision_adapter_lands_exactly_from_its_converted_copy(tmp_path, config):
+    """An fp16 file is converted into a new fp32 tensor (tensors back to back, not at the file's offsets)."""
     slots = make(config, max_loras=1, r_max=16)
-    path = register(slots, tmp_path, "a", rank=8, seed=5)
+    path = register(slots, tmp_path, "a", rank=8, seed=5, dtype=torch.float16)
     lora = load_peft_adapter(path, config)
-    odd = dataclasses.replace(
-        lora, lora_a={k: v.t().contiguous().t() if k[1] == "q" else v.half() for k, v in lora.lora_a.items()})
-    slots._write_slot(0, odd)
-    expected = dataclasses.replace(lora, lora_a={k: v if k[1] == "q" else v.half().float()
-                                                 for k, v in lora.lora_a.items()})
-    check_slot(slots, 0, expected)
+    assert lora.buffer is None and lora.values.dtype == torch.float32
+    check_slot(slots, slots.acquire("a"), lora)
+
+
+@pytest.mark.parametrize("max_cpu", [0, 1])
+def test_disk_reads_recycle_the_buffer_of_an_adapter_that_left_the_cpu_tier(tmp_path, config, max_cpu):
+    slots = make(config, max_loras=1, r_max=16, max_cpu=max_cpu)
+    for seed, name in enumerate("abc"):
+        register(slots, tmp_path, name, rank=8, seed=seed)
+    assert slots.cpu_cached() == ["c"][:max_cpu]
+    assert slots._spare is not None  # the buffer of the latest adapter to leave the tier
+    spare = slots._spare.data_ptr()
+    for name in "acab":  # each a disk read into a recycled buffer, then a slot write from it
+        slot = slots.acquire(name)
+        lora = slots._cpu.get(name) if max_cpu else None
+        if lora is not None:
+            assert lora.buffer.data_ptr() == spare  # read into the spare
+        check_slot(slots, slot, load_peft_adapter(tmp_path / name, config))
+        slots.release(name)
+        spare = slots._spare.data_ptr()
+    assert slots.stats.disk_loads == 4
 
 
 def test_the_dominant_adapter_is_packed_once_for_folding_and_repacked_after_its_slot_is_rewritten(tmp_path, config):

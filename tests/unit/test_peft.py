@@ -42,7 +42,7 @@ def test_loads_valid_adapter_exactly(tmp_path, config):
     dims = {"q": (h, q), "k": (h, kv), "v": (h, kv), "o": (q, h), "gate": (h, i), "up": (h, i), "down": (i, h)}
     for layer in range(config.num_layers):
         for m, (in_f, out_f) in dims.items():
-            a, b = lora.lora_a[(layer, m)], lora.lora_b[(layer, m)]
+            a, b = lora.a(layer, m), lora.b(layer, m)
             assert a.shape == (8, in_f) and b.shape == (out_f, 8)
             assert a.dtype == b.dtype == torch.float32 and a.device.type == "cpu"
             assert torch.equal(a, raw[tensor_key(layer, m, "A")])
@@ -55,8 +55,8 @@ def test_half_precision_tensors_load_as_fp32(tmp_path, config, dtype):
     path = make_peft_dir(tmp_path, config, rank=4, alpha=8, targets=["q_proj", "v_proj"], seed=2, dtype=dtype)
     lora = load_peft_adapter(path, config)
     raw = read_tensors(path)[tensor_key(0, "q", "B")]
-    assert lora.lora_b[(0, "q")].dtype == torch.float32
-    assert torch.equal(lora.lora_b[(0, "q")], raw.float())
+    assert lora.b(0, "q").dtype == torch.float32 and lora.buffer is None  # a converted copy
+    assert torch.equal(lora.b(0, "q"), raw.float())
 
 
 def test_rslora_scaling(tmp_path, config):
@@ -69,7 +69,7 @@ def test_rslora_scaling(tmp_path, config):
 
 def test_target_modules_as_single_string_and_all_linear(tmp_path, config):
     lora = load_peft_adapter(make_peft_dir(tmp_path / "s", config, 4, 4, ["v"], 4, target_modules="v_proj"), config)
-    assert lora.target_modules == ("v",) and set(lora.lora_a) == {(0, "v"), (1, "v")}
+    assert lora.target_modules == ("v",) and set(lora.offsets) == {(0, "v"), (1, "v")}
     lora = load_peft_adapter(make_peft_dir(tmp_path / "a", config, 4, 4, "all", 4, target_modules="all-linear"),
                              config)
     assert lora.target_modules == ALL
@@ -79,7 +79,7 @@ def test_default_adapter_name_keys_and_layer_subset(tmp_path, config):
     path = make_peft_dir(tmp_path, config, 4, 8, ["q", "down"], 5, adapter_name="default", layers_to_transform=[1])
     assert tensor_key(1, "q", "A", "default") in read_tensors(path)
     lora = load_peft_adapter(path, config)
-    assert lora.layers == (1,) and set(lora.lora_a) == {(1, "q"), (1, "down")}
+    assert lora.layers == (1,) and set(lora.offsets) == {(1, "q"), (1, "down")}
     assert lora.delta(0, "q") is None
 
 

@@ -1,5 +1,5 @@
 """The safetensors reader of adapter loads: views equal to the safetensors library's tensors, odd
-alignments and mixed dtypes, and malformed files refused with ValueError."""
+alignments and mixed dtypes, malformed files refused with ValueError, and reads into a recycled buffer."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.engine.lora.st_reader import read_file, read_safetensors
+from loraplex.engine.lora.st_reader import flat_view, parse_safetensors, read_file, view
+
+
+def read_safetensors(path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
+    entries, region = parse_safetensors(read_file(path))
+    return {name: view(region, e) for name, e in entries.items()}, flat_view(region, entries)
 
 
 def raw_file(path, entries: dict[str, tuple[str, list[int], bytes]], pad: int = 0) -> None:
@@ -28,7 +33,7 @@ def test_matches_the_safetensors_library(tmp_path):
     gen = torch.Generator().manual_seed(0)
     tensors = {f"t{i}": torch.randn(3 + i, 5, generator=gen) for i in range(12)} | {"scalar": torch.tensor(2.5)}
     save_file(tensors, tmp_path / "a.safetensors")
-    got, whole = read_safetensors(read_file(tmp_path / "a.safetensors"))
+    got, whole = read_safetensors(tmp_path / "a.safetensors")
     expected = load_file(tmp_path / "a.safetensors")
     assert got.keys() == expected.keys()
     for name, t in expected.items():
@@ -43,7 +48,7 @@ def test_mixed_dtypes_and_misaligned_offsets(tmp_path, pad):
     single = torch.tensor([[0.1, 0.2], [0.3, 0.4]], dtype=torch.float32)
     raw_file(tmp_path / "m.safetensors", {"h": ("F16", [3], half.numpy().tobytes()),
                                           "f": ("F32", [2, 2], single.numpy().tobytes())}, pad=pad)
-    got, whole = read_safetensors(read_file(tmp_path / "m.safetensors"))
+    got, whole = read_safetensors(tmp_path / "m.safetensors")
     assert torch.equal(got["h"], half) and torch.equal(got["f"], single)
     assert whole is None  # two dtypes: no one flat view
 
@@ -57,7 +62,7 @@ def test_mixed_dtypes_and_misaligned_offsets(tmp_path, pad):
 def test_malformed_headers_refused(tmp_path, content, needle):
     (tmp_path / "bad.safetensors").write_bytes(content)
     with pytest.raises(ValueError, match=needle):
-        read_safetensors(read_file(tmp_path / "bad.safetensors"))
+        read_safetensors(tmp_path / "bad.safetensors")
 
 
 @pytest.mark.parametrize("entry, needle", [
@@ -69,4 +74,35 @@ def test_malformed_headers_refused(tmp_path, content, needle):
 def test_malformed_tensor_entries_refused(tmp_path, entry, needle):
     raw_file(tmp_path / "bad.safetensors", {"w": entry})
     with pytest.raises(ValueError, match=needle):
-        read_safetensors(read_file(tmp_path / "bad.safetensors"))
+        read_safetensors(tmp_path / "bad.safetensors")
+
+
+def test_reads_into_a_recycled_buffer_when_the_file_fits(tmp_path):
+    tensors = {"w": torch.arange(12, dtype=torch.float32).view(3, 4)}
+    save_file(tensors, tmp_path / "w.safetensors")
+    size = (tmp_path / "w.safetensors").stat().st_size
+    spare = torch.full((size + 100,), 7, dtype=torch.uint8)
+    data = read_file(tmp_path / "w.safetensors", into=spare)
+    assert data.data_ptr() == spare.data_ptr() and len(data) == size
+    entries, region = parse_safetensors(data)
+    assert torch.equal(view(region, entries["w"]), tensors["w"])
+    small = torch.zeros(size - 1, dtype=torch.uint8)  # too small: a new buffer, the spare untouched
+    data = read_file(tmp_path / "w.safetensors", into=small)
+    assert data.data_ptr() != small.data_ptr() and len(data) == size and not small.any()
+
+
+def test_flat_view_only_when_tensors_tile_an_aligned_region(tmp_path):
+    a, b = torch.ones(4), torch.full((2,), 2.0)
+    aligned = 0
+    for pad in range(4):  # one of four header paddings puts the data region on a 4-byte boundary
+        raw_file(tmp_path / "t.safetensors", {"a": ("F32", [4], a.numpy().tobytes()),
+                                              "b": ("F32", [2], b.numpy().tobytes())}, pad=pad)
+        entries, region = parse_safetensors(read_file(tmp_path / "t.safetensors"))
+        if region.storage_offset() % 4:
+            assert flat_view(region, entries) is None
+            continue
+        aligned += 1
+        assert torch.equal(flat_view(region, entries), torch.cat([a, b]))
+        del entries["b"]  # its bytes now belong to no tensor: no flat view over them
+        assert flat_view(region, entries) is None
+    assert aligned == 1

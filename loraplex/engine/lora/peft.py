@@ -9,6 +9,7 @@ tensor and never mid-batch. Pickled weights (.bin, .pt, ...) are refused: loadin
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 import torch
 
 from loraplex.engine.api import InvalidRequestError
-from loraplex.engine.lora.st_reader import read_file, read_safetensors
+from loraplex.engine.lora.st_reader import Entry, flat_view, parse_safetensors, read_file, view
 from loraplex.engine.models.llama import LlamaConfig
 
 CONFIG_FILE = "adapter_config.json"
@@ -78,31 +79,50 @@ def fused_rows(config: LlamaConfig, fused: str) -> list[tuple[str, int, int]]:
 
 @dataclass
 class LoraWeights:
-    """One parsed, validated adapter. A and B are fp32 on CPU, unscaled (as PEFT stores them)."""
+    """One parsed, validated adapter: every A and B, fp32 on CPU, unscaled (as PEFT stores them), in one
+    flat tensor. That is usually a view of the file's bytes as read (`buffer`), so a load makes no torch
+    object per tensor; `a()` and `b()` give views."""
 
     rank: int
     alpha: float
     scaling: float
     target_modules: tuple[str, ...]  # short names, in MODULES order
     layers: tuple[int, ...]  # decoder layers that carry deltas
-    lora_a: dict[tuple[int, str], torch.Tensor] = field(repr=False)  # (layer, module) -> A [rank, in]
-    lora_b: dict[tuple[int, str], torch.Tensor] = field(repr=False)  # (layer, module) -> B [out, rank]
+    values: torch.Tensor = field(repr=False)  # flat fp32 holding every A [rank, in] and B [out, rank], row-major
+    offsets: dict[tuple[int, str], tuple[int, int]] = field(repr=False)  # (layer, module) -> A's, B's start in values
+    dims: dict[str, tuple[int, int]] = field(repr=False)  # module -> (in_features, out_features)
     use_rslora: bool = False
     path: str = ""
+    buffer: torch.Tensor | None = field(default=None, repr=False)  # the file's bytes `values` views, if it does
+
+    def a(self, layer: int, module: str) -> torch.Tensor:
+        """A [rank, in] of a targeted (layer, module) (KeyError otherwise)."""
+        start, in_f = self.offsets[(layer, module)][0], self.dims[module][0]
+        return self.values[start:start + self.rank * in_f].view(self.rank, in_f)
+
+    def b(self, layer: int, module: str) -> torch.Tensor:
+        """B [out, rank] of a targeted (layer, module) (KeyError otherwise)."""
+        start, out_f = self.offsets[(layer, module)][1], self.dims[module][1]
+        return self.values[start:start + out_f * self.rank].view(out_f, self.rank)
 
     def delta(self, layer: int, module: str) -> torch.Tensor | None:
         """scaling * B @ A [out, in] in fp32, or None where the adapter leaves the module alone."""
-        a = self.lora_a.get((layer, module))
-        return None if a is None else self.scaling * (self.lora_b[(layer, module)] @ a)
+        if (layer, module) not in self.offsets:
+            return None
+        return self.scaling * (self.b(layer, module) @ self.a(layer, module))
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for d in (self.lora_a, self.lora_b) for t in d.values())
+        """Bytes of A and B (4 per value)."""
+        return 4 * self.rank * sum(sum(self.dims[m]) for _, m in self.offsets)
 
 
-def load_peft_adapter(path: str | Path, config: LlamaConfig, max_rank: int = 64) -> LoraWeights:
+def load_peft_adapter(path: str | Path, config: LlamaConfig, max_rank: int = 64,
+                      buffer: torch.Tensor | None = None) -> LoraWeights:
     """Parses and validates the PEFT LoRA directory at `path` for base model `config`.
 
+    `buffer`: a flat uint8 tensor whose memory the file may be read into (read_file), so a caller
+    that owns an evicted adapter's buffer can recycle it; the result's `buffer` says whether it did.
     Raises AdapterError naming the first bad file, field or tensor.
     """
     root = Path(path).expanduser()
@@ -118,9 +138,11 @@ def load_peft_adapter(path: str | Path, config: LlamaConfig, max_rank: int = 64)
             raise AdapterError(f"{where}: only pickled weights ({', '.join(pickles)}) and no {WEIGHTS_FILE}; "
                                "pickle files are refused (they can run code), convert the adapter to safetensors")
         raise AdapterError(f"{where}: {WEIGHTS_FILE} is missing")
-    lora_a, lora_b = _read_tensors(weights, config, rank, targets, layers, where)
+    values, offsets, data = _read_tensors(weights, config, rank, targets, layers, where, buffer)
     return LoraWeights(rank=rank, alpha=alpha, scaling=scaling, target_modules=targets, layers=layers,
-                       lora_a=lora_a, lora_b=lora_b, use_rslora=rslora, path=str(root))
+                       values=values, offsets=offsets, dims=module_dims(config), use_rslora=rslora, path=str(root),
+                       buffer=data if values.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
+                       else None)
 
 
 def _read_config(root: Path, where: str) -> dict:
@@ -240,14 +262,18 @@ def _key_of(layer: int, module: str, ab: str) -> str:
 
 
 def _read_tensors(file: Path, config: LlamaConfig, rank: int, targets: tuple[str, ...], layers: tuple[int, ...],
-                  where: str) -> tuple[dict, dict]:
-    """A and B per (layer, module), each checked for name, shape, dtype and finiteness; fp32 on CPU."""
-    try:  # one read of the whole file; tensors are views into it
-        tensors, whole = read_safetensors(read_file(file))
+                  where: str, buffer: torch.Tensor | None
+                  ) -> tuple[torch.Tensor, dict[tuple[int, str], tuple[int, int]], torch.Tensor]:
+    """(values, offsets, the file's bytes): A and B of every (layer, module), each checked for name, shape,
+    dtype and finiteness, in one flat fp32 tensor (a view of the file's bytes when they are fp32)."""
+    try:  # one read of the whole file; the header is checked as plain values
+        data = read_file(file, into=buffer)
+        entries, region = parse_safetensors(data)
     except ValueError as e:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} cannot be read as safetensors: {e}") from None
-    found = _read_checked(tensors, where, config, rank, targets, layers)
-    _check_finite(found, whole, where)
+    found = _found_as_expected(entries, config, rank, targets, layers)
+    if found is None:  # an unusual or bad file: every tensor checked by name, to say what is wrong
+        found = _read_checked(entries, where, config, rank, targets, layers)
     for layer in layers:
         for module in targets:
             has_a, has_b = (layer, module) in found["A"], (layer, module) in found["B"]
@@ -258,34 +284,76 @@ def _read_tensors(file: Path, config: LlamaConfig, rank: int, targets: tuple[str
             if not has_a:
                 raise AdapterError(f"{where}: tensor {_key_of(layer, module, 'A')!r} (and its lora_B) is missing: "
                                    f"target_modules lists {PEFT_NAMES[module]} for layer {layer}")
-    return found["A"], found["B"]
+    values, offsets = _as_values(found, entries, region)
+    _check_finite(values, offsets, found, where)
+    return values, offsets, data
 
 
-def _check_finite(found: dict[str, dict[tuple[int, str], torch.Tensor]], whole: torch.Tensor | None,
-                  where: str) -> None:
-    """One pass over every value (the file's whole data region when it has one dtype); only when
-    that fails are tensors checked one by one, to name the culprit."""
-    tensors = [t for part in found.values() for t in part.values()]
-    if whole is None:
-        whole = torch.cat([t.reshape(-1) for t in tensors]) if tensors else None
+def _as_values(found: dict[str, dict[tuple[int, str], Entry]], entries: dict[str, Entry],
+               region: torch.Tensor) -> tuple[torch.Tensor, dict[tuple[int, str], tuple[int, int]]]:
+    """One flat fp32 tensor holding every A and B, and each pair's offsets in it: the file's data region
+    itself when it is all fp32 (no copy), else a converted copy with the tensors back to back."""
+    flat = flat_view(region, entries)
+    if flat is not None and flat.dtype == torch.float32:
+        return flat, {key: (a.begin // 4, found["B"][key].begin // 4) for key, a in found["A"].items()}
+    values = torch.empty(sum(e.numel for part in found.values() for e in part.values()), dtype=torch.float32)
+    offsets, at = {}, 0
+    for key, a in found["A"].items():
+        b = found["B"][key]
+        offsets[key] = (at, at + a.numel)
+        for e in (a, b):
+            values[at:at + e.numel].view(e.shape).copy_(view(region, e))
+            at += e.numel
+    return values, offsets
+
+
+def _check_finite(values: torch.Tensor, offsets: dict[tuple[int, str], tuple[int, int]],
+                  found: dict[str, dict[tuple[int, str], Entry]], where: str) -> None:
+    """One pass over every value; only when that fails are tensors checked one by one, to name the culprit."""
     # NaN and Inf propagate through a sum, so a finite sum proves every value finite; a non-finite
     # one (possibly mere overflow) falls through to the exact per-tensor check.
-    if whole is None or bool(whole.float().sum().isfinite()):
+    if bool(values.sum().isfinite()):
         return
-    for ab, part in found.items():
-        for (layer, module), t in sorted(part.items()):
-            if not bool(torch.isfinite(t).all()):
-                raise AdapterError(f"{where}: tensor {_key_of(layer, module, ab)!r} holds non-finite values "
-                                   "(NaN or Inf)")
+    for key, starts in sorted(offsets.items()):
+        for ab, start in zip("AB", starts, strict=True):
+            if not bool(torch.isfinite(values[start:start + found[ab][key].numel]).all()):
+                raise AdapterError(f"{where}: tensor {_key_of(*key, ab)!r} holds non-finite values (NaN or Inf)")
 
 
-def _read_checked(handle: dict[str, torch.Tensor], where: str, config: LlamaConfig, rank: int,
-                  targets: tuple[str, ...], layers: tuple[int, ...]) -> dict[str, dict[tuple[int, str], torch.Tensor]]:
+@functools.lru_cache(maxsize=64)
+def _expected_tensors(dims: tuple[tuple[str, tuple[int, int]], ...], rank: int, targets: tuple[str, ...],
+                      layers: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, str], tuple[int, ...]]]:
+    """name -> ("A" or "B", (layer, module), shape) of every tensor of an adapter of this shape, under the
+    names PEFT saves (adapters of one shape share the table)."""
+    dim = dict(dims)
+    return {_key_of(layer, module, ab): (ab, (layer, module), (rank, dim[module][0]) if ab == "A"
+                                         else (dim[module][1], rank))
+            for layer in layers for module in targets for ab in "AB"}
+
+
+def _found_as_expected(entries: dict[str, Entry], config: LlamaConfig, rank: int, targets: tuple[str, ...],
+                       layers: tuple[int, ...]) -> dict[str, dict[tuple[int, str], Entry]] | None:
+    """What _read_checked returns, for a file holding exactly the expected tensors under PEFT's names with the
+    right shapes and dtypes: one dict lookup per tensor (an adapter has hundreds). None for any other file."""
+    expected = _expected_tensors(tuple(module_dims(config).items()), rank, targets, layers)
+    if len(entries) != len(expected):
+        return None
+    found: dict[str, dict[tuple[int, str], Entry]] = {"A": {}, "B": {}}
+    for name, entry in entries.items():
+        want = expected.get(name)
+        if want is None or entry.shape != want[2] or entry.dtype not in _DTYPE_NAMES:
+            return None
+        found[want[0]][want[1]] = entry
+    return found
+
+
+def _read_checked(entries: dict[str, Entry], where: str, config: LlamaConfig, rank: int,
+                  targets: tuple[str, ...], layers: tuple[int, ...]) -> dict[str, dict[tuple[int, str], Entry]]:
     """Every tensor of the file, keyed "A"/"B" -> (layer, module), each checked before use."""
     dims = module_dims(config)
-    found: dict[str, dict[tuple[int, str], torch.Tensor]] = {"A": {}, "B": {}}
+    found: dict[str, dict[tuple[int, str], Entry]] = {"A": {}, "B": {}}
     adapter_names: set[str | None] = set()
-    for key in sorted(handle.keys()):
+    for key in sorted(entries):
         m = _KEY.match(key)
         if m is None:
             raise AdapterError(f"{where}: tensor {key!r} is not a LoRA A/B weight of a decoder layer projection "
@@ -307,14 +375,12 @@ def _read_checked(handle: dict[str, torch.Tensor], where: str, config: LlamaConf
                                "(one adapter per file)")
         in_f, out_f = dims[module]
         expected = (rank, in_f) if ab == "A" else (out_f, rank)
-        tensor = handle[key]
-        if tensor.shape != expected:
-            raise AdapterError(f"{where}: tensor {key!r} has shape {list(tensor.shape)}, expected {list(expected)} "
+        entry = entries[key]
+        if entry.shape != expected:
+            raise AdapterError(f"{where}: tensor {key!r} has shape {list(entry.shape)}, expected {list(expected)} "
                                f"(r={rank}; {peft_name} is {in_f} -> {out_f} in the base model)")
-        if tensor.dtype not in _DTYPE_NAMES:
-            dtype = str(tensor.dtype).removeprefix("torch.")
+        if entry.dtype not in _DTYPE_NAMES:
+            dtype = str(entry.dtype).removeprefix("torch.")
             raise AdapterError(f"{where}: tensor {key!r} has dtype {dtype}; expected float16, bfloat16 or float32")
-        if tensor.dtype != torch.float32 or not tensor.is_contiguous():
-            tensor = tensor.to(torch.float32).contiguous()
-        found[ab][(layer, module)] = tensor
+        found[ab][(layer, module)] = entry
     return found

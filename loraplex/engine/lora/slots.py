@@ -94,6 +94,10 @@ class LoraSlots:
         self._loaded: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
         self._refs: dict[str, int] = {}  # adapter -> acquisitions not yet released
         self._pinned: set[str] = set()
+        # The file buffer of the latest adapter to leave the CPU tier, for the next disk read to reuse:
+        # fresh pages cost a page fault each (on a VM, as much as the read itself). It is reused only by a
+        # later read under the lock, after the dropped adapter's last use (a slot write in the same call).
+        self._spare: torch.Tensor | None = None
 
     # ----------------------------------------------------------------------------------- layout
 
@@ -147,17 +151,17 @@ class LoraSlots:
 
     # --------------------------------------------------------------------------------- registry
 
-    def register(self, adapter_id: str, path: str | Path) -> LoraWeights:
-        """Parses and validates the adapter now, so a bad one is refused here and nothing changes."""
+    def register(self, adapter_id: str, path: str | Path) -> None:
+        """Parses and validates the adapter now, so a bad one is refused here and nothing changes. The
+        parsed weights stay private to the slots: their memory is recycled once they leave the CPU tier."""
         if not isinstance(adapter_id, str) or not adapter_id:
             raise AdapterError(f"adapter id must be a non-empty string, got {adapter_id!r}")
         with self._lock:
             if adapter_id in self._paths:
                 raise AdapterError(f"adapter {adapter_id!r} is already registered; unregister it first")
-            lora = load_peft_adapter(path, self.config, self.max_lora_rank)
+            lora = self._read(path)
             self._paths[adapter_id] = str(path)
             self._remember(adapter_id, lora)
-            return lora
 
     def unregister(self, adapter_id: str) -> None:
         """Forgets the adapter and frees its slot; refused while requests hold it (AdapterInUseError)."""
@@ -172,7 +176,9 @@ class LoraSlots:
                 self._clear_slot(slot)
             self._pinned.discard(adapter_id)
             self._refs.pop(adapter_id, None)
-            self._cpu.pop(adapter_id, None)
+            dropped = self._cpu.pop(adapter_id, None)
+            if dropped is not None:
+                self._recycle(dropped)
             del self._paths[adapter_id]
 
     def __contains__(self, adapter_id: object) -> bool:
@@ -246,7 +252,28 @@ class LoraSlots:
         self._cpu[adapter_id] = lora
         self._cpu.move_to_end(adapter_id)
         while len(self._cpu) > self.max_cpu_loras:
-            self._cpu.popitem(last=False)
+            self._recycle(self._cpu.popitem(last=False)[1])
+
+    def _read(self, path: str | Path) -> LoraWeights:
+        """Parses and validates the adapter from disk, into the spare buffer when it fits."""
+        spare, self._spare = self._spare, None
+        try:
+            lora = load_peft_adapter(path, self.config, self.max_lora_rank, buffer=spare)
+        except AdapterError:
+            self._spare = spare
+            raise
+        if spare is not None and (lora.buffer is None
+                                  or lora.buffer.untyped_storage().data_ptr() != spare.data_ptr()):
+            self._spare = spare  # not used: the file was larger, or its values were converted
+        return lora
+
+    def _recycle(self, lora: LoraWeights) -> None:
+        """Keeps the file buffer of an adapter leaving the CPU tier as the spare, when larger than the spare."""
+        if lora.buffer is None:
+            return
+        whole = torch.empty(0, dtype=torch.uint8).set_(lora.buffer.untyped_storage())  # all of it, not the slice
+        if self._spare is None or len(whole) > len(self._spare):
+            self._spare = whole
 
     def _weights(self, adapter_id: str) -> LoraWeights:
         lora = self._cpu.get(adapter_id)
@@ -255,7 +282,7 @@ class LoraSlots:
             self._cpu.move_to_end(adapter_id)
             return lora
         # Re-read from disk; re-validated, since the directory may have changed since registration.
-        lora = load_peft_adapter(self._paths[adapter_id], self.config, self.max_lora_rank)
+        lora = self._read(self._paths[adapter_id])
         self.stats.disk_loads += 1
         self._remember(adapter_id, lora)
         return lora
@@ -289,53 +316,52 @@ class LoraSlots:
     def _clear_slot(self, slot: int) -> None:
         self._folds.pop(slot, None)
         self.ranks[slot] = 0
-        self._run_blocks(self._slot_blocks(slot, None))
+        self._run_blocks(self._slot_blocks(slot, None), None)
         self._dirty[slot] = 0
 
     def _write_slot(self, slot: int, lora: LoraWeights) -> None:
         """Overwrites the whole slot: A and scaling * B in their rows, zeros everywhere else."""
         self._folds.pop(slot, None)
         self.ranks[slot] = lora.rank
-        self._run_blocks(self._slot_blocks(slot, lora))
+        self._run_blocks(self._slot_blocks(slot, lora), lora.values)
         self._dirty[slot] = lora.rank
 
     def _slot_blocks(self, slot: int, lora: LoraWeights | None) -> list[tuple]:
-        """The writes that put `lora` (None: nothing) in the slot, as blocks (src [rows, cols] or None, dst
-        view, first element in it, rows, cols, dst row stride, scale): per (layer, module) its A rows
-        [rank, in] and scaled B columns [width, rank], then zeros over what an earlier adapter left between
-        the new rank (0 where untargeted) and the slot's dirty rank. Each element is written once at most,
-        and a slot that only ever held adapters of one rank is never zeroed (the buffers start at zero)."""
+        """The writes that put `lora` (None: nothing) in the slot, as blocks (source offset in lora.values or
+        None for zeros, dst view, first element in it, rows, cols, dst row stride, scale; sources are dense
+        rows): per (layer, module) its A rows [rank, in] and scaled B columns [width, rank], then zeros
+        over what an earlier adapter left between the new rank (0 where untargeted) and the slot's dirty
+        rank. Each element is written once at most, and a slot that only ever held adapters of one rank
+        is never zeroed (the buffers start at zero)."""
         r_max, dirty, blocks = self.max_lora_rank, self._dirty[slot], []
         rank = lora.rank if lora is not None else 0
+        offsets = lora.offsets if lora is not None else {}
         for key, a_rows, b_rows in self._slot_views(slot):  # [r_max, in], [width, r_max]
             (width, _), in_f = b_rows.shape, a_rows.shape[1]
-            a = lora.lora_a.get(key) if lora is not None else None
-            live = rank if a is not None else 0
+            at = offsets.get(key)
+            live = rank if at is not None else 0
             if live:
-                blocks.append((a, a_rows, 0, live, in_f, in_f, 1.0))
-                blocks.append((lora.lora_b[key], b_rows, 0, width, live, r_max, lora.scaling))
+                blocks.append((at[0], a_rows, 0, live, in_f, in_f, 1.0))
+                blocks.append((at[1], b_rows, 0, width, live, r_max, lora.scaling))
             if dirty > live:
                 blocks.append((None, a_rows, live * in_f, dirty - live, in_f, in_f, 0.0))
                 blocks.append((None, b_rows, live, width, dirty - live, r_max, 0.0))
         return blocks
 
-    def _run_blocks(self, blocks: list[tuple]) -> None:
-        """One C call over all blocks for fp32 slots on the CPU; torch ops per block elsewhere."""
-        if self._copy_in_c:  # C reads the sources' raw rows: made dense fp32 first (a loaded adapter's are)
-            entries, sources = [], []  # sources: alive until the call returns (some are copies)
-            for src, dst, at, rows, cols, dld, scale in blocks:
-                if src is not None:
-                    sources.append(src := _dense_f32(src))
-                entries.append(block(0 if src is None else src.data_ptr(), dst.data_ptr() + 4 * at, rows, cols,
-                                     0 if src is None else src.stride(0), dld, scale))
-            copy_blocks(entries)
+    def _run_blocks(self, blocks: list[tuple], values: torch.Tensor | None) -> None:
+        """One C call over all blocks for fp32 slots on the CPU; torch ops per block elsewhere. `values`:
+        the flat fp32 source the blocks' offsets index (None when every block is a zero fill)."""
+        if self._copy_in_c:  # C reads the source rows at their raw addresses
+            base = values.data_ptr() if values is not None else 0
+            copy_blocks([block(0 if src is None else base + 4 * src, dst.data_ptr() + 4 * at, rows, cols, cols, dld,
+                               scale) for src, dst, at, rows, cols, dld, scale in blocks])
             return
         for src, dst, at, rows, cols, dld, scale in blocks:
             out = dst.as_strided((rows, cols), (dld, 1), dst.storage_offset() + at)
             if src is None:
                 out.zero_()
                 continue
-            out.copy_(src)  # (across devices)
+            out.copy_(values[src:src + rows * cols].view(rows, cols))  # (across devices)
             if scale != 1.0:
                 out.mul_(scale)
 
@@ -354,9 +380,3 @@ class LoraSlots:
             self._views[slot] = views
         return views
 
-
-def _dense_f32(t: torch.Tensor) -> torch.Tensor:
-    """t itself when it is fp32 on the CPU with dense rows (a loaded adapter's tensors are); else a copy that is."""
-    if t.dtype == torch.float32 and t.device.type == "cpu" and t.stride(-1) == 1:
-        return t
-    return t.to("cpu", torch.float32).contiguous()

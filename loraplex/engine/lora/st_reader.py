@@ -1,10 +1,12 @@
-"""Zero-copy reading of a safetensors file: one read, tensors as views into that one buffer.
+"""Zero-copy reading of a safetensors file: one read, a header of plain integers, views made only on demand.
 
 Adapter loads sit on the request path (a cold adapter is read while its request waits), so the
 file is read once, into an uninitialised buffer (a zero-filled bytearray costs as much again as
-the read), and never copied again: the tensors are strided views of it, one op each, and when every
-tensor shares one dtype the whole data region is one flat tensor that a single reduction can check
-for NaN/Inf.
+the read) or into a recycled one (fresh pages cost a page fault each: on a VM that is as slow as the
+read itself), and never copied again. The header is checked as plain Python values, without a torch
+object per tensor (an adapter has hundreds, and per-tensor views cost more than the read): callers
+that need tensors take views of the data region, and when every tensor shares one dtype the whole
+region is one flat tensor that a single reduction can check for NaN/Inf.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import math
 import os
 import struct
+from typing import NamedTuple
 
 import torch
 
@@ -21,8 +24,21 @@ DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F
           "BOOL": torch.bool}
 
 
-def read_safetensors(data: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
-    """Returns ({name: view}, flat view of the whole data region or None when dtypes differ).
+class Entry(NamedTuple):
+    """One tensor of the file: its dtype, shape and byte range [begin, end) in the data region."""
+
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def parse_safetensors(data: torch.Tensor) -> tuple[dict[str, Entry], torch.Tensor]:
+    """Returns ({name: Entry}, the data region as a flat uint8 view of `data`).
 
     `data` is the file's bytes, a flat uint8 tensor (read_file). Raises ValueError for anything
     that is not a well-formed safetensors buffer.
@@ -41,59 +57,63 @@ def read_safetensors(data: torch.Tensor) -> tuple[dict[str, torch.Tensor], torch
         raise ValueError(f"header is not valid JSON: {e}") from None
     if not isinstance(header, dict):
         raise ValueError("header is not a JSON object")
-    start = 8 + header_len
-    size = len(data) - start
-    region = data[start:]
-    typed: dict[torch.dtype, torch.Tensor | None] = {}  # the data region as each dtype, when aligned to it
-    strides: dict[tuple[int, ...], list[int]] = {}  # contiguous strides per shape (adapters repeat a few)
-    tensors: dict[str, torch.Tensor] = {}
-    covered = 0
-    for name, info in header.items():
+    region = data[8 + header_len:]
+    size = len(region)
+    entries: dict[str, Entry] = {}
+    for name, info in header.items():  # plain comparisons: this runs for each of an adapter's hundreds of tensors
         if name == "__metadata__":
             continue
         try:
-            dtype = DTYPES[info["dtype"]]
-            shape = tuple(map(int, info["shape"]))
-            begin, end = map(int, info["data_offsets"])
+            dtype, shape, (begin, end) = DTYPES[info["dtype"]], info["shape"], info["data_offsets"]
+            nbytes = dtype.itemsize
+            for d in shape:
+                if type(d) is not int:
+                    raise TypeError
+                nbytes *= d
+            if type(shape) is not list or type(begin) is not int or type(end) is not int:
+                raise TypeError
         except (KeyError, TypeError, ValueError):
             raise ValueError(f"tensor {name!r} has a malformed header entry") from None
-        item = dtype.itemsize
-        nbytes = math.prod(shape) * item
-        if not (0 <= begin <= end <= size) or end - begin != nbytes or min(shape, default=0) < 0:
+        if not 0 <= begin <= end <= size or end - begin != nbytes or min(shape, default=0) < 0:
             raise ValueError(f"tensor {name!r} has data offsets [{begin}, {end}) that do not fit the file")
-        if dtype not in typed:
-            typed[dtype] = region[:size - size % item].view(dtype) if start % item == 0 else None
-        whole = typed[dtype]
-        if whole is not None and begin % item == 0:  # a view: one op (the offset counts from the storage's start)
-            if shape not in strides:
-                strides[shape] = _contiguous_strides(shape)
-            tensors[name] = whole.as_strided(shape, strides[shape], whole.storage_offset() + begin // item)
-        else:  # misaligned for its dtype: a copy of its bytes
-            tensors[name] = region[begin:end].clone().view(dtype).view(shape)
-        covered += nbytes
-    flat = None
-    if len(typed) == 1 and covered == size and size:
-        (flat,) = typed.values()
-    return tensors, flat
+        entries[name] = Entry(dtype, tuple(shape), begin, end)
+    return entries, region
 
 
-def _contiguous_strides(shape: tuple[int, ...]) -> list[int]:
-    strides, step = [], 1
-    for d in reversed(shape):
-        strides.append(step)
-        step *= max(d, 1)
-    return strides[::-1]
+def view(region: torch.Tensor, entry: Entry) -> torch.Tensor:
+    """The tensor `entry` describes: a view of the region where its dtype's alignment allows, else a copy."""
+    item = entry.dtype.itemsize
+    if (region.storage_offset() + entry.begin) % item == 0:
+        return region[entry.begin:entry.end].view(entry.dtype).view(entry.shape)
+    return region[entry.begin:entry.end].clone().view(entry.dtype).view(entry.shape)
 
 
-def read_file(path) -> torch.Tensor:
-    """The whole file as a flat uint8 tensor, read straight into uninitialised memory."""
+def flat_view(region: torch.Tensor, entries: dict[str, Entry]) -> torch.Tensor | None:
+    """The whole region as one flat tensor of the entries' single dtype, when they share one, tile the
+    region exactly (no gaps: every value in it belongs to a tensor) and the region is aligned; else None."""
+    dtypes = {e.dtype for e in entries.values()}
+    if len(dtypes) != 1 or not len(region):
+        return None
+    (dtype,) = dtypes
+    if sum(e.end - e.begin for e in entries.values()) != len(region) \
+            or region.storage_offset() % dtype.itemsize or any(e.begin % dtype.itemsize for e in entries.values()):
+        return None
+    return region.view(dtype)
+
+
+def read_file(path, into: torch.Tensor | None = None) -> torch.Tensor:
+    """The whole file as a flat uint8 tensor, read straight into uninitialised memory, or into the
+    front of `into` (a flat uint8 buffer to recycle) when the file fits in it."""
     with open(path, "rb", buffering=0) as f:
         size = os.fstat(f.fileno()).st_size
-        data = torch.empty(size, dtype=torch.uint8)
-        view = memoryview(data.numpy())
+        if into is not None and into.dtype == torch.uint8 and into.dim() == 1 and len(into) >= size:
+            data = into[:size]
+        else:
+            data = torch.empty(size, dtype=torch.uint8)
+        view_ = memoryview(data.numpy())
         got = 0
         while got < size:
-            n = f.readinto(view[got:])
+            n = f.readinto(view_[got:])
             if not n:
                 raise ValueError(f"file ended after {got} of {size} bytes (changed while read)")
             got += n
