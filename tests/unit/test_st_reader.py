@@ -106,3 +106,15 @@ def test_flat_view_only_when_tensors_tile_an_aligned_region(tmp_path):
         del entries["b"]  # its bytes now belong to no tensor: no flat view over them
         assert flat_view(region, entries) is None
     assert aligned == 1
+
+
+@pytest.mark.parametrize("split", [False, True])
+def test_read_file_returns_every_byte_in_one_or_two_halves(tmp_path, monkeypatch, split):
+    from loraplex.engine.lora import st_reader
+
+    blob = torch.randint(0, 256, (1001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
+    (tmp_path / "f").write_bytes(blob.numpy().tobytes())
+    monkeypatch.setattr(st_reader, "SPLIT_READ_BYTES", 64 if split else 1 << 40)
+    assert torch.equal(read_file(tmp_path / "f"), blob)
+    spare = torch.zeros(2000, dtype=torch.uint8)
+    assert torch.equal(read_file(tmp_path / "f", into=spare), blob) and not spare[1001:].any()

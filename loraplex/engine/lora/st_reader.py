@@ -11,10 +11,12 @@ region is one flat tensor that a single reduction can check for NaN/Inf.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
 import struct
+from concurrent.futures import ThreadPoolExecutor
 from typing import NamedTuple
 
 import torch
@@ -101,20 +103,43 @@ def flat_view(region: torch.Tensor, entries: dict[str, Entry]) -> torch.Tensor |
     return region.view(dtype)
 
 
+# Files at least this large are read in two halves at once: one core's copy out of the page cache
+# runs well under the memory's bandwidth (measured on a 2-core VM: 3.5 ms for 19.5 MB alone, 2.6 ms
+# in two halves).
+SPLIT_READ_BYTES = 4 << 20
+
+
+@functools.cache
+def _reader() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-read")
+
+
 def read_file(path, into: torch.Tensor | None = None) -> torch.Tensor:
     """The whole file as a flat uint8 tensor, read straight into uninitialised memory, or into the
     front of `into` (a flat uint8 buffer to recycle) when the file fits in it."""
     with open(path, "rb", buffering=0) as f:
-        size = os.fstat(f.fileno()).st_size
+        fd = f.fileno()
+        size = os.fstat(fd).st_size
         if into is not None and into.dtype == torch.uint8 and into.dim() == 1 and len(into) >= size:
             data = into[:size]
         else:
             data = torch.empty(size, dtype=torch.uint8)
-        view_ = memoryview(data.numpy())
-        got = 0
-        while got < size:
-            n = f.readinto(view_[got:])
-            if not n:
-                raise ValueError(f"file ended after {got} of {size} bytes (changed while read)")
-            got += n
+        buf = memoryview(data.numpy())
+        half = size // 2 if size >= SPLIT_READ_BYTES else size
+        second = _reader().submit(_read_range, fd, buf, half, size) if half < size else None
+        try:
+            _read_range(fd, buf, 0, half)
+        finally:
+            if second is not None:
+                second.result()  # (before the file closes, even when the first half failed)
     return data
+
+
+def _read_range(fd: int, buf: memoryview, begin: int, end: int) -> None:
+    """Bytes [begin, end) of the file into the same bytes of buf (pread: no shared file position)."""
+    got = begin
+    while got < end:
+        n = os.preadv(fd, [buf[got:end]], got)
+        if not n:
+            raise ValueError(f"file ended after {got} of {len(buf)} bytes (changed while read)")
+        got += n
