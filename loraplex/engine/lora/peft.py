@@ -111,11 +111,6 @@ class LoraWeights:
             return None
         return self.scaling * (self.b(layer, module) @ self.a(layer, module))
 
-    @property
-    def nbytes(self) -> int:
-        """Bytes of A and B (4 per value)."""
-        return 4 * self.rank * sum(sum(self.dims[m]) for _, m in self.offsets)
-
 
 def load_peft_adapter(path: str | Path, config: LlamaConfig, max_rank: int = 64,
                       buffer: torch.Tensor | None = None) -> LoraWeights:
