@@ -266,9 +266,18 @@ def _read_tensors(file: Path, config: LlamaConfig, rank: int, targets: tuple[str
         entries, region = parse_safetensors(data)
     except ValueError as e:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} cannot be read as safetensors: {e}") from None
-    found = _found_as_expected(entries, config, rank, targets, layers)
+    found = _found_as_expected(entries, config, rank, targets, layers)  # (complete when not None)
     if found is None:  # an unusual or bad file: every tensor checked by name, to say what is wrong
         found = _read_checked(entries, where, config, rank, targets, layers)
+        _check_complete(found, targets, layers, where)
+    values, offsets = _as_values(found, entries, region)
+    _check_finite(values, offsets, found, where)
+    return values, offsets, data
+
+
+def _check_complete(found: dict[str, dict[tuple[int, str], Entry]], targets: tuple[str, ...],
+                    layers: tuple[int, ...], where: str) -> None:
+    """Every targeted (layer, module) has both its A and its B."""
     for layer in layers:
         for module in targets:
             has_a, has_b = (layer, module) in found["A"], (layer, module) in found["B"]
@@ -279,9 +288,6 @@ def _read_tensors(file: Path, config: LlamaConfig, rank: int, targets: tuple[str
             if not has_a:
                 raise AdapterError(f"{where}: tensor {_key_of(layer, module, 'A')!r} (and its lora_B) is missing: "
                                    f"target_modules lists {PEFT_NAMES[module]} for layer {layer}")
-    values, offsets = _as_values(found, entries, region)
-    _check_finite(values, offsets, found, where)
-    return values, offsets, data
 
 
 def _as_values(found: dict[str, dict[tuple[int, str], Entry]], entries: dict[str, Entry],
@@ -329,7 +335,8 @@ def _expected_tensors(dims: tuple[tuple[str, tuple[int, int]], ...], rank: int, 
 def _found_as_expected(entries: dict[str, Entry], config: LlamaConfig, rank: int, targets: tuple[str, ...],
                        layers: tuple[int, ...]) -> dict[str, dict[tuple[int, str], Entry]] | None:
     """What _read_checked returns, for a file holding exactly the expected tensors under PEFT's names with the
-    right shapes and dtypes: one dict lookup per tensor (an adapter has hundreds). None for any other file."""
+    right shapes and dtypes (so none is missing): one dict lookup per tensor (an adapter has hundreds). None
+    for any other file."""
     expected = _expected_tensors(tuple(module_dims(config).items()), rank, targets, layers)
     if len(entries) != len(expected):
         return None
