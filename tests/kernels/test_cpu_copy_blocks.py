@@ -31,7 +31,7 @@ def test_blocks_copy_scale_and_zero(scale, count):
             part = src[i, :rows, 1:1 + cols]
             entries.append(block(part.data_ptr(), out.data_ptr(), rows, cols, 33, 40, scale))
             expected[i, r0:r0 + rows, c0:c0 + cols] = scale * part
-    copy_blocks(entries)
+    copy_blocks(torch.tensor(entries, dtype=torch.int64))
     assert torch.equal(dst, expected)  # fp32 products rounded as torch rounds them; nothing else touched
 
 
@@ -41,6 +41,13 @@ def test_malformed_entries_refused_before_any_write(bad):
     fields = dict(rows=4, cols=8, src_ld=8, dst_ld=8) | bad
     good = block(src.data_ptr(), dst.data_ptr(), 4, 8, 8, 8, 1.0)
     with pytest.raises(ValueError, match="negative sizes or a row stride"):
-        copy_blocks([good, block(src.data_ptr(), dst.data_ptr(), fields["rows"], fields["cols"], fields["src_ld"],
-                                 fields["dst_ld"], 1.0)])
+        copy_blocks(torch.tensor([good, block(src.data_ptr(), dst.data_ptr(), fields["rows"], fields["cols"],
+                                              fields["src_ld"], fields["dst_ld"], 1.0)]))
     assert not dst.any()
+
+
+def test_a_table_of_the_wrong_shape_or_type_is_refused():
+    good = block(0, 0, 0, 0, 0, 0, 0.0)
+    for table in (torch.tensor([good], dtype=torch.int32), torch.tensor([good[:6]]), torch.tensor(good)):
+        with pytest.raises(ValueError, match="int64 CPU tensor"):
+            copy_blocks(table)

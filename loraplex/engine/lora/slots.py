@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.engine.kernels.cpu.copy_blocks import block, copy_blocks, copy_blocks_available
+from loraplex.engine.kernels.cpu.copy_blocks import copy_blocks, copy_blocks_available, scale_bits
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora
 from loraplex.engine.lora.peft import (
     FUSED,
@@ -44,6 +44,8 @@ from loraplex.engine.models.llama import LlamaConfig
 # the separate pass saves.
 FOLD_MIN_SHARE = 0.5
 FOLD_MIN_TOKENS = 8
+
+_ONE, _SCALED, _ZERO = 0, 1, 2  # a slot block's scale (_slot_blocks): 1, the adapter's scaling, zero fill
 
 
 @dataclass
@@ -84,6 +86,10 @@ class LoraSlots:
         self._kernel_table = None  # kernel_table(), built on first use
         self._folds: dict[int, torch.Tensor] = {}  # slot -> its adapter packed for folding (fold_for)
         self._views: dict[int, list] = {}  # slot -> _slot_views(slot)
+        self._view_addresses: dict[int, torch.Tensor] = {}
+        # Per view (the same for every slot): its A rows' features and its B rows (_slot_blocks).
+        self._view_dims = torch.tensor([(self._in[f], width) for _ in range(config.num_layers)
+                                        for f, rows in self._rows.items() for _, _, width in rows], dtype=torch.int64)
         # Per slot, the rank below which its A rows / B columns may hold non-zero values (all else is zero).
         self._dirty = [0] * max_loras
         self._copy_in_c = self.device.type == "cpu" and dtype == torch.float32 and copy_blocks_available()
@@ -146,8 +152,8 @@ class LoraSlots:
 
     def nbytes(self) -> int:
         """Device memory of the slot buffers and the folded copies."""
-        return (sum(t.numel() * t.element_size() for layer in (*self.lora_a, *self.lora_b) for t in layer.values())
-                + sum(t.numel() * t.element_size() for t in self._folds.values()))
+        buffers = [t for layer in (*self.lora_a, *self.lora_b) for t in layer.values()]
+        return sum(t.numel() * t.element_size() for t in (*buffers, *self._folds.values()))
 
     # --------------------------------------------------------------------------------- registry
 
@@ -173,7 +179,7 @@ class LoraSlots:
             slot = self._loaded.pop(adapter_id, None)
             if slot is not None:
                 self._owner[slot] = None
-                self._clear_slot(slot)
+                self._write_slot(slot, None)
             self._pinned.discard(adapter_id)
             self._refs.pop(adapter_id, None)
             dropped = self._cpu.pop(adapter_id, None)
@@ -313,61 +319,68 @@ class LoraSlots:
         self.stats.last_load_ms = (time.perf_counter() - start) * 1000.0
         return slot
 
-    def _clear_slot(self, slot: int) -> None:
-        self._folds.pop(slot, None)
-        self.ranks[slot] = 0
-        self._run_blocks(self._slot_blocks(slot, None), None)
-        self._dirty[slot] = 0
-
-    def _write_slot(self, slot: int, lora: LoraWeights) -> None:
-        """Overwrites the whole slot: A and scaling * B in their rows, zeros everywhere else."""
-        self._folds.pop(slot, None)
-        self.ranks[slot] = lora.rank
-        self._run_blocks(self._slot_blocks(slot, lora), lora.values)
-        self._dirty[slot] = lora.rank
-
-    def _slot_blocks(self, slot: int, lora: LoraWeights | None) -> list[tuple]:
-        """The writes that put `lora` (None: nothing) in the slot, as blocks (source offset in lora.values or
-        None for zeros, dst view, first element in it, rows, cols, dst row stride, scale; sources are dense
-        rows): per (layer, module) its A rows [rank, in] and scaled B columns [width, rank], then zeros
-        over what an earlier adapter left between the new rank (0 where untargeted) and the slot's dirty
-        rank. Each element is written once at most, and a slot that only ever held adapters of one rank
-        is never zeroed (the buffers start at zero)."""
-        r_max, dirty, blocks = self.max_lora_rank, self._dirty[slot], []
+    def _write_slot(self, slot: int, lora: LoraWeights | None) -> None:
+        """Overwrites the whole slot: A and scaling * B in their rows, zeros everywhere else (None: all
+        zeros, an empty slot)."""
         rank = lora.rank if lora is not None else 0
-        offsets = lora.offsets if lora is not None else {}
-        for key, a_rows, b_rows in self._slot_views(slot):  # [r_max, in], [width, r_max]
-            (width, _), in_f = b_rows.shape, a_rows.shape[1]
-            at = offsets.get(key)
-            live = rank if at is not None else 0
-            if live:
-                blocks.append((at[0], a_rows, 0, live, in_f, in_f, 1.0))
-                blocks.append((at[1], b_rows, 0, width, live, r_max, lora.scaling))
-            if dirty > live:
-                blocks.append((None, a_rows, live * in_f, dirty - live, in_f, in_f, 0.0))
-                blocks.append((None, b_rows, live, width, dirty - live, r_max, 0.0))
-        return blocks
+        self._folds.pop(slot, None)
+        self.ranks[slot] = rank
+        self._run_blocks(slot, self._slot_blocks(slot, lora), lora)
+        self._dirty[slot] = rank
 
-    def _run_blocks(self, blocks: list[tuple], values: torch.Tensor | None) -> None:
-        """One C call over all blocks for fp32 slots on the CPU; torch ops per block elsewhere. `values`:
-        the flat fp32 source the blocks' offsets index (None when every block is a zero fill)."""
+    def _slot_blocks(self, slot: int, lora: LoraWeights | None) -> torch.Tensor:
+        """The writes that put `lora` (None: nothing) in the slot, as int64 rows [blocks, 8]: (view, 0 for
+        its A rows or 1 for its B rows (_slot_views), source offset in lora.values or -1 for zeros, first
+        element in the view, rows, cols, dst row stride, scale: _ONE, _SCALED or _ZERO); sources are dense
+        rows. Per (layer, module): its A rows [rank, in] and scaled B columns [width, rank], then zeros over
+        what an earlier adapter left between the new rank (0 where untargeted) and the slot's dirty rank.
+        Each element is written once at most, and a slot that only ever held adapters of one rank is never
+        zeroed (the buffers start at zero). Built as columns: a load sits on a request's path, and one
+        Python tuple per block cost more than the copies."""
+        views, dims = self._slot_views(slot), self._view_dims  # dims [views, 2]: (in, width)
+        n, in_f, width = len(views), dims[:, 0], dims[:, 1]
+        at = torch.full((n, 2), -1, dtype=torch.int64)  # per view: its A and B start in lora.values
+        if lora is not None:
+            at = torch.tensor([lora.offsets.get(key, (-1, -1)) for key, _, _ in views], dtype=torch.int64)
+        live = torch.where(at[:, 0] >= 0, lora.rank if lora is not None else 0, 0)
+        stale = (self._dirty[slot] - live).clamp(min=0)
+
+        def rows(*columns) -> torch.Tensor:
+            return torch.stack([torch.broadcast_to(torch.as_tensor(c, dtype=torch.int64), (n,)) for c in columns], 1)
+
+        view, r_max = torch.arange(n), self.max_lora_rank
+        return torch.cat([rows(view, 0, at[:, 0], 0, live, in_f, in_f, _ONE)[live > 0],
+                          rows(view, 1, at[:, 1], 0, width, live, r_max, _SCALED)[live > 0],
+                          rows(view, 0, -1, live * in_f, stale, in_f, in_f, _ZERO)[stale > 0],
+                          rows(view, 1, -1, live, width, stale, r_max, _ZERO)[stale > 0]])
+
+    def _run_blocks(self, slot: int, blocks: torch.Tensor, lora: LoraWeights | None) -> None:
+        """One C call over all blocks for fp32 slots on the CPU; torch ops per block elsewhere. `lora`:
+        whose values the blocks' source offsets index (None when every block is a zero fill)."""
+        scales = (1.0, lora.scaling if lora is not None else 0.0, 0.0)  # by _ONE, _SCALED, _ZERO
+        view, ab, src, at, nrows, ncols, dld, scale = blocks.unbind(1)
         if self._copy_in_c:  # C reads the source rows at their raw addresses
-            base = values.data_ptr() if values is not None else 0
-            copy_blocks([block(0 if src is None else base + 4 * src, dst.data_ptr() + 4 * at, rows, cols, cols, dld,
-                               scale) for src, dst, at, rows, cols, dld, scale in blocks])
+            base = lora.values.data_ptr() if lora is not None else 0
+            bits = torch.tensor([scale_bits(v) for v in scales], dtype=torch.int64)
+            copy_blocks(torch.stack([torch.where(src >= 0, base + 4 * src, 0),
+                                     self._view_addresses[slot][view, ab] + 4 * at,
+                                     nrows, ncols, ncols, dld, bits[scale]], 1))
             return
-        for src, dst, at, rows, cols, dld, scale in blocks:
-            out = dst.as_strided((rows, cols), (dld, 1), dst.storage_offset() + at)
-            if src is None:
+        views = self._slot_views(slot)
+        for v, b, first, start, r, c, ld, code in blocks.tolist():
+            dst = views[v][1 + b]
+            out = dst.as_strided((r, c), (ld, 1), dst.storage_offset() + start)
+            if first < 0:
                 out.zero_()
                 continue
-            out.copy_(values[src:src + rows * cols].view(rows, cols))  # (across devices)
-            if scale != 1.0:
-                out.mul_(scale)
+            out.copy_(lora.values[first:first + r * c].view(r, c))  # (across devices)
+            if scales[code] != 1.0:
+                out.mul_(scales[code])
 
     def _slot_views(self, slot: int) -> list[tuple[tuple[int, str], torch.Tensor, torch.Tensor]]:
         """Per (layer, module) of a slot: its A rows [r_max, in] and B rows [width, r_max] in the
-        stacked buffers, sliced once per slot (a load then only copies: it sits on a request's path)."""
+        stacked buffers, sliced once per slot (a load then only copies: it sits on a request's path),
+        with their addresses (_view_addresses[slot], int64 [views, 2]) for the C copy."""
         views = self._views.get(slot)
         if views is None:
             r_max, views = self.max_lora_rank, []
@@ -378,5 +391,7 @@ class LoraSlots:
                     views += [((layer, m), a_buf[s * r_max:(s + 1) * r_max], b_buf[off:off + width])
                               for s, (m, off, width) in enumerate(rows)]
             self._views[slot] = views
+            self._view_addresses[slot] = torch.tensor([(a.data_ptr(), b.data_ptr()) for _, a, b in views],
+                                                      dtype=torch.int64)
         return views
 

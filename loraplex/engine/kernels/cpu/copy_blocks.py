@@ -5,7 +5,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import struct
-from array import array
+
+import torch
 
 from loraplex.engine.kernels.cpu.build import functions
 
@@ -21,22 +22,23 @@ def copy_blocks_available() -> bool:
     return _fns() is not None
 
 
-@functools.lru_cache(maxsize=64)  # a load uses three scales (0, 1, its own)
-def _bits(scale: float) -> int:
+def scale_bits(scale: float) -> int:
+    """A scale as the table holds it: the double's bits as an int64."""
     return struct.unpack("<q", struct.pack("<d", scale))[0]
 
 
 def block(src: int, dst: int, rows: int, cols: int, src_ld: int, dst_ld: int, scale: float) -> tuple[int, ...]:
-    """One table entry: dst[i, j] = scale * src[i, j] (src = 0: zeros); addresses as integers, lds in floats."""
-    return src, dst, rows, cols, src_ld, dst_ld, _bits(scale)
+    """One table row: dst[i, j] = scale * src[i, j] (src = 0: zeros); addresses as integers, lds in floats."""
+    return src, dst, rows, cols, src_ld, dst_ld, scale_bits(scale)
 
 
-def copy_blocks(entries: list[tuple[int, ...]]) -> None:
-    """Runs the entries (each from block()); their destinations must not overlap. The caller owns the
-    addresses: they must lie in live fp32 CPU tensors, which is why this takes no tensors."""
-    if any(len(e) != BLOCK_FIELDS for e in entries):
-        raise ValueError(f"each entry has {BLOCK_FIELDS} fields")
-    table = array("q", [v for e in entries for v in e])  # int64, flat
-    address, _ = table.buffer_info()
-    if entries and _fns()["lp_copy_blocks_f32"](address, len(entries)):
+def copy_blocks(table: torch.Tensor) -> None:
+    """Runs the table: int64 [blocks, BLOCK_FIELDS] on the CPU, rows as block() makes them (or built as
+    columns); their destinations must not overlap. The caller owns the addresses: they must lie in live
+    fp32 CPU tensors, which is why the table holds integers, not tensors."""
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != BLOCK_FIELDS or table.device.type != "cpu":
+        raise ValueError(f"the table must be an int64 CPU tensor [blocks, {BLOCK_FIELDS}], got {table.dtype} "
+                         f"{tuple(table.shape)} on {table.device}")
+    table = table.contiguous()
+    if table.shape[0] and _fns()["lp_copy_blocks_f32"](table.data_ptr(), table.shape[0]):
         raise ValueError("a block has negative sizes or a row stride shorter than its row")
