@@ -99,10 +99,15 @@ def test_busy_model_is_not_evicted_even_when_least_recently_used():
     pool.submit(*pool.prepare(req("long", "m1", max_tokens=200)))
     while pool.models["m1"].core is None or not pool.models["m1"].core.scheduler.running:
         pool.step() if pool.runnable() else time.sleep(0.005)
-    run(pool, [req("b", "m2")])
-    run(pool, [req("c", "m3")])  # room must come from m2, the idle one, not from busy m1
+    # Blocking loads step nothing, so "long" cannot run out during them: only the eight steps of
+    # m2's request advance it (stepping through background loads let a slow machine finish it).
+    pool.load("m2")
+    run(pool, [req("b", "m2")])  # m2 is now used later than m1: m1 is the least recently used
+    assert "long" in pool.in_flight()
+    pool.load("m3")  # room must come from m2, the idle one, not from busy m1
     tiers = {n: s["tier"] for n, s in pool.stats().items()}
     assert tiers["m1"] == "device" and tiers["m2"] != "device" and tiers["m3"] == "device"
+    assert "long" in pool.in_flight()
     pool.abort("long")
 
 
