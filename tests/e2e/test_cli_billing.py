@@ -76,11 +76,13 @@ def test_budgets_prices_and_exports_with_a_live_server(monkeypatch, env, tmp_pat
         ok(cli(monkeypatch, env, "budgets", "set", "--tenant", "acme", "--key", keys[0][:12], "--limit-tokens", "80",
                "--period", "month", "--soft-limit-tokens", "40"))
         ok(cli(monkeypatch, env, "budgets", "set", "--tenant", "acme", "--limit-tokens", "100000", "--period", "total"))
-        when = (datetime.now(UTC) + timedelta(seconds=1)).isoformat()
+        effective = datetime.now(UTC) + timedelta(seconds=3)  # the CLI refuses a start in the past
+        when = effective.isoformat()
         ok(cli(monkeypatch, env, "prices", "set", "--model", "synthetic:tiny", "--input-per-1m", "1.5",
                "--cached-input-per-1m", "0.5", "--output-per-1m", "6", "--effective-from", when))
         assert "synthetic:tiny\tUSD\tinput 1.50" in ok(cli(monkeypatch, env, "prices", "list"))
-        time.sleep(1)  # requests from now on fall under that price
+        # requests from now on fall under that price
+        time.sleep(max(0.0, (effective - datetime.now(UTC)).total_seconds()) + 0.05)
 
         capped = openai.OpenAI(api_key=keys[0], base_url=f"{server.base_url}/v1", max_retries=0, timeout=60)
         with pytest.raises(openai.RateLimitError) as info:

@@ -68,7 +68,10 @@ def test_key_budget_soft_limit_and_the_tenants_default_max_tokens(postgres_backe
 def test_two_instances_200_concurrent_requests_stay_within_the_budget(postgres_backend):
     per_request = PROMPT + 8
     limit = 50 * per_request
-    with app_client(postgres_backend) as a, app_client(postgres_backend) as b:
+    # 32 client threads and two apps on a small machine: a Redis round trip can wait on a busy event
+    # loop longer than the default 0.5 s, which would turn budgeted requests into 503s.
+    slow_ok = {"redis_timeout_s": 5.0}
+    with app_client(postgres_backend, **slow_ok) as a, app_client(postgres_backend, **slow_ok) as b:
         tenant, tenant_id, key = new_tenant(a, "burst")
         set_budget(a, tenant, limit)
         with ThreadPoolExecutor(max_workers=32) as pool:
