@@ -168,6 +168,8 @@ class EngineStats:
     adapters_loaded: int = 0  # adapters resident in device slots
     adapter_loads: int = 0
     adapter_evictions: int = 0
+    adapter_merges: int = 0  # adapters merged into a copy of the weights for steps wholly on them
+    adapter_merged_bytes: int = 0  # memory of the merged copies held now
     models_resident: int = 0  # base models on the device (the rest wait on the CPU tier or disk)
     model_loads: int = 0
     model_evictions: int = 0

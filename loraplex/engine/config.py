@@ -52,6 +52,10 @@ class EngineConfig:
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int = 32
+    # CPU fused decode steps: once one adapter has held every token of this many decode steps in a row,
+    # it is merged into a copy of the projection weights and such steps run without LoRA work
+    # (lora/merged.py; one copy, about the size of the projections). 0: never.
+    lora_merge_after_steps: int = 16
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -62,6 +66,8 @@ class EngineConfig:
                      "max_lora_rank", "max_cpu_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.lora_merge_after_steps < 0:
+            raise ValueError(f"engine config: lora_merge_after_steps must be >= 0, got {self.lora_merge_after_steps}")
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"engine config: preemption_mode must be recompute or swap, got {self.preemption_mode!r}")
         if len(self.priority_weights) != 3 or any(w <= 0 for w in self.priority_weights):

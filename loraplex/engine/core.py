@@ -26,6 +26,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.frontend import RequestFrontend, kv_blocks
 from loraplex.engine.kv.block_pool import BlockPool
+from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.llama import LlamaModel
 from loraplex.engine.models.loader import LoadedModel, load_model, resolve_model
@@ -111,6 +112,8 @@ class EngineCore:
             self.lora = LoraSlots(model.config, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras,
                                   model.dtype, model.device)
             self.runner.lora_slots = self.lora
+            if cfg.lora_merge_after_steps:
+                self.runner.lora_merge = MergedAdapter(model, self.lora, cfg.lora_merge_after_steps)
             self.scheduler.adapters = self.lora
         self.lora.register(adapter_id, path)
 
@@ -194,7 +197,7 @@ class EngineCore:
             running[r.priority] += 1
         waiting = list(sched.waiting)
         swap = sched.swap_pool
-        lora = self.lora
+        lora, merge = self.lora, self.runner.lora_merge
         return EngineStats(
             running=sum(running.values()), waiting=len(waiting),
             kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
@@ -208,7 +211,8 @@ class EngineCore:
             prefix_cached_blocks=self.pool.num_cached, prefix_query_tokens=counters.prefix_query_tokens,
             prefix_hit_tokens=counters.prefix_hit_tokens,
             adapters_loaded=len(lora.loaded()) if lora else 0, adapter_loads=lora.stats.loads if lora else 0,
-            adapter_evictions=lora.stats.evictions if lora else 0)
+            adapter_evictions=lora.stats.evictions if lora else 0,
+            adapter_merges=merge.builds if merge else 0, adapter_merged_bytes=merge.nbytes() if merge else 0)
 
     # --- synchronous convenience -----------------------------------------------------------
 

@@ -9,6 +9,7 @@ import torch
 
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex
 from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
+from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.attention import build_metadata
 from loraplex.engine.models.llama import LlamaModel
@@ -19,18 +20,25 @@ from loraplex.engine.sched.scheduler import ScheduledBatch
 class StepLora:
     """The adapters of one step, as LlamaModel.forward calls them: lora.apply(layer, module, x, out)."""
 
-    def __init__(self, slots: LoraSlots, index: LoraBatchIndex):
+    def __init__(self, slots: LoraSlots, index: LoraBatchIndex, merge: MergedAdapter | None = None):
         self.slots = slots
         self.index = index
+        self.merge = merge
 
     def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor) -> None:
         self.slots.apply(layer, module, x, out, self.index)
 
     def kernel_args(self):
-        """(the slots' kernel table, this step's tokens grouped by slot, the adapter to fold or None)
-        for the fused CPU decode step, or None where the slots have no kernel table."""
+        """For the fused CPU decode step: (the slots' kernel table, this step's tokens grouped by slot,
+        the adapter to fold or None, None), or (None, None, None, merged layers) when every token runs on
+        one merged adapter (lora/merged.py); None where the slots have no kernel table."""
         table = self.slots.kernel_table()
-        return None if table is None else (table, self.index.slot_groups, self.slots.fold_for(self.index))
+        if table is None:
+            return None
+        merged = self.merge.layers_for(self.index) if self.merge is not None else None
+        if merged is not None:
+            return None, None, None, merged
+        return table, self.index.slot_groups, self.slots.fold_for(self.index), None
 
 
 class ModelRunner:
@@ -40,6 +48,7 @@ class ModelRunner:
         self.device = model.device
         self.block_size = block_size
         self.lora_slots: LoraSlots | None = None
+        self.lora_merge: MergedAdapter | None = None  # set with lora_slots where merging is on
         shape = (cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim)
         # [layers, 2, blocks, block_size, kv_heads, head_dim]: one op moves a block in every layer
         self.kv_storage = allocate_kv_storage(shape[0], num_blocks, *shape[1:], model.dtype, model.device)
@@ -97,4 +106,4 @@ class ModelRunner:
     def _step_lora(self, token_slots: list[int]) -> StepLora | None:
         if self.lora_slots is None or max(token_slots) < 0:
             return None
-        return StepLora(self.lora_slots, LoraBatchIndex.from_token_slots(token_slots, self.device))
+        return StepLora(self.lora_slots, LoraBatchIndex.from_token_slots(token_slots, self.device), self.lora_merge)

@@ -53,6 +53,10 @@ class EngineCollector:
         yield CounterMetricFamily("loraplex_adapter_loads", "Adapter loads into device slots", value=s.adapter_loads)
         yield CounterMetricFamily("loraplex_adapter_evictions", "Adapter evictions from device slots",
                                   value=s.adapter_evictions)
+        yield CounterMetricFamily("loraplex_adapter_merges", "Adapters merged into a copy of the weights for "
+                                  "decode steps wholly on them", value=s.adapter_merges)
+        yield GaugeMetricFamily("loraplex_adapter_merged_bytes", "Memory of the merged adapter weight copies",
+                                value=s.adapter_merged_bytes)
         yield CounterMetricFamily("loraplex_engine_generated_tokens", "Tokens the engine generated",
                                   value=s.generated_tokens)
         yield CounterMetricFamily("loraplex_engine_steps", "Engine steps run", value=s.num_steps)

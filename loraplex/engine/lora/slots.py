@@ -85,6 +85,7 @@ class LoraSlots:
         self.stats = LoraSlotStats()
         self._kernel_table = None  # kernel_table(), built on first use
         self._folds: dict[int, torch.Tensor] = {}  # slot -> its adapter packed for folding (fold_for)
+        self.writes = [0] * max_loras  # slot -> times written: a copy made from a slot names the write it saw
         self._views: dict[int, list] = {}  # slot -> _slot_views(slot)
         self._view_addresses: dict[int, torch.Tensor] = {}
         # Per view (the same for every slot): its A rows' features and its B rows (_slot_blocks).
@@ -149,6 +150,21 @@ class LoraSlots:
             if fold is None:
                 fold = self._folds[slot] = table.pack_fold(slot)
         return slot, fold
+
+    def merged_weight(self, layer: int, module: str, slot: int, base: torch.Tensor, out: torch.Tensor) -> bool:
+        """out [out_total, in] = base + the slot's delta for this layer and fused module (each slice's
+        scaled B @ A), for lora/merged.py. Returns False, writing nothing, where the adapter leaves the
+        module alone (its B is all zero)."""
+        with self._lock:
+            rank, r_max = int(self.ranks[slot]), self.max_lora_rank
+            a = self.lora_a[layer][module][slot]  # [S * r_max, in]
+            b = self.lora_b[layer][module][slot]  # [out_total, r_max], scaling folded in
+            if rank == 0 or not bool(b[:, :rank].any()):
+                return False
+            for s, (_, off, width) in enumerate(self._rows[module]):
+                torch.addmm(base[off:off + width], b[off:off + width, :rank], a[s * r_max:s * r_max + rank],
+                            out=out[off:off + width])
+            return True
 
     def nbytes(self) -> int:
         """Device memory of the slot buffers and the folded copies."""
@@ -324,6 +340,7 @@ class LoraSlots:
         zeros, an empty slot)."""
         rank = lora.rank if lora is not None else 0
         self._folds.pop(slot, None)
+        self.writes[slot] += 1
         self.ranks[slot] = rank
         self._run_blocks(slot, self._slot_blocks(slot, lora), lora)
         self._dirty[slot] = rank

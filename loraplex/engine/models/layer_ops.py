@@ -77,7 +77,9 @@ class CpuKernelOps(TorchOps):
         from loraplex.engine.kernels.cpu import decode_step, layer_ops, linear
 
         self.k, self.lin, self.step = layer_ops, linear, decode_step
-        self._step_models: dict[int, tuple] = {}  # id(kv_caches) -> (kv_caches, DecodeStepModel)
+        # (id(kv_caches), id(layers)) -> (kv_caches, layers, DecodeStepModel); layers are the model's, or
+        # a merged adapter's copy of them (lora/merged.py)
+        self._step_models: dict[tuple[int, int], tuple] = {}
 
     def rope_state(self, positions):
         # checked here once per forward; the C kernel indexes the tables with them
@@ -110,25 +112,29 @@ class CpuKernelOps(TorchOps):
         (more rows than the packed kernel serves, or adapters without a kernel table)."""
         if input_ids.shape[0] > self.lin.packed_max_rows():
             return None
-        lora_args = (None, None, None)
+        lora_args, layers = (None, None, None), model.layers
         if lora is not None:
-            lora_args = lora.kernel_args()
-            if lora_args is None:
+            kernel_args = lora.kernel_args()
+            if kernel_args is None:
                 return None
-        entry = self._step_models.get(id(kv_caches))
-        if entry is None or entry[0] is not kv_caches:
-            if len(self._step_models) >= 4:  # runners come and go with model residency
+            *lora_args, merged = kernel_args
+            if merged is not None:  # every token on one merged adapter: its weights, no LoRA work
+                layers = merged
+        key = (id(kv_caches), id(layers))
+        entry = self._step_models.get(key)
+        if entry is None or entry[0] is not kv_caches or entry[1] is not layers:
+            if len(self._step_models) >= 4:  # runners come and go with model residency, merged copies with adapters
                 self._step_models.clear()
-            entry = (kv_caches, self._step_model(model, kv_caches))
-            self._step_models[id(kv_caches)] = entry
+            entry = (kv_caches, layers, self._step_model(model, kv_caches, layers))
+            self._step_models[key] = entry
         h = torch.index_select(model.w["embed"], 0, input_ids)  # [tokens, hidden]
-        return entry[1].run(h, positions, attn.slot_mapping, attn.decode_blocks, attn.decode_lens, logits_indices,
+        return entry[2].run(h, positions, attn.slot_mapping, attn.decode_blocks, attn.decode_lens, logits_indices,
                             *lora_args)
 
-    def _step_model(self, model, kv_caches):
+    def _step_model(self, model, kv_caches, weights):
         cfg = model.config
-        # model.layers: (input norm, qkv, qkv bias, o, post norm, gate_up, down); then the layer's K and V cache
-        layers = [(*weights, *kv) for weights, kv in zip(model.layers, kv_caches, strict=True)]
+        # weights: (input norm, qkv, qkv bias, o, post norm, gate_up, down) per layer; then its K and V cache
+        layers = [(*w, *kv) for w, kv in zip(weights, kv_caches, strict=True)]
         return self.step.DecodeStepModel(
             hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps, rope_cos=self.rope_cos, rope_sin=self.rope_sin,

@@ -61,27 +61,32 @@ def packed_max_rows() -> int:
 @dataclass(frozen=True)
 class PackedWeight:
     """A weight [out_features, in_features] in linear.c's panel layout (flat fp32 storage), with the
-    weight itself (the loaded tensor, no copy) for prefill-sized batches."""
+    weight itself (the loaded tensor, no copy) for prefill-sized batches; `weight` is None for a copy
+    made only for decode steps (an adapter merged into the weights, lora/merged.py)."""
 
     data: torch.Tensor
-    weight: torch.Tensor
+    weight: torch.Tensor | None
     out_features: int
     in_features: int
 
 
-def pack(w: torch.Tensor) -> PackedWeight:
-    """Packs a weight [out, in] (fp32, CPU) once, at model load."""
+def pack(w: torch.Tensor, keep_weight: bool = True) -> PackedWeight:
+    """Packs a weight [out, in] (fp32, CPU) once, at model load; keep_weight=False drops the
+    reference to `w` (the packed copy then serves packed_max_rows() rows at most)."""
     fns = _fns()
     require("w", w, 2)
     n, k = w.shape
     data = torch.empty(fns["lp_packed_size"](n, k), dtype=torch.float32)
     fns["lp_pack_f32"](w.data_ptr(), n, k, data.data_ptr())
-    return PackedWeight(data, w, n, k)
+    return PackedWeight(data, w if keep_weight else None, n, k)
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, W, bias) for x [tokens, in] (rows may be strided, features dense) -> [tokens, out]."""
     if x.dim() == 2 and x.shape[0] > packed_max_rows():
+        if w.weight is None:
+            raise ValueError(f"this packed weight serves at most {packed_max_rows()} rows (it keeps no unpacked "
+                             f"copy), got {x.shape[0]}")
         return torch.nn.functional.linear(x, w.weight, bias)
     fns = _fns()
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
