@@ -30,8 +30,9 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--batch", {"type": int, "default": 32}),
         ("--rank", {"type": int, "default": 16}),
         ("--new-tokens", {"type": int, "default": 64}),
-        ("--peft-new-tokens", {"type": int, "default": 16,
-                               "help": "PEFT's mixed-adapter batch is slow: fewer tokens keep the run short"}),
+        ("--peft-new-tokens", {"type": int, "default": None,
+                               "help": "tokens per request for HF PEFT (default: --new-tokens). Fewer keep the "
+                                       "run short but flatter the ratio: PEFT's prefill weighs more per token"}),
         ("--skip-peft", {"action": "store_true"}),
         ("--rounds", {"type": int, "default": 3,
                       "help": "rounds, each with the four patterns' engines taking turns step by step; all count"}),
