@@ -25,8 +25,7 @@ from loraplex.engine.lora.slots import LoraSlots
 
 log = logging.getLogger(__name__)
 
-MERGED_MODULES = ("qkv", "o", "gate_up", "down")  # fused projections, in LlamaModel.layers' slot order
-_LAYER_POSITIONS = {"qkv": 1, "o": 3, "gate_up": 5, "down": 6}  # where each sits in a layer tuple
+_LAYER_POSITIONS = {"qkv": 1, "o": 3, "gate_up": 5, "down": 6}  # each fused projection's place in a layer tuple
 
 
 class MergedAdapter:
@@ -83,11 +82,11 @@ class MergedAdapter:
         layers = []
         for li, base_layer in enumerate(self.model.layers):
             layer = list(base_layer)
-            for module in MERGED_MODULES:
+            for module, position in _LAYER_POSITIONS.items():
                 base = self.model.w[f"layers.{li}.{module}"]  # [out, in]
                 out = scratch.setdefault(tuple(base.shape), torch.empty_like(base))
                 if self.slots.merged_weight(li, module, slot, base, out):
-                    layer[_LAYER_POSITIONS[module]] = pack(out, keep_weight=False)
+                    layer[position] = pack(out, keep_weight=False)
             layers.append(tuple(layer))
         self._key, self._layers = key, layers
         self.builds += 1
