@@ -124,6 +124,39 @@ def test_side_prefetch_of_a_wide_batch_leaves_the_adapter_deltas_as_they_are(tmp
         assert torch.equal(with_lora[i], base[i]) == (slot < 0)
 
 
+def test_a_wide_batch_of_many_adapters_on_two_threads_matches_the_per_op_path(tmp_path, monkeypatch):
+    """40 rows over six adapters of ranks 4 to 32 and the base model, on GEMMs wide enough for both
+    threads (tiny-wide): lora.c splits each phase between the threads by cost, so shares cut adapters'
+    rows and tiles; the step stays bit-identical to the per-op path. Adapter a holds 17 tokens (a
+    block of 16+, so its shrink takes the tile kernel; rank 20, a whole tile and a part; no fold at
+    under half)."""
+    prev_threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(7)
+        prompts = tuple(int(n) for n in torch.randint(2, 60, (40,), generator=g))
+        model, storage = _model_and_cache("tiny-wide", len(prompts))
+        slots = LoraSlots(model.config, max_loras=6, max_lora_rank=32, max_cpu_loras=6)
+        specs = (("a", 20, "all"), ("b", 8, ("q", "v", "gate", "down")), ("c", 4, "all"), ("d", 16, "all"),
+                 ("e", 32, ("k", "o", "up")), ("f", 16, "all"))
+        for name, rank, targets in specs:
+            slots.register(name, make_peft_dir(tmp_path / name, model.config, rank, 16, targets, seed=rank + 1))
+        a, b, c, d, e, f = (slots.acquire(name) for name, _, _ in specs)
+        token_slots = [a] * 17 + [b] * 6 + [c] * 3 + [d, e, f] + [-1] * 11
+        token_slots = [token_slots[i] for i in torch.randperm(40, generator=g)]  # groups are gathered rows
+        _prefill(model, storage, g, prompts)
+        ids = torch.randint(0, model.config.vocab_size, (len(prompts),), generator=g)
+        rows = torch.arange(len(prompts))
+        lora = StepLora(slots, LoraBatchIndex.from_token_slots(token_slots, torch.device("cpu")))
+        assert lora.kernel_args()[2] is None  # no fold: every group is lora.c's
+        with_lora = _both_paths(model, storage, ids, rows, monkeypatch, lora, prompts)
+        base = _both_paths(model, storage, ids, rows, monkeypatch, prompts=prompts)
+        for i, slot in enumerate(token_slots):
+            assert torch.equal(with_lora[i], base[i]) == (slot < 0)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
 def _fold_setup(tmp_path):
     """12 sequences, 8 of them on adapter a (rank 12: two shrink panels for qkv), 2 on b, 2 on the base."""
     g = torch.Generator().manual_seed(6)

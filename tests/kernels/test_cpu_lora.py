@@ -156,6 +156,38 @@ def test_slices_and_odd_sizes(module: str, shape: str) -> None:
     check(make_batch("distinct", shape, False, seed=4), module, 8, ranks=[8, 5] * 6, pad=float("nan"))
 
 
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("pattern", ["distinct", "uniform", "skewed"])
+@pytest.mark.parametrize("module", ["smollm_qkv", "smollm_gate_up"])
+@pytest.mark.parametrize("shape", ["decode", "prefill"])
+def test_bits_do_not_depend_on_how_the_work_is_split(module: str, shape: str, pattern: str, seed: int) -> None:
+    """Every row of the shrink and every output of the expand is summed the same way whichever rows
+    or outputs share its call (the dot products' horizontal sums in one order, a tile cut by a split
+    still taken by the tile kernel), so one thread and two give the same bits."""
+    index = make_batch(pattern, shape, True, seed=seed)  # (most of these cases failed before the change)
+    ranks = [20, 16, 7, 32, 12, 20, 16, 9, 32, 20, 1, 24]  # 20: a whole tile and a part; 7: dot only
+    a, b, widths = make_weights(module, 32, ranks)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(index.num_tokens, a.shape[2], generator=g)  # [T, in]
+    out = torch.randn(index.num_tokens, sum(widths), generator=g)  # [T, out]
+    rk = torch.tensor(ranks, dtype=torch.int32)
+    prev = torch.get_num_threads()
+    got = {}
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            got[threads] = out.clone()
+            lora_shrink_expand_cpu(x, got[threads], a, b, index, slice_widths=widths, ranks=rk)
+    finally:
+        torch.set_num_threads(prev)
+    assert torch.equal(got[1], got[2])
+    expected = ref_lora_shrink_expand(x, out, a, b, index.token_slots, widths, rk)
+    torch.testing.assert_close(got[2], expected, atol=ATOL, rtol=RTOL)
+    if shape == "prefill":  # the tile kernel served a block: 16+ tokens of one slot
+        counts = torch.bincount(index.token_slots[index.token_slots >= 0].long(), minlength=NUM_SLOTS)
+        assert int(counts.max()) >= 16
+
+
 @pytest.mark.parametrize("with_base", [False, True], ids=["lora-only", "with-base"])
 @pytest.mark.parametrize("shape", ["decode", "prefill"])
 @pytest.mark.parametrize("pattern", PATTERNS)

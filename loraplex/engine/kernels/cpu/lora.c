@@ -29,6 +29,8 @@
 #include <omp.h>
 #endif
 
+#include "lora_tiles.h"
+
 /* Tokens of one slot per block: bounds the token pointer arrays; longer groups (prefill) are split so
  * the threads can share them and a block's x rows stay in L2. */
 #define BLOCK_TOKENS 64
@@ -37,9 +39,6 @@
 /* Below this much estimated work a second thread costs more than it saves. */
 #define PARALLEL_MIN_WORK (96 * 1024)
 #define MAX_SLICES 4
-#define MAX_RANK 256
-#define EXPAND_TILE 16 /* outputs per transposed B tile */
-#define DOT_KC 768      /* features per dot-product pass: six tokens' worth (18 KB) stay in L1 */
 #define MANY_TOKENS 16 /* a block this big is compute-bound: packed shrink, weights asked for ahead */
 #define SHRINK_KC 256   /* features of A per packed tile: 16 rows x 256 fill a panel */
 #define PF_AHEAD (24 * 1024) /* bytes of weights asked for ahead of the compute: more than a panel */
@@ -99,6 +98,10 @@ static int walk_next(walk_t *w) {
         const double tokens = blk->end - blk->begin + FIXED_COST;
         const int64_t units = w->expand ? (job->w[w->s] + EXPAND_TILE - 1) / EXPAND_TILE : blk->rank;
         const double unit = w->expand ? (double)EXPAND_TILE * blk->rank * tokens : (double)job->K * tokens;
+        if (w->base + unit * units <= w->lo) { /* wholly before the thread's share: skipped without dividing */
+            w->base += unit * units;
+            continue;
+        }
         w->u0 = split_at(w->base, unit, units, w->lo);
         w->u1 = split_at(w->base, unit, units, w->hi);
         w->base += unit * units;
@@ -154,281 +157,35 @@ static void prefetch_ahead(prefetch_t *pf, int64_t used, int issue) {
 }
 
 #if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-
-static const int32_t MASK_TABLE[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-
-/* Lanes 0 .. n-1 on (0 < n <= 8). */
-static inline __m256i lane_mask(int64_t n) { return _mm256_loadu_si256((const __m256i *)(MASK_TABLE + 8 - n)); }
-
-static inline float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-    return _mm_cvtss_f32(s);
-}
-
-/* [sum(a), sum(b), sum(c), sum(d)] */
-static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
-    __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-/* [sum(v[0]), .., sum(v[7])] */
-static inline __m256 hsum8x8(const __m256 *v) {
-    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    return _mm256_add_ps(_mm256_permute2f128_ps(t0, t1, 0x20), _mm256_permute2f128_ps(t0, t1, 0x31));
-}
-
-/* Shrink, R rows of A (a, row stride lda) x M tokens over kc features: y[m * ldy + r] (+)= A_r . x_m
- * (added when acc_y: a later chunk of features). Inlined with constant R and M so the R * M
- * accumulators stay in registers. */
-static inline __attribute__((always_inline)) void shrink_rm(const float *a, int64_t lda, int64_t kc,
-                                                            const float *const *xr, int64_t x0, float *y, int64_t ldy,
-                                                            int acc_y, const int R, const int M) {
-    __m256 acc[4][6];
-    for (int r = 0; r < R; r++)
-        for (int m = 0; m < M; m++) acc[r][m] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 8 <= kc; k += 8) {
-        __m256 av[4];
-        for (int r = 0; r < R; r++) av[r] = _mm256_loadu_ps(a + r * lda + k);
-        for (int m = 0; m < M; m++) {
-            __m256 xv = _mm256_loadu_ps(xr[m] + x0 + k);
-            for (int r = 0; r < R; r++) acc[r][m] = _mm256_fmadd_ps(av[r], xv, acc[r][m]);
-        }
-    }
-    if (k < kc) { /* masked tail: lanes beyond kc read as zero, nothing past a row is touched */
-        __m256i mk = lane_mask(kc - k);
-        __m256 av[4];
-        for (int r = 0; r < R; r++) av[r] = _mm256_maskload_ps(a + r * lda + k, mk);
-        for (int m = 0; m < M; m++) {
-            __m256 xv = _mm256_maskload_ps(xr[m] + x0 + k, mk);
-            for (int r = 0; r < R; r++) acc[r][m] = _mm256_fmadd_ps(av[r], xv, acc[r][m]);
-        }
-    }
-    for (int m = 0; m < M; m++) {
-        if (R == 4) {
-            __m128 v = hsum4x8(acc[0][m], acc[1][m], acc[2][m], acc[3][m]);
-            _mm_storeu_ps(y + m * ldy, acc_y ? _mm_add_ps(_mm_loadu_ps(y + m * ldy), v) : v);
-        } else {
-            for (int r = 0; r < R; r++) y[m * ldy + r] = (acc_y ? y[m * ldy + r] : 0.0f) + hsum8(acc[r][m]);
-        }
-    }
-}
-
-/* Shrink by dot products over A's rows (fewer than MANY_TOKENS tokens): the tokens in groups, each
- * against the rows two at a time (four for one or two tokens: memory-bound, A read once in order),
- * over DOT_KC features at a time so a group's features stay in L1 while A comes from L2. */
-static void shrink_dot(const float *a, int64_t K, int64_t j0, int64_t j1, const float *const *xr, int m, float *y,
-                       int64_t ldy) {
-    const int ng = (m + 5) / 6;
-    const int64_t step = m <= 2 ? K : DOT_KC;
-    for (int64_t x0 = 0; x0 < K; x0 += step) {
-        const int64_t kc = K - x0 < step ? K - x0 : step;
-        const int acc = x0 > 0;
-        for (int g = 0; g < ng; g++) {
-            const int t = m * g / ng, c = m * (g + 1) / ng - t;
-            const float *const *xs = xr + t;
-            float *ys = y + t * ldy;
-            const float *ax = a + x0;
-            int64_t j = j0;
-            for (; c <= 2 && j + 4 <= j1; j += 4) {
-                if (c == 1)
-                    shrink_rm(ax + j * K, K, kc, xs, x0, ys + j, ldy, acc, 4, 1);
-                else
-                    shrink_rm(ax + j * K, K, kc, xs, x0, ys + j, ldy, acc, 4, 2);
-            }
-            for (; c > 2 && j + 2 <= j1; j += 2) {
-                switch (c) {
-                    case 3: shrink_rm(ax + j * K, K, kc, xs, x0, ys + j, ldy, acc, 2, 3); break;
-                    case 4: shrink_rm(ax + j * K, K, kc, xs, x0, ys + j, ldy, acc, 2, 4); break;
-                    case 5: shrink_rm(ax + j * K, K, kc, xs, x0, ys + j, ldy, acc, 2, 5); break;
-                    default: shrink_rm(ax + j * K, K, kc, xs, x0, ys + j, ldy, acc, 2, 6); break;
-                }
-            }
-            for (; j < j1; j++)
-                for (int q = 0; q < c; q++) shrink_rm(ax + j * K, K, kc, xs + q, x0, ys + q * ldy + j, ldy, acc, 1, 1);
-        }
-    }
-}
-
-/* Expand by dot products over B's rows, for one or two tokens (memory-bound: B streamed in order):
- * out_m[n] += B[n, :rk] . y_m for n0 <= n < n1. */
-static inline __attribute__((always_inline)) void expand_dot(const float *b, int64_t r_max, int64_t rk, int64_t n0,
-                                                             int64_t n1, const float *y, int64_t ldy,
-                                                             float *const *outr, const int M) {
-    __m256 yv[2][MAX_RANK / 8];
-    int64_t chunks = (rk + 7) / 8;
-    __m256i tail = lane_mask(rk - (chunks - 1) * 8);
-    for (int m = 0; m < M; m++)
-        for (int64_t c = 0; c < chunks; c++)
-            yv[m][c] = c + 1 < chunks ? _mm256_loadu_ps(y + m * ldy + c * 8)
-                                      : _mm256_maskload_ps(y + m * ldy + c * 8, tail);
-    int64_t n = n0;
-    for (; n + 8 <= n1; n += 8) {
-        __m256 p[2][8];
-        for (int i = 0; i < 8; i++) {
-            const float *br = b + (n + i) * r_max;
-            for (int m = 0; m < M; m++) p[m][i] = _mm256_setzero_ps();
-            for (int64_t c = 0; c + 1 < chunks; c++) {
-                __m256 bv = _mm256_loadu_ps(br + c * 8);
-                for (int m = 0; m < M; m++) p[m][i] = _mm256_fmadd_ps(bv, yv[m][c], p[m][i]);
-            }
-            __m256 bv = _mm256_maskload_ps(br + (chunks - 1) * 8, tail); /* padding columns read as 0 */
-            for (int m = 0; m < M; m++) p[m][i] = _mm256_fmadd_ps(bv, yv[m][chunks - 1], p[m][i]);
-        }
-        for (int m = 0; m < M; m++)
-            _mm256_storeu_ps(outr[m] + n, _mm256_add_ps(_mm256_loadu_ps(outr[m] + n), hsum8x8(p[m])));
-    }
-    for (; n < n1; n++) {
-        const float *br = b + n * r_max;
-        for (int m = 0; m < M; m++) {
-            __m256 acc = _mm256_setzero_ps();
-            for (int64_t c = 0; c < chunks; c++) {
-                __m256 bv = c + 1 < chunks ? _mm256_loadu_ps(br + c * 8) : _mm256_maskload_ps(br + c * 8, tail);
-                acc = _mm256_fmadd_ps(bv, yv[m][c], acc);
-            }
-            outr[m][n] += hsum8(acc);
-        }
-    }
-}
-
-/* Bt[k * 16 + i] = B[n0 + i, k] for k < rk, i < 16 (rows of B r_max apart; also A's, then r_max = K);
- * rows at or beyond `rows` read as zero. Loads whole 8-column chunks, up to round_up(rk, 8) <= r_max,
- * but stores only k < rk. */
-static void pack_tile(const float *b, int64_t r_max, int64_t rk, int64_t n0, int64_t rows, float *bt) {
-    if (r_max % 8) { /* rows are not 8-float aligned chunks: scalar */
-        for (int64_t k = 0; k < rk; k++)
-            for (int64_t i = 0; i < EXPAND_TILE; i++)
-                bt[k * EXPAND_TILE + i] = i < rows ? b[(n0 + i) * r_max + k] : 0.0f;
-        return;
-    }
-    for (int h = 0; h < EXPAND_TILE; h += 8) {
-        for (int64_t k0 = 0; k0 < rk; k0 += 8) {
-            __m256 r[8];
-            for (int i = 0; i < 8; i++)
-                r[i] = h + i < rows ? _mm256_loadu_ps(b + (n0 + h + i) * r_max + k0) : _mm256_setzero_ps();
-            /* 8x8 transpose */
-            __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-            __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-            __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-            __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-            __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-            __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-            __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-            __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-            __m256 c[8] = {
-                _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
-                _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
-                _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
-                _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31),
-            };
-            for (int i = 0; i < 8 && k0 + i < rk; i++) _mm256_store_ps(bt + (k0 + i) * EXPAND_TILE + h, c[i]);
-        }
-    }
-}
-
-/* The GEMM microkernel of both phases, M tokens x one packed tile of 16 columns (12 accumulators):
- * out_m[n + i] = (init ? 0 : out_m[n + i]) + sum_{k < kn} in_m[k] * P[k * 16 + i] for i < cols <= 16.
- * Shrink: P = 16 rows of A transposed, in = x rows, out = y rows; expand: P = 16 rows of B
- * transposed, in = y rows, out = out rows. */
-static inline __attribute__((always_inline)) void tile_gemm(const float *P, int64_t kn, const float *const *in,
-                                                            float *const *outr, int64_t n, int64_t cols, int init,
-                                                            const int M) {
-#if defined(__AVX512F__)
-    /* a tile row is one 512-bit vector (twice the AVX2 body's columns per FMA); even and odd k in
-     * separate accumulators, so 2 * M chains hide the FMA latency as the AVX2 body's 12 do */
-    const __mmask16 live = (__mmask16)((1u << cols) - 1);
-    __m512 acc5[6][2];
-    for (int m = 0; m < M; m++) {
-        acc5[m][0] = init ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(live, outr[m] + n);
-        acc5[m][1] = _mm512_setzero_ps();
-    }
-    int64_t k = 0;
-    for (; k + 2 <= kn; k += 2) {
-        __m512 p0 = _mm512_load_ps(P + k * EXPAND_TILE), p1 = _mm512_load_ps(P + (k + 1) * EXPAND_TILE);
-        for (int m = 0; m < M; m++) {
-            acc5[m][0] = _mm512_fmadd_ps(p0, _mm512_set1_ps(in[m][k]), acc5[m][0]);
-            acc5[m][1] = _mm512_fmadd_ps(p1, _mm512_set1_ps(in[m][k + 1]), acc5[m][1]);
-        }
-    }
-    if (k < kn) {
-        __m512 p0 = _mm512_load_ps(P + k * EXPAND_TILE);
-        for (int m = 0; m < M; m++) acc5[m][0] = _mm512_fmadd_ps(p0, _mm512_set1_ps(in[m][k]), acc5[m][0]);
-    }
-    for (int m = 0; m < M; m++) _mm512_mask_storeu_ps(outr[m] + n, live, _mm512_add_ps(acc5[m][0], acc5[m][1]));
-#else
-    __m256 acc[6][2];
-    int full = cols == EXPAND_TILE;
-    __m256i m0 = lane_mask(cols < 8 ? cols : 8), m1 = lane_mask(cols > 8 ? cols - 8 : 1);
-    for (int m = 0; m < M; m++) {
-        if (init) {
-            acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-        } else if (full) {
-            acc[m][0] = _mm256_loadu_ps(outr[m] + n);
-            acc[m][1] = _mm256_loadu_ps(outr[m] + n + 8);
-        } else {
-            acc[m][0] = _mm256_maskload_ps(outr[m] + n, m0);
-            acc[m][1] = cols > 8 ? _mm256_maskload_ps(outr[m] + n + 8, m1) : _mm256_setzero_ps();
-        }
-    }
-    for (int64_t k = 0; k < kn; k++) {
-        __m256 p0 = _mm256_load_ps(P + k * EXPAND_TILE), p1 = _mm256_load_ps(P + k * EXPAND_TILE + 8);
-        for (int m = 0; m < M; m++) {
-            __m256 v = _mm256_broadcast_ss(in[m] + k);
-            acc[m][0] = _mm256_fmadd_ps(p0, v, acc[m][0]);
-            acc[m][1] = _mm256_fmadd_ps(p1, v, acc[m][1]);
-        }
-    }
-    for (int m = 0; m < M; m++) {
-        if (full) {
-            _mm256_storeu_ps(outr[m] + n, acc[m][0]);
-            _mm256_storeu_ps(outr[m] + n + 8, acc[m][1]);
-        } else {
-            _mm256_maskstore_ps(outr[m] + n, m0, acc[m][0]);
-            if (cols > 8) _mm256_maskstore_ps(outr[m] + n + 8, m1, acc[m][1]);
-        }
-    }
-#endif
-}
-
-/* tile_gemm for a group of c (3 to 6) tokens. */
-static inline __attribute__((always_inline)) void tile_group(const float *P, int64_t kn, const float *const *in,
-                                                             float *const *outr, int64_t n, int64_t cols, int init,
-                                                             int c) {
-    switch (c) {
-        case 3: tile_gemm(P, kn, in, outr, n, cols, init, 3); break;
-        case 4: tile_gemm(P, kn, in, outr, n, cols, init, 4); break;
-        case 5: tile_gemm(P, kn, in, outr, n, cols, init, 5); break;
-        default: tile_gemm(P, kn, in, outr, n, cols, init, 6); break;
-    }
-}
-
-/* Rows j0 .. j1-1 of one slice of A (a = its row 0) against m tokens: y[t * ldy + j] = A[j] . x_t.
- * MANY_TOKENS or more: a GEMM like the expand's over 16 rows x SHRINK_KC features of A packed
- * transposed (in L1), with no horizontal sums, and A read evenly while it runs; other rows (a rank
- * or a thread's share not a multiple of 16) and fewer tokens: shrink_dot. */
-static void shrink_rows(const float *a, int64_t K, int64_t j0, int64_t j1, const float *const *xr, int m, float *y,
-                        int64_t ldy, prefetch_t *pf) {
+/* Rows j0 .. j1-1 of one slice of A (a = its row 0; rk rows live) against m tokens:
+ * y[t * ldy + j] = A[j] . x_t. MANY_TOKENS or more: the rows of the slice's whole 16-row tiles (from
+ * row 0) by a GEMM like the expand's over a tile x SHRINK_KC features of A packed transposed (in L1),
+ * with no horizontal sums, and A read evenly while it runs; a thread's share that cuts a tile takes
+ * its part of it the same way, so each row's bits do not depend on how the rows were split. Other
+ * rows (a rank not a multiple of 16) and fewer tokens: shrink_dot. */
+static void shrink_rows(const float *a, int64_t K, int64_t rk, int64_t j0, int64_t j1, const float *const *xr, int m,
+                        float *y, int64_t ldy, prefetch_t *pf) {
     float at[PANEL_FLOATS] __attribute__((aligned(64)));
     const float *xs[BLOCK_TOKENS];
     float *yr[BLOCK_TOKENS];
     for (int t = 0; t < m; t++) yr[t] = y + t * ldy;
     const int ng = (m + 5) / 6;
+    const int64_t tiled = m >= MANY_TOKENS ? rk / EXPAND_TILE * EXPAND_TILE : 0;
     int64_t j = j0;
-    for (; m >= MANY_TOKENS && j + EXPAND_TILE <= j1; j += EXPAND_TILE) /* whole tiles: none half empty */
+    while (j < j1 && j < tiled) {
+        const int64_t tile_end = (j / EXPAND_TILE + 1) * EXPAND_TILE, rows = (tile_end < j1 ? tile_end : j1) - j;
         for (int64_t x0 = 0; x0 < K; x0 += SHRINK_KC) {
-            const int64_t kc = K - x0 < SHRINK_KC ? K - x0 : SHRINK_KC, used = EXPAND_TILE * kc * 4 / ng;
-            pack_tile(a + x0, K, kc, j, EXPAND_TILE, at);
+            const int64_t kc = K - x0 < SHRINK_KC ? K - x0 : SHRINK_KC, used = rows * kc * 4 / ng;
+            pack_tile(a + x0, K, kc, j, rows, at);
             for (int t = 0; t < m; t++) xs[t] = xr[t] + x0;
             for (int g = 0; g < ng; g++) {
                 const int t = m * g / ng;
                 prefetch_ahead(pf, used, 1);
-                tile_group(at, kc, xs + t, yr + t, j, EXPAND_TILE, x0 == 0, m * (g + 1) / ng - t);
+                tile_group(at, kc, xs + t, yr + t, j, rows, x0 == 0, m * (g + 1) / ng - t);
             }
         }
+        j += rows;
+    }
     prefetch_ahead(pf, (j1 - j) * K * 4, 0);
     shrink_dot(a, K, j, j1, xr, m, y, ldy);
 }
@@ -472,8 +229,9 @@ static void expand_range(const float *b, int64_t r_max, int64_t rk, int64_t n0, 
 }
 
 #else /* portable: plain loops */
-static void shrink_rows(const float *a, int64_t K, int64_t j0, int64_t j1, const float *const *xr, int m, float *y,
-                        int64_t ldy, prefetch_t *pf) {
+static void shrink_rows(const float *a, int64_t K, int64_t rk, int64_t j0, int64_t j1, const float *const *xr, int m,
+                        float *y, int64_t ldy, prefetch_t *pf) {
+    (void)rk;
     prefetch_ahead(pf, (j1 - j0) * K * 4, 0);
     for (int64_t j = j0; j < j1; j++)
         for (int t = 0; t < m; t++) {
@@ -517,8 +275,8 @@ static void run(const job_t *job, int64_t tid, int64_t nth) {
     for (int64_t last = -1; walk_next(&w); last = w.i) {
         const block_t *blk = job->blocks + w.i;
         if (w.i != last) token_rows(job, blk, xr, NULL, 0);
-        shrink_rows(job->A + ((int64_t)blk->slot * S + w.s) * r_max * K, K, w.u0, w.u1, xr, blk->end - blk->begin,
-                    job->y + blk->begin * ldy + w.s * r_max, ldy, &pf);
+        shrink_rows(job->A + ((int64_t)blk->slot * S + w.s) * r_max * K, K, blk->rank, w.u0, w.u1, xr,
+                    blk->end - blk->begin, job->y + blk->begin * ldy + w.s * r_max, ldy, &pf);
     }
 #pragma omp barrier
     walk_start(&w, job, 1, tid, nth);
