@@ -35,7 +35,8 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
                                        "run short but flatter the ratio: PEFT's prefill weighs more per token"}),
         ("--skip-peft", {"action": "store_true"}),
         ("--rounds", {"type": int, "default": 3,
-                      "help": "rounds, each with the four patterns' engines taking turns step by step; all count"}),
+                      "help": "rounds, each with the four patterns' engines taking turns step by step, then "
+                              "HF PEFT's batch; all count"}),
     ]),
     "gateway": ("gateway", "latency the platform adds (auth, limits, routing, usage) and its max rps", [
         ("--database-url", {"default": "postgresql://postgres@localhost:5432/postgres",
