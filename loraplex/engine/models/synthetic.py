@@ -14,7 +14,7 @@ _TINY = LlamaConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_l
 PRESETS: dict[str, LlamaConfig] = {
     "tiny": _TINY,
     "tiny-bias": dataclasses.replace(_TINY, attention_bias=True),  # Qwen2-style q/k/v bias
-    # GEMMs big enough for the CPU kernels' threads (6 to 64 panels each), still quick to build.
+    # Every projection big enough (64K+ weights) for the CPU kernels to split it between threads.
     "tiny-wide": dataclasses.replace(_TINY, hidden_size=256, intermediate_size=768, head_dim=64),
     # SmolLM2-135M's shapes.
     "small": LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,

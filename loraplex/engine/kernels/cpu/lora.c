@@ -20,7 +20,8 @@
  * estimated cost (weights read + FLOPs) over all blocks' weight rows, so every weight row is read by
  * one thread: one adapter for the whole batch is split over the threads, many adapters are not read
  * twice. The weights come from memory (the base model's GEMMs evict them between calls): a block of
- * many tokens asks for the weights its thread reads next while it computes (prefetch_ahead).
+ * many tokens asks for the weights its thread reads next while it computes (prefetch_ahead). The
+ * register-blocked pieces (dot products, tile packing, the tile GEMM) are in lora_tiles.h.
  */
 #include <stdint.h>
 #include <stdlib.h>

@@ -1,6 +1,7 @@
 /* The register-blocked pieces lora.c's two phases are made of (AVX2 / AVX-512): dot products over
  * weight rows for one to six tokens, the 8x8 transposes that pack 16-row tiles, and the tile GEMM
- * microkernel. Included by lora.c only; every function is static and inlined into its callers.
+ * microkernel. Included by lora.c only (every function is static). A row's or an output's sum is
+ * formed the same way whichever function or split serves it, so a thread's share never changes bits.
  */
 #ifndef LORAPLEX_CPU_LORA_TILES_H
 #define LORAPLEX_CPU_LORA_TILES_H
