@@ -10,22 +10,12 @@
 #define MAX_RANK 256
 #define EXPAND_TILE 16 /* outputs per transposed B tile */
 #define DOT_KC 768     /* features per dot-product pass: six tokens' worth (18 KB) stay in L1 */
-/* Bytes ahead of its reads that a memory-bound dot product (one or two tokens) asks for each weight
- * line. On a Zen 5 EPYC the hardware prefetcher alone let the reads wait: lora.c's distinct-adapter
- * calls ran 8% faster with it (bench/RESULTS.md). */
-#define DOT_PF_BYTES 2048
 
 #if defined(__AVX2__) && defined(__FMA__)
 
 #include <immintrin.h>
 
 static const int32_t MASK_TABLE[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
-
-/* Asks for the line DOT_PF_BYTES past p (an integer address: it may lie past the weights, and a
- * prefetch never faults). */
-static inline void prefetch_past(const float *p) {
-    _mm_prefetch((const char *)((uintptr_t)p + DOT_PF_BYTES), _MM_HINT_T0);
-}
 
 /* Lanes 0 .. n-1 on (0 < n <= 8). */
 static inline __m256i lane_mask(int64_t n) { return _mm256_loadu_si256((const __m256i *)(MASK_TABLE + 8 - n)); }
@@ -58,7 +48,7 @@ static inline __m256 hsum8x8(const __m256 *v) {
 /* The dot products' chunk of a weight row: 16 lanes with AVX-512, else 8; rfold sums a chunk's halves
  * to the 8 lanes hsum8 and its kin take, so every row's or output's sum has one order. */
 #if defined(__AVX512F__)
-#define CHUNK 16
+#define DOT_CHUNK 16
 typedef __m512 rvec_t;
 typedef __mmask16 rmask_t;
 static inline rmask_t chunk_mask(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << n) - 1); }
@@ -67,9 +57,11 @@ static inline rvec_t rload(const float *p, int whole, rmask_t m) {
     return whole ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
 }
 static inline rvec_t rfma(rvec_t a, rvec_t b, rvec_t c) { return _mm512_fmadd_ps(a, b, c); }
-static inline __m256 rfold(rvec_t v) { return _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1)); }
+static inline __m256 rfold(rvec_t v) { /* (the 64-bit extract is AVX-512F; the 32-bit one needs DQ) */
+    return _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+}
 #else
-#define CHUNK 8
+#define DOT_CHUNK 8
 typedef __m256 rvec_t;
 typedef __m256i rmask_t;
 static inline rmask_t chunk_mask(int64_t n) { return lane_mask(n < 8 ? n : 8); }
@@ -83,22 +75,18 @@ static inline __m256 rfold(rvec_t v) { return v; }
 
 /* Shrink, R rows of A (a, row stride lda) x M tokens over kc features: y[m * ldy + r] (+)= A_r . x_m
  * (added when acc_y: a later chunk of features). Inlined with constant R and M so the R * M
- * accumulators stay in registers. One or two tokens are memory-bound: each row asks for its lines
- * DOT_PF_BYTES ahead. Lanes beyond kc read as zero; nothing past a row is touched. */
+ * accumulators stay in registers. Lanes beyond kc read as zero; nothing past a row is touched. */
 static inline __attribute__((always_inline)) void shrink_rm(const float *a, int64_t lda, int64_t kc,
                                                             const float *const *xr, int64_t x0, float *y, int64_t ldy,
                                                             int acc_y, const int R, const int M) {
     rvec_t acc[4][6];
     for (int r = 0; r < R; r++)
         for (int m = 0; m < M; m++) acc[r][m] = rzero();
-    for (int64_t k = 0; k < kc; k += CHUNK) {
-        const int whole = kc - k >= CHUNK;
+    for (int64_t k = 0; k < kc; k += DOT_CHUNK) {
+        const int whole = kc - k >= DOT_CHUNK;
         const rmask_t mk = chunk_mask(kc - k);
         rvec_t av[4];
-        for (int r = 0; r < R; r++) {
-            if (M <= 2 && k % 16 == 0) prefetch_past(a + r * lda + k); /* one ask per 64-byte line */
-            av[r] = rload(a + r * lda + k, whole, mk);
-        }
+        for (int r = 0; r < R; r++) av[r] = rload(a + r * lda + k, whole, mk);
         for (int m = 0; m < M; m++) {
             const rvec_t xv = rload(xr[m] + x0 + k, whole, mk);
             for (int r = 0; r < R; r++) acc[r][m] = rfma(av[r], xv, acc[r][m]);
@@ -150,30 +138,29 @@ static void shrink_dot(const float *a, int64_t K, int64_t j0, int64_t j1, const 
     }
 }
 
-/* Expand by dot products over B's rows, for one or two tokens (memory-bound: B streamed in order, each
- * 8 rows asking for their lines DOT_PF_BYTES ahead): out_m[n] += B[n, :rk] . y_m for n0 <= n < n1. */
+/* Expand by dot products over B's rows, for one or two tokens (memory-bound: B streamed in order):
+ * out_m[n] += B[n, :rk] . y_m for n0 <= n < n1. */
 static inline __attribute__((always_inline)) void expand_dot(const float *b, int64_t r_max, int64_t rk, int64_t n0,
                                                              int64_t n1, const float *y, int64_t ldy,
                                                              float *const *outr, const int M) {
-    rvec_t yv[2][MAX_RANK / CHUNK];
-    const int64_t chunks = (rk + CHUNK - 1) / CHUNK;
-    const rmask_t tail = chunk_mask(rk - (chunks - 1) * CHUNK); /* padding columns read as 0 */
-    const int full = rk % CHUNK == 0;                            /* the last chunk needs no mask */
+    rvec_t yv[2][MAX_RANK / DOT_CHUNK];
+    const int64_t chunks = (rk + DOT_CHUNK - 1) / DOT_CHUNK;
+    const rmask_t tail = chunk_mask(rk - (chunks - 1) * DOT_CHUNK); /* padding columns read as 0 */
+    const int full = rk % DOT_CHUNK == 0;                            /* the last chunk needs no mask */
     for (int m = 0; m < M; m++)
-        for (int64_t c = 0; c < chunks; c++) yv[m][c] = rload(y + m * ldy + c * CHUNK, c + 1 < chunks || full, tail);
+        for (int64_t c = 0; c < chunks; c++) yv[m][c] = rload(y + m * ldy + c * DOT_CHUNK, c + 1 < chunks || full, tail);
     int64_t n = n0;
     /* chunk by chunk over 8 rows at a time, the rows' loop unrolled: the accumulators stay in
      * registers (a run-time chunk loop inside the row loop kept them in memory, at 8 GB/s from L2) */
     for (; n + 8 <= n1; n += 8) {
         rvec_t p[2][8];
         const float *br = b + n * r_max;
-        for (int64_t q = 0; q < 8 * r_max; q += 16) prefetch_past(br + q);
         for (int m = 0; m < M; m++)
             for (int i = 0; i < 8; i++) p[m][i] = rzero();
         for (int64_t c = 0; c < chunks; c++) {
             const int whole = c + 1 < chunks || full;
             for (int i = 0; i < 8; i++) {
-                const rvec_t bv = rload(br + i * r_max + c * CHUNK, whole, tail);
+                const rvec_t bv = rload(br + i * r_max + c * DOT_CHUNK, whole, tail);
                 for (int m = 0; m < M; m++) p[m][i] = rfma(bv, yv[m][c], p[m][i]);
             }
         }
@@ -188,7 +175,7 @@ static inline __attribute__((always_inline)) void expand_dot(const float *b, int
         for (int m = 0; m < M; m++) {
             rvec_t acc = rzero();
             for (int64_t c = 0; c < chunks; c++)
-                acc = rfma(rload(br + c * CHUNK, c + 1 < chunks || full, tail), yv[m][c], acc);
+                acc = rfma(rload(br + c * DOT_CHUNK, c + 1 < chunks || full, tail), yv[m][c], acc);
             outr[m][n] += hsum8(rfold(acc));
         }
     }
