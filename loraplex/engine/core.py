@@ -106,16 +106,17 @@ class EngineCore:
 
     def add_adapter(self, adapter_id: str, path: str) -> None:
         """Registers a PEFT adapter directory under `adapter_id`; validates it fully first
-        (AdapterError names the bad field or tensor, and nothing changes)."""
-        if self.lora is None:
-            cfg, model = self.config, self.runner.model
-            self.lora = LoraSlots(model.config, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras,
-                                  model.dtype, model.device)
-            self.runner.lora_slots = self.lora
-            if cfg.lora_merge_after_steps:
-                self.runner.lora_merge = MergedAdapter(model, self.lora, cfg.lora_merge_after_steps)
-            self.scheduler.adapters = self.lora
-        self.lora.register(adapter_id, path)
+        (AdapterError names the bad field or tensor, and nothing changes: a bad first adapter leaves no
+        slot buffers behind)."""
+        if self.lora is not None:
+            self.lora.register(adapter_id, path)
+            return
+        cfg, model = self.config, self.runner.model
+        lora = LoraSlots(model.config, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, model.dtype, model.device)
+        lora.register(adapter_id, path)
+        self.lora = self.runner.lora_slots = self.scheduler.adapters = lora
+        if cfg.lora_merge_after_steps:
+            self.runner.lora_merge = MergedAdapter(model, lora, cfg.lora_merge_after_steps)
 
     def remove_adapter(self, adapter_id: str) -> bool:
         """Unregisters an adapter. New requests for it are refused at once; if requests still use

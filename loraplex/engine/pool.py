@@ -25,8 +25,9 @@ from loraplex.engine.api import EngineError, GenerateEvent, InvalidRequestError,
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.frontend import RequestFrontend, kv_blocks
-from loraplex.engine.lora.peft import load_peft_adapter
-from loraplex.engine.models.layer_ops import weight_copies
+from loraplex.engine.lora.peft import load_peft_adapter, module_dims
+from loraplex.engine.lora.slots import slot_buffer_bytes
+from loraplex.engine.models.layer_ops import uses_cpu_kernels, weight_copies
 from loraplex.engine.models.llama import LlamaConfig
 from loraplex.engine.models.loader import LoadedModel, ModelSource, load_model, resolve_model
 from loraplex.engine.sched.request import Request
@@ -42,7 +43,8 @@ class ModelEntry:
     source: ModelSource
     config: EngineConfig
     model_config: LlamaConfig
-    device_bytes: int  # weights + KV pool on the device
+    base_bytes: int  # weights + KV pool on the device
+    adapter_bytes: int  # what its adapters add on the device once it has any (adapter_device_bytes)
     host_bytes: int  # weights in host memory (the CPU tier)
     pinned: bool = False
     frontend: RequestFrontend | None = None
@@ -62,6 +64,25 @@ class ModelEntry:
     @property
     def busy(self) -> bool:
         return bool(self.pending) or (self.core is not None and self.core.has_work())
+
+    @property
+    def device_bytes(self) -> int:
+        """What the model holds on the device when resident: its adapter memory counts from the first
+        adapter on (a resident engine keeps its slot buffers until it is evicted)."""
+        with_adapters = self.core.lora is not None if self.core is not None else bool(self.adapters)
+        return self.base_bytes + (self.adapter_bytes if with_adapters else 0)
+
+
+def adapter_device_bytes(cfg: EngineConfig, model: LlamaConfig, device: torch.device) -> int:
+    """Device memory a model's adapters take once it has one: the slot buffers (all `max_loras` slots at
+    `max_lora_rank`, allocated by the first adapter); with the CPU kernels also the folded copies of the
+    adapters that dominate a step (at most one per slot, about a slot's size each) and, with merging on,
+    the merged copy of the projections (at most all of them; lora/merged.py)."""
+    slots = slot_buffer_bytes(model, cfg.max_loras, cfg.max_lora_rank, cfg.torch_dtype)
+    if not uses_cpu_kernels(device, cfg.torch_dtype):
+        return slots
+    projections = model.num_layers * sum(i * o for i, o in module_dims(model).values()) * cfg.torch_dtype.itemsize
+    return 2 * slots + (projections if cfg.lora_merge_after_steps else 0)
 
 
 def device_memory_bytes(device: torch.device) -> int:
@@ -104,7 +125,8 @@ class ModelPool:
             raise InvalidRequestError(
                 f"model {name!r} needs {device_bytes / 2**20:.0f} MiB (weights + KV cache) but the "
                 f"whole model memory budget is {self.budget / 2**20:.0f} MiB", "model")
-        entry = ModelEntry(name, src, cfg, loaded.config, device_bytes, weight_bytes, pinned=pinned)
+        entry = ModelEntry(name, src, cfg, loaded.config, device_bytes,
+                           adapter_device_bytes(cfg, loaded.config, self.device), weight_bytes, pinned=pinned)
         entry.frontend = RequestFrontend(name, loaded.tokenizer, loaded.config, cfg,
                                          lambda a, e=entry: a in e.adapters and a not in e.removing)
         with self._lock:
@@ -133,10 +155,25 @@ class ModelPool:
     # --- adapters ------------------------------------------------------------------------------
 
     def add_adapter(self, model: str, adapter_id: str, path: str) -> None:
+        """Registers (and validates) an adapter of `model`. Its first adapter makes the model need its
+        adapter memory too: refused when the budget can never hold both; when resident, idle models are
+        evicted to make room now (refused, nothing registered, while busy or pinned ones fill it)."""
         entry = self.entry(model)
         with self._lock:
             if adapter_id in entry.adapters:
                 raise InvalidRequestError(f"adapter {adapter_id!r} is already registered on {model!r}", "adapter")
+            need = entry.base_bytes + entry.adapter_bytes
+            if need > self.budget:
+                raise InvalidRequestError(
+                    f"adapters on model {model!r} need {entry.adapter_bytes / 2**20:.0f} MiB of adapter memory "
+                    f"(max_loras {entry.config.max_loras} at max_lora_rank {entry.config.max_lora_rank}) beside "
+                    f"its {entry.base_bytes / 2**20:.0f} MiB, but the whole model memory budget is "
+                    f"{self.budget / 2**20:.0f} MiB", "adapter")
+            if entry.core is not None and entry.core.lora is None and not self._make_room(entry.adapter_bytes, entry):
+                raise InvalidRequestError(
+                    f"no room for model {model!r}'s adapter memory ({entry.adapter_bytes / 2**20:.0f} MiB): busy "
+                    f"or pinned models fill the model memory budget ({self.budget / 2**20:.0f} MiB); retry when "
+                    f"they are idle", "adapter")
             if entry.core is not None:
                 entry.core.add_adapter(adapter_id, path)  # validates
             else:
@@ -223,7 +260,8 @@ class ModelPool:
         weight_bytes = mcfg.num_params() * dtype.itemsize
         kv_bytes = core.pool.num_blocks * core.pool.block_size * mcfg.kv_bytes_per_token(dtype)
         device_bytes = weight_bytes * weight_copies(self.device, dtype) + kv_bytes
-        entry = ModelEntry(name, resolve_model(name), core.config, mcfg, device_bytes, weight_bytes,
+        entry = ModelEntry(name, resolve_model(name), core.config, mcfg, device_bytes,
+                           adapter_device_bytes(core.config, mcfg, self.device), weight_bytes,
                            pinned=pinned, tier="device", core=core, last_used=time.monotonic())
         entry.frontend = RequestFrontend(name, core.tokenizer, mcfg, core.config,
                                          lambda a, e=entry: a in e.adapters and a not in e.removing)

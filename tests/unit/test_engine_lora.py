@@ -134,6 +134,20 @@ def test_bad_adapter_is_refused_and_engine_keeps_serving(tmp_path, adapter_dirs,
     assert all(len(c.token_ids) == 16 for c in done)
 
 
+def test_a_bad_first_adapter_leaves_no_slot_buffers(tmp_path, adapter_dirs):
+    """The slot buffers (what the model pool counts against its budget) come with the first adapter that
+    registers, not with one that is refused."""
+    path = make_peft_dir(tmp_path / "bad", _loaded(MODEL).config, rank=8, alpha=16, targets=["q"], seed=1)
+    (path / "adapter_config.json").unlink()
+    core = make_core()
+    with pytest.raises(AdapterError):
+        core.add_adapter("bad", str(path))
+    assert core.lora is None and core.runner.lora_slots is None and core.scheduler.adapters is None
+    core.add_adapter("good", str(adapter_dirs[0]))
+    assert core.lora is not None and "good" in core.lora
+    assert len(core.run([req("ok", [1, 2, 3], "good")])[0].token_ids) == 16
+
+
 def test_remove_adapter_waits_for_its_requests(adapter_dirs):
     async def go():
         engine = AsyncEngine(make_core())

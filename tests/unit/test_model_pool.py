@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -13,11 +14,13 @@ from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.models.layer_ops import weight_copies
-from loraplex.engine.pool import ModelPool
+from loraplex.engine.pool import ModelPool, adapter_device_bytes
 from tests.conftest import _loaded
 from tests.lora_factory import make_peft_dir
 
 SMALL = EngineConfig(device="cpu", dtype="float32", num_kv_blocks=32)
+# Adapter memory the tiny model's budget can hold (the defaults, 8 slots at rank 64, take 6x its weights).
+FEW_LORAS = replace(SMALL, max_loras=2, max_lora_rank=8)
 NAMES = ["m1", "m2", "m3"]
 
 
@@ -33,11 +36,11 @@ def model_bytes() -> int:
     return host_bytes() * copies + 32 * 16 * _loaded("synthetic:tiny").config.kv_bytes_per_token(SMALL.torch_dtype)
 
 
-def make_pool(fit: float = 2.5, cpu_fit: float = 10.0) -> ModelPool:
-    pool = ModelPool(memory_budget=int(fit * model_bytes()), cpu_budget_bytes=int(cpu_fit * host_bytes()),
+def make_pool(fit: float = 2.5, cpu_fit: float = 10.0, config: EngineConfig = SMALL, budget: int = 0) -> ModelPool:
+    pool = ModelPool(memory_budget=budget or int(fit * model_bytes()), cpu_budget_bytes=int(cpu_fit * host_bytes()),
                      device="cpu")
     for i, name in enumerate(NAMES):
-        pool.register_model(name, f"synthetic:tiny:{i + 1}", config=SMALL)
+        pool.register_model(name, f"synthetic:tiny:{i + 1}", config=config)
     return pool
 
 
@@ -145,7 +148,7 @@ def test_errors_are_clear_and_other_models_keep_serving(tmp_path):
 
 
 def test_adapters_belong_to_their_model_and_survive_eviction(tmp_path):
-    pool = make_pool()
+    pool = make_pool(config=FEW_LORAS)
     path = make_peft_dir(tmp_path / "ad", _loaded("synthetic:tiny").config, rank=8, alpha=16, targets="all", seed=9)
     pool.add_adapter("m1", "ad", str(path))  # validated while m1 is not even loaded
     with pytest.raises(ModelNotFoundError):
@@ -176,3 +179,58 @@ def test_async_engine_serves_several_models():
     got = asyncio.run(go())
     want = [alone(n, i + 1, "x") for i, n in enumerate(NAMES)]
     assert got == want + want
+
+
+def tiny_adapter(tmp_path, name: str = "ad"):
+    return make_peft_dir(tmp_path / name, _loaded("synthetic:tiny").config, rank=8, alpha=16, targets="all", seed=9)
+
+
+def adapter_bytes(config: EngineConfig) -> int:
+    return adapter_device_bytes(config, _loaded("synthetic:tiny").config, torch.device("cpu"))
+
+
+def test_a_models_first_adapter_makes_room_for_its_adapter_memory(tmp_path):
+    """Two resident models fill the budget; m1's first adapter needs its slot buffers (and, with the CPU
+    kernels, folds and a merged copy) on top, so idle m2 is evicted then and the pool never holds more
+    than its budget."""
+    extra = adapter_bytes(FEW_LORAS)
+    pool = make_pool(config=FEW_LORAS, budget=2 * model_bytes() + extra // 2)
+    pool.load("m1")
+    pool.load("m2")
+    assert pool.stats()["m1"]["device_bytes"] == model_bytes()
+    pool.add_adapter("m1", "ad", str(tiny_adapter(tmp_path)))
+    stats = pool.stats()
+    assert stats["m1"]["device_bytes"] == model_bytes() + extra
+    assert stats["m1"]["tier"] == "device" and stats["m2"]["tier"] != "device"
+    assert sum(s["device_bytes"] for s in stats.values() if s["tier"] == "device") <= pool.budget
+    out = run(pool, [req("a", "m1", adapter="ad"), req("b", "m1")])
+    assert out["a"] != out["b"] == alone("m1", 1, "x")
+    pool.load("m2")  # m1 (idle) goes now, its adapter memory with it
+    assert pool.stats()["m1"]["tier"] != "device" and pool.stats()["m1"]["device_bytes"] == model_bytes() + extra
+
+
+def test_adapters_the_budget_can_never_hold_are_refused_and_nothing_is_registered(tmp_path):
+    pool = make_pool(fit=1.5)  # the defaults' adapter memory is 6x the tiny model's weights
+    pool.load("m1")
+    with pytest.raises(InvalidRequestError, match=r"adapter memory .*max_loras 8 at max_lora_rank 64"):
+        pool.add_adapter("m1", "ad", str(tiny_adapter(tmp_path)))
+    assert not pool.models["m1"].adapters and pool.models["m1"].core.lora is None
+    with pytest.raises(ModelNotFoundError):
+        pool.prepare(req("x", "m1", adapter="ad"))
+    assert run(pool, [req("ok", "m1")])["ok"] == alone("m1", 1, "x")
+
+
+def test_an_adapter_waits_for_no_one_when_pinned_models_hold_the_room(tmp_path):
+    """Room for adapter memory is made from idle, unpinned models only; else the adapter is refused
+    at once, nothing registered, and can be added once room is free."""
+    pool = make_pool(config=FEW_LORAS, budget=2 * model_bytes() + adapter_bytes(FEW_LORAS) // 2)
+    pool.pin("m2")
+    pool.load("m2")
+    pool.load("m1")
+    with pytest.raises(InvalidRequestError, match="busy or pinned models fill"):
+        pool.add_adapter("m1", "ad", str(tiny_adapter(tmp_path)))
+    assert not pool.models["m1"].adapters and pool.models["m1"].core.lora is None
+    assert pool.stats()["m2"]["tier"] == "device"
+    pool.pin("m2", False)
+    pool.add_adapter("m1", "ad", str(tiny_adapter(tmp_path)))
+    assert pool.stats()["m2"]["tier"] != "device" and "ad" in pool.models["m1"].adapters

@@ -16,6 +16,7 @@ slot per request (None: every slot busy, wait) and releases it when the request 
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections import OrderedDict
@@ -48,6 +49,24 @@ FOLD_MIN_TOKENS = 8
 _ONE, _SCALED, _ZERO = 0, 1, 2  # a slot block's scale (_slot_blocks): 1, the adapter's scaling, zero fill
 
 
+def slot_buffer_shapes(config: LlamaConfig, max_loras: int, max_lora_rank: int) -> dict[str, tuple[tuple, tuple]]:
+    """Per fused module, the shapes of one layer's stacked A [slots, S * r, in] and B [slots, out_total, r]."""
+    dims, r = module_dims(config), max_lora_rank
+    shapes = {}
+    for f, modules in FUSED.items():
+        rows = fused_rows(config, f)
+        shapes[f] = ((max_loras, len(rows) * r, dims[modules[0]][0]), (max_loras, sum(w for _, _, w in rows), r))
+    return shapes
+
+
+def slot_buffer_bytes(config: LlamaConfig, max_loras: int, max_lora_rank: int, dtype: torch.dtype) -> int:
+    """Bytes of a LoraSlots' buffers (every layer's A and B, and the ranks): what a model's first adapter
+    allocates on the device (the model pool counts them against its budget)."""
+    shapes = slot_buffer_shapes(config, max_loras, max_lora_rank)
+    per_layer = sum(math.prod(a) + math.prod(b) for a, b in shapes.values())
+    return config.num_layers * per_layer * dtype.itemsize + max_loras * 4
+
+
 @dataclass
 class LoraSlotStats:
     loads: int = 0  # adapters written into a device slot
@@ -70,17 +89,14 @@ class LoraSlots:
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.dtype, self.device = dtype, torch.device(device)
         self._rows = {f: fused_rows(config, f) for f in FUSED}  # fused -> [(module, row offset, width)]
-        dims = module_dims(config)
-        self._in = {f: dims[FUSED[f][0]][0] for f in FUSED}
-        r = max_lora_rank
+        shapes = slot_buffer_shapes(config, max_loras, max_lora_rank)
+        self._in = {f: a[2] for f, (a, _) in shapes.items()}
         # Per layer, fused module -> stacked A [slots, S * r, in] and B [slots, out_total, r].
         self.lora_a: list[dict[str, torch.Tensor]] = []
         self.lora_b: list[dict[str, torch.Tensor]] = []
         for _ in range(config.num_layers):
-            self.lora_a.append({f: torch.zeros(max_loras, len(rows) * r, self._in[f], dtype=dtype, device=device)
-                                for f, rows in self._rows.items()})
-            self.lora_b.append({f: torch.zeros(max_loras, sum(w for _, _, w in rows), r, dtype=dtype, device=device)
-                                for f, rows in self._rows.items()})
+            self.lora_a.append({f: torch.zeros(a, dtype=dtype, device=device) for f, (a, _) in shapes.items()})
+            self.lora_b.append({f: torch.zeros(b, dtype=dtype, device=device) for f, (_, b) in shapes.items()})
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [slots], 0 = empty
         self.stats = LoraSlotStats()
         self._kernel_table = None  # kernel_table(), built on first use
