@@ -220,9 +220,10 @@ def test_adapters_the_budget_can_never_hold_are_refused_and_nothing_is_registere
     assert run(pool, [req("ok", "m1")])["ok"] == alone("m1", 1, "x")
 
 
-def test_an_adapter_waits_for_no_one_when_pinned_models_hold_the_room(tmp_path):
-    """Room for adapter memory is made from idle, unpinned models only; else the adapter is refused
-    at once, nothing registered, and can be added once room is free."""
+def test_adapter_memory_never_evicts_a_pinned_model(tmp_path):
+    """Room for adapter memory is made from idle, unpinned models only; else the adapter is refused at
+    once (an adapter upload does not wait on other tenants' traffic), nothing is registered, and it can
+    be added once room is free."""
     pool = make_pool(config=FEW_LORAS, budget=2 * model_bytes() + adapter_bytes(FEW_LORAS) // 2)
     pool.pin("m2")
     pool.load("m2")
