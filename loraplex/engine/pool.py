@@ -118,21 +118,27 @@ class ModelPool:
             loaded = load_model(src, cfg.torch_dtype, torch.device("cpu"))
         except (ValueError, OSError) as e:
             raise InvalidRequestError(f"model {name!r} cannot be loaded from {source or name}: {e}", "model") from e
-        weight_bytes = loaded.config.num_params() * cfg.torch_dtype.itemsize
-        kv_bytes = kv_blocks(cfg, loaded.config) * cfg.block_size * loaded.config.kv_bytes_per_token(cfg.torch_dtype)
-        device_bytes = weight_bytes * weight_copies(self.device, cfg.torch_dtype) + kv_bytes
+        device_bytes, adapter_bytes, weight_bytes = self._sizes(cfg, loaded.config, cfg.torch_dtype,
+                                                                kv_blocks(cfg, loaded.config), cfg.block_size)
         if device_bytes > self.budget:
             raise InvalidRequestError(
                 f"model {name!r} needs {device_bytes / 2**20:.0f} MiB (weights + KV cache) but the "
                 f"whole model memory budget is {self.budget / 2**20:.0f} MiB", "model")
-        entry = ModelEntry(name, src, cfg, loaded.config, device_bytes,
-                           adapter_device_bytes(cfg, loaded.config, self.device), weight_bytes, pinned=pinned)
+        entry = ModelEntry(name, src, cfg, loaded.config, device_bytes, adapter_bytes, weight_bytes, pinned=pinned)
         entry.frontend = RequestFrontend(name, loaded.tokenizer, loaded.config, cfg,
                                          lambda a, e=entry: a in e.adapters and a not in e.removing)
         with self._lock:
             self.models[name] = entry
             self._to_host_tier(entry, loaded)
         return entry
+
+    def _sizes(self, cfg: EngineConfig, model: LlamaConfig, dtype: torch.dtype, blocks: int,
+               block_size: int) -> tuple[int, int, int]:
+        """(weights + KV pool on the device, adapter memory once it has adapters, weights in host memory)."""
+        weight_bytes = model.num_params() * dtype.itemsize
+        kv_bytes = blocks * block_size * model.kv_bytes_per_token(dtype)
+        return (weight_bytes * weight_copies(self.device, dtype) + kv_bytes,
+                adapter_device_bytes(cfg, model, self.device), weight_bytes)
 
     def unregister_model(self, name: str) -> None:
         entry = self.entry(name)
@@ -256,12 +262,8 @@ class ModelPool:
         if name in self.models:
             raise InvalidRequestError(f"model {name!r} is already registered", "model")
         mcfg = core.loaded.config
-        dtype = core.runner.model.dtype
-        weight_bytes = mcfg.num_params() * dtype.itemsize
-        kv_bytes = core.pool.num_blocks * core.pool.block_size * mcfg.kv_bytes_per_token(dtype)
-        device_bytes = weight_bytes * weight_copies(self.device, dtype) + kv_bytes
-        entry = ModelEntry(name, resolve_model(name), core.config, mcfg, device_bytes,
-                           adapter_device_bytes(core.config, mcfg, self.device), weight_bytes,
+        sizes = self._sizes(core.config, mcfg, core.runner.model.dtype, core.pool.num_blocks, core.pool.block_size)
+        entry = ModelEntry(name, resolve_model(name), core.config, mcfg, *sizes,
                            pinned=pinned, tier="device", core=core, last_used=time.monotonic())
         entry.frontend = RequestFrontend(name, core.tokenizer, mcfg, core.config,
                                          lambda a, e=entry: a in e.adapters and a not in e.removing)
