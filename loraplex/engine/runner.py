@@ -38,7 +38,7 @@ class StepLora:
         merged = self.merge.layers_for(self.index) if self.merge is not None else None
         if merged is not None:
             return None, None, None, merged
-        return table, self.index.slot_groups, self.slots.fold_for(self.index), None
+        return table, self.index.slot_groups, self.slots.fold_for(self.index, table), None
 
 
 class ModelRunner:

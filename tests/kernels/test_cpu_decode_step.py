@@ -200,7 +200,7 @@ def test_an_adapter_holding_most_of_the_batch_is_folded_into_the_gemms(tmp_path,
 def test_a_fold_packed_for_another_rank_is_refused_and_writes_nothing(tmp_path, monkeypatch):
     model, storage, slots, lora, token_slots, ids, prompts = _fold_setup(tmp_path)
     slot, block = slots.fold_for(lora.index)
-    monkeypatch.setattr(slots, "fold_for", lambda index: (slot, block[:-1]))
+    monkeypatch.setattr(slots, "fold_for", lambda index, table=None: (slot, block[:-1]))
     before = storage.clone()
     with pytest.raises(ValueError, match="refused"):
         _decode(model, storage, ids, torch.arange(len(prompts)), lora, True, monkeypatch, prompts)

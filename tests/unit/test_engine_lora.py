@@ -73,6 +73,37 @@ def test_an_adapter_holding_most_of_the_batch_is_folded_and_matches_merged_weigh
         assert got[i].token_ids == ref.run([req(f"w{i}", p, None)])[0].token_ids, f"request {i} (adapter {a})"
 
 
+def test_a_larger_rank_arriving_mid_run_grows_the_buffers_and_every_request_matches(adapter_dirs):
+    """A rank-4 adapter runs (folded: it holds the batch) while a rank-64 one is loaded for a later
+    request: the slot buffers grow from rank 8 to 64 between steps, and tokens still match the merged
+    references, for requests that started before the growth and after it."""
+    core = make_core(max_loras=2, max_lora_rank=64)
+    core.add_adapter("a0", str(adapter_dirs[0]))  # rank 4
+    core.add_adapter("a3", str(adapter_dirs[3]))  # rank 64
+    prompts = mixed_prompts(11, seed=12)
+    early = [req(f"e{i}", p, "a0", max_tokens=24) for i, p in enumerate(prompts[:10])]
+    late = req("late", prompts[10], "a3", max_tokens=8)
+    tokens: dict[str, list[int]] = {}
+
+    def step():
+        for ev in core.step():
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+
+    for r in early:
+        core.add(core.prepare(r))
+    for _ in range(4):
+        step()
+    assert core.lora.r_max == 8 and core.lora._folds
+    core.add(core.prepare(late))
+    while core.has_work():
+        step()
+    assert core.lora.r_max == 64
+    for r in (*early, late):
+        ref = merged_core(adapter_dirs[0 if r.adapter == "a0" else 3])
+        want = ref.run([req("w", r.prompt_token_ids, None, max_tokens=r.sampling.max_tokens)])[0].token_ids
+        assert tuple(tokens[r.request_id]) == tuple(want), r.request_id
+
+
 def test_more_adapters_than_slots_all_complete_correctly(adapter_dirs):
     core = make_core(max_loras=2, max_lora_rank=64)
     for i, path in enumerate(adapter_dirs[:6]):

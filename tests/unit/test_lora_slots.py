@@ -58,7 +58,7 @@ def test_buffer_shapes_match_kernel_layout(config):
 
 def check_slot(slots, slot, lora):
     """Every row and column of the slot: A and scaling*B where the adapter has them, zero elsewhere."""
-    r_max, rank, w = slots.max_lora_rank, lora.rank, widths(slots.config)
+    r_max, rank, w = slots.r_max, lora.rank, widths(slots.config)
     assert int(slots.ranks[slot]) == rank
     for layer in range(slots.config.num_layers):
         for fused, modules in FUSED.items():
@@ -85,11 +85,11 @@ def test_slot_holds_a_and_scaled_b_in_fused_rows(tmp_path, config, dtype):
     check_slot(slots, slot, lora)
     # spot-check the qkv slices by hand: k's A sits at rows r_max.., k's B at rows q_size..q_size+kv_size
     raw = read_tensors(path)
-    q, kv = config.q_size, config.kv_size
+    q, kv, r = config.q_size, config.kv_size, slots.r_max
     a, b = slots.buffers(1, "qkv")
-    assert torch.equal(a[slot, 16:24].float(), raw[tensor_key(1, "k", "A")].to(dtype).float())
+    assert torch.equal(a[slot, r:r + 8].float(), raw[tensor_key(1, "k", "A")].to(dtype).float())
     assert torch.equal(b[slot, q:q + kv, :8].float(), (4.0 * raw[tensor_key(1, "k", "B")]).to(dtype).float())
-    assert not a[slot, 24:32].any() and not b[slot, :, 8:].any()
+    assert not a[slot, r + 8:2 * r].any() and not b[slot, :, 8:].any()
     assert not a[1 - slot].any() and int(slots.ranks[1 - slot]) == 0
 
 
@@ -151,6 +151,44 @@ def test_apply_matches_merged_weights(tmp_path, tiny):
                                     for t, s in enumerate(token_slots)])
             torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-5)
             assert not torch.allclose(out, F.linear(x, base), atol=1e-3)  # the adapters do change outputs
+
+
+def test_buffers_take_the_largest_loaded_rank_and_grow_keeping_loaded_slots(tmp_path, tiny):
+    """The buffers' rank follows the largest adapter loaded (rounded up to 8), not max_lora_rank: a
+    registration alone does not grow them, a load does, and the slots already loaded keep their rows
+    and their deltas bit for bit."""
+    config = tiny.config
+    slots = make(config, max_loras=3, r_max=64)
+    assert slots.r_max == 8 and slots.buffers(0, "o")[1].shape[2] == 8
+    small = register(slots, tmp_path, "small", rank=4, seed=7)
+    s_small = slots.acquire("small")
+    assert slots.r_max == 8
+    index = LoraBatchIndex.from_token_slots([s_small, -1, s_small])
+    gen = torch.Generator().manual_seed(3)
+    xs = {f: torch.randn(3, slots.buffers(0, f)[0].shape[2], generator=gen) for f in FUSED}
+
+    def deltas():
+        outs = {}
+        for f, x in xs.items():
+            outs[f] = torch.zeros(3, slots.buffers(0, f)[1].shape[1])
+            slots.apply(0, f, x, outs[f], index)
+        return outs
+
+    before, table = deltas(), slots.kernel_table()
+    big = register(slots, tmp_path, "big", rank=20, seed=8)
+    assert slots.r_max == 8  # registered, not loaded
+    s_big = slots.acquire("big")
+    assert slots.r_max == 24 and slots.lora_a[1]["qkv"].shape[1] == 3 * 24
+    check_slot(slots, s_small, load_peft_adapter(small, config))
+    check_slot(slots, s_big, load_peft_adapter(big, config))
+    after = deltas()
+    assert all(torch.equal(before[f], after[f]) for f in FUSED) and before["o"].any()
+    if table is not None:  # the C kernels are built: a table of the old buffers is replaced, not reused
+        assert slots.kernel_table() is not table and int(slots.kernel_table().table[1]) == 24
+    capped = make(config, max_loras=1, r_max=12)
+    register(capped, tmp_path, "twelve", rank=12, seed=9)
+    capped.acquire("twelve")
+    assert capped.r_max == 12  # never beyond max_lora_rank
 
 
 def test_merged_weights_is_w_plus_scaled_ba(tmp_path, tiny):

@@ -2,7 +2,7 @@
 
 Tiers: disk (the registered PEFT directory) -> CPU (`max_cpu_loras` parsed LoraWeights, LRU) -> device
 (`max_loras` slots, LRU among slots no running request holds and nobody pinned). The buffers are exactly
-what kernels/lora_ops.py takes, per layer and fused module (r = max_lora_rank):
+what kernels/lora_ops.py takes, per layer and fused module (r = the buffers' rank, `r_max`):
 
     qkv      A [max_loras, 3 * r, hidden]   B [max_loras, q_size + 2 * kv_size, r]
     o        A [max_loras, r, q_size]       B [max_loras, hidden, r]
@@ -12,6 +12,13 @@ what kernels/lora_ops.py takes, per layer and fused module (r = max_lora_rank):
 with scaling folded into B, lower ranks zero-padded, untargeted modules zero, and `ranks` [max_loras]
 int32 holding each slot's true rank (0 = empty) so kernels skip the padding. The scheduler acquires a
 slot per request (None: every slot busy, wait) and releases it when the request leaves the batch.
+
+The buffers' rank follows the largest adapter loaded so far (rounded up to RANK_STEP, at most
+max_lora_rank), not max_lora_rank itself: B's rows are r apart, so rank-16 adapters in buffers of rank 64
+read one 64-byte line in every four of B's 256-byte rows, and the CPU kernels, bound by reading the
+adapters, ran a zipf batch at 0.68 of the base model against 0.85 (bench/RESULTS.md). A larger rank
+grows them once: new buffers with every loaded slot copied over, swapped in as one (A, B) pair, so a
+step that already holds the old pair (or a kernel table made from it) finishes on it.
 """
 
 from __future__ import annotations
@@ -45,6 +52,9 @@ from loraplex.engine.models.llama import LlamaConfig
 # the separate pass saves.
 FOLD_MIN_SHARE = 0.5
 FOLD_MIN_TOKENS = 8
+
+# The buffers' rank is a multiple of this (or max_lora_rank): whole 8-float chunks for the CPU kernels.
+RANK_STEP = 8
 
 _ONE, _SCALED, _ZERO = 0, 1, 2  # a slot block's scale (_slot_blocks): 1, the adapter's scaling, zero fill
 
@@ -89,14 +99,7 @@ class LoraSlots:
         self.max_loras, self.max_lora_rank, self.max_cpu_loras = max_loras, max_lora_rank, max_cpu_loras
         self.dtype, self.device = dtype, torch.device(device)
         self._rows = {f: fused_rows(config, f) for f in FUSED}  # fused -> [(module, row offset, width)]
-        shapes = slot_buffer_shapes(config, max_loras, max_lora_rank)
-        self._in = {f: a[2] for f, (a, _) in shapes.items()}
-        # Per layer, fused module -> stacked A [slots, S * r, in] and B [slots, out_total, r].
-        self.lora_a: list[dict[str, torch.Tensor]] = []
-        self.lora_b: list[dict[str, torch.Tensor]] = []
-        for _ in range(config.num_layers):
-            self.lora_a.append({f: torch.zeros(a, dtype=dtype, device=device) for f, (a, _) in shapes.items()})
-            self.lora_b.append({f: torch.zeros(b, dtype=dtype, device=device) for f, (_, b) in shapes.items()})
+        self._in = {f: a[2] for f, (a, _) in slot_buffer_shapes(config, 1, 1).items()}
         self.ranks = torch.zeros(max_loras, dtype=torch.int32, device=device)  # [slots], 0 = empty
         self.stats = LoraSlotStats()
         self._kernel_table = None  # kernel_table(), built on first use
@@ -111,6 +114,9 @@ class LoraSlots:
         self._dirty = [0] * max_loras
         self._copy_in_c = self.device.type == "cpu" and dtype == torch.float32 and copy_blocks_available()
         self._lock = threading.RLock()
+        self.r_max = 0  # the buffers' rank (_grow)
+        self._buffers: tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] = ([], [])
+        self._grow(1)
         self._paths: dict[str, str] = {}  # registered adapter -> its PEFT directory
         self._cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, least recently used first
         self._owner: list[str | None] = [None] * max_loras  # slot -> adapter
@@ -124,44 +130,59 @@ class LoraSlots:
 
     # ----------------------------------------------------------------------------------- layout
 
+    @property
+    def lora_a(self) -> list[dict[str, torch.Tensor]]:
+        """Per layer, fused module -> stacked A [slots, S * r_max, in]."""
+        return self._buffers[0]
+
+    @property
+    def lora_b(self) -> list[dict[str, torch.Tensor]]:
+        """Per layer, fused module -> stacked B [slots, out_total, r_max]."""
+        return self._buffers[1]
+
     def slice_widths(self, module: str) -> tuple[int, ...]:
         """Output widths of the slices of fused module (qkv: q, k, v; gate_up: gate, up; o, down: one)."""
         return tuple(w for _, _, w in self._rows[module])
 
     def buffers(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor]:
         """(A [slots, S * r_max, in], B [slots, out_total, r_max]) of one layer's fused module."""
-        return self.lora_a[layer][module], self.lora_b[layer][module]
+        a, b = self._buffers  # (one pair: a growth may swap them between two reads)
+        return a[layer][module], b[layer][module]
 
     def apply(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor, index: LoraBatchIndex) -> None:
         """out += each token's adapter delta for this layer and module (what LlamaModel.forward wants per step)."""
-        apply_lora(x, out, self.lora_a[layer][module], self.lora_b[layer][module], index,
-                   slice_widths=self.slice_widths(module), ranks=self.ranks)
+        a, b = self.buffers(layer, module)
+        apply_lora(x, out, a, b, index, slice_widths=self.slice_widths(module), ranks=self.ranks)
 
     def kernel_table(self):
         """The slot buffers as the fused CPU decode step takes them (kernels/cpu/decode_step.py), built
         once; None off the CPU, in other dtypes than fp32, or without the C kernels."""
-        if self._kernel_table is None and self.device.type == "cpu" and self.dtype == torch.float32:
-            from loraplex.engine.kernels.cpu.decode_step import DecodeStepLora, decode_step_available
+        with self._lock:  # (not built from buffers a growth is swapping out)
+            if self._kernel_table is None and self.device.type == "cpu" and self.dtype == torch.float32:
+                from loraplex.engine.kernels.cpu.decode_step import DecodeStepLora, decode_step_available
 
-            if decode_step_available():
-                self._kernel_table = DecodeStepLora(self.lora_a, self.lora_b, self.ranks,
-                                                    {f: self.slice_widths(f) for f in FUSED})
-        return self._kernel_table
+                if decode_step_available():
+                    a, b = self._buffers
+                    self._kernel_table = DecodeStepLora(a, b, self.ranks, {f: self.slice_widths(f) for f in FUSED})
+            return self._kernel_table
 
-    def fold_for(self, index: LoraBatchIndex) -> tuple[int, torch.Tensor] | None:
+    def fold_for(self, index: LoraBatchIndex, table=None) -> tuple[int, torch.Tensor] | None:
         """(slot, packed block) of the step's adapter to fold into the fused decode step's GEMMs: the one
         with the most tokens, when it has FOLD_MIN_SHARE of them and FOLD_MIN_TOKENS; else None. The
-        block is packed on first use and kept until the slot is rewritten."""
+        block is packed from `table` (the step's kernel table; default: the current one) on first use and
+        kept until the slot is rewritten or the buffers grow."""
         counts: dict[int, int] = {}
         for start, end, slot in index.lora_segments:
             counts[slot] = counts.get(slot, 0) + end - start
         if not counts:
             return None
         slot, n = max(counts.items(), key=lambda kv: kv[1])
-        table = self.kernel_table()
+        table = table or self.kernel_table()
         if table is None or n < FOLD_MIN_TOKENS or n < FOLD_MIN_SHARE * index.num_tokens:
             return None
         with self._lock:
+            if table is not self._kernel_table:  # the buffers grew since the step took its table
+                return slot, table.pack_fold(slot)
             fold = self._folds.get(slot)
             if fold is None:
                 fold = self._folds[slot] = table.pack_fold(slot)
@@ -172,9 +193,8 @@ class LoraSlots:
         scaled B @ A), for lora/merged.py. Returns False, writing nothing, where the adapter leaves the
         module alone (its B is all zero)."""
         with self._lock:
-            rank, r_max = int(self.ranks[slot]), self.max_lora_rank
-            a = self.lora_a[layer][module][slot]  # [S * r_max, in]
-            b = self.lora_b[layer][module][slot]  # [out_total, r_max], scaling folded in
+            rank, r_max = int(self.ranks[slot]), self.r_max
+            a, b = (t[slot] for t in self.buffers(layer, module))  # [S * r_max, in], [out_total, r_max] (scaled)
             if rank == 0 or not bool(b[:, :rank].any()):
                 return False
             for s, (_, off, width) in enumerate(self._rows[module]):
@@ -183,7 +203,7 @@ class LoraSlots:
             return True
 
     def nbytes(self) -> int:
-        """Device memory of the slot buffers and the folded copies."""
+        """Device memory of the slot buffers (at their rank now) and the folded copies."""
         buffers = [t for layer in (*self.lora_a, *self.lora_b) for t in layer.values()]
         return sum(t.numel() * t.element_size() for t in (*buffers, *self._folds.values()))
 
@@ -351,10 +371,37 @@ class LoraSlots:
         self.stats.last_load_ms = (time.perf_counter() - start) * 1000.0
         return slot
 
+    def _grow(self, rank: int) -> None:
+        """Makes the buffers' rank at least `rank` (rounded up to RANK_STEP, at most max_lora_rank): new
+        zeroed buffers with every slot's rows copied in, swapped in as one pair. Tables, folds and slot
+        views made from the old buffers are dropped; whoever still holds them reads the old pair."""
+        new = min(-(-rank // RANK_STEP) * RANK_STEP, self.max_lora_rank)
+        old = self.r_max
+        if new <= old:
+            return
+        shapes, pair = slot_buffer_shapes(self.config, self.max_loras, new), ([], [])
+        for layer in range(self.config.num_layers):
+            a_new = {f: torch.zeros(a, dtype=self.dtype, device=self.device) for f, (a, _) in shapes.items()}
+            b_new = {f: torch.zeros(b, dtype=self.dtype, device=self.device) for f, (_, b) in shapes.items()}
+            if old:
+                for f, rows in self._rows.items():
+                    a_old, b_old = self.buffers(layer, f)  # [slots, S * old, in], [slots, out, old]
+                    a_new[f].view(self.max_loras, len(rows), new, -1)[:, :, :old] = \
+                        a_old.view(self.max_loras, len(rows), old, -1)
+                    b_new[f][:, :, :old] = b_old
+            pair[0].append(a_new)
+            pair[1].append(b_new)
+        self._buffers, self.r_max = pair, new
+        self._kernel_table = None
+        self._folds.clear()
+        self._views.clear()
+        self._view_addresses.clear()
+
     def _write_slot(self, slot: int, lora: LoraWeights | None) -> None:
         """Overwrites the whole slot: A and scaling * B in their rows, zeros everywhere else (None: all
         zeros, an empty slot)."""
         rank = lora.rank if lora is not None else 0
+        self._grow(rank)
         self._folds.pop(slot, None)
         self.writes[slot] += 1
         self.ranks[slot] = rank
@@ -381,7 +428,7 @@ class LoraSlots:
         def rows(*columns) -> torch.Tensor:
             return torch.stack([torch.broadcast_to(torch.as_tensor(c, dtype=torch.int64), (n,)) for c in columns], 1)
 
-        view, r_max = torch.arange(n), self.max_lora_rank
+        view, r_max = torch.arange(n), self.r_max
         return torch.cat([rows(view, 0, at[:, 0], 0, live, in_f, in_f, _ONE)[live > 0],
                           rows(view, 1, at[:, 1], 0, width, live, r_max, _SCALED)[live > 0],
                           rows(view, 0, -1, live * in_f, stale, in_f, in_f, _ZERO)[stale > 0],
@@ -416,7 +463,7 @@ class LoraSlots:
         with their addresses (_view_addresses[slot], int64 [views, 2]) for the C copy."""
         views = self._views.get(slot)
         if views is None:
-            r_max, views = self.max_lora_rank, []
+            r_max, views = self.r_max, []
             for layer in range(self.config.num_layers):
                 for f, rows in self._rows.items():
                     # [S*r_max, in], [out, r_max]
