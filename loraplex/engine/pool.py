@@ -74,10 +74,10 @@ class ModelEntry:
 
 
 def adapter_device_bytes(cfg: EngineConfig, model: LlamaConfig, device: torch.device) -> int:
-    """Device memory a model's adapters may take once it has one: the slot buffers (all `max_loras` slots at
-    `max_lora_rank`, the most they grow to: they start at the first adapter's rank); with the CPU kernels also the folded copies of the
-    adapters that dominate a step (at most one per slot, about a slot's size each) and, with merging on,
-    the merged copy of the projections (at most all of them; lora/merged.py)."""
+    """Device memory a model's adapters may take once it has one: the slot buffers (all `max_loras` slots
+    at `max_lora_rank`, the most they grow to from the first adapter's rank); with the CPU kernels also
+    the folded copies of the adapters that dominate a step (at most one per slot, about a slot's size
+    each) and, with merging on, the merged copy of the projections (at most all of them; lora/merged.py)."""
     slots = slot_buffer_bytes(model, cfg.max_loras, cfg.max_lora_rank, cfg.torch_dtype)
     if not uses_cpu_kernels(device, cfg.torch_dtype):
         return slots
