@@ -177,7 +177,7 @@ class LoraSlots:
         if not counts:
             return None
         slot, n = max(counts.items(), key=lambda kv: kv[1])
-        table = table or self.kernel_table()
+        table = table if table is not None else self.kernel_table()
         if table is None or n < FOLD_MIN_TOKENS or n < FOLD_MIN_SHARE * index.num_tokens:
             return None
         with self._lock:
