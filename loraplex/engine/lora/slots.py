@@ -157,6 +157,9 @@ class LoraSlots:
     def kernel_table(self):
         """The slot buffers as the fused CPU decode step takes them (kernels/cpu/decode_step.py), built
         once; None off the CPU, in other dtypes than fp32, or without the C kernels."""
+        table = self._kernel_table  # every decode step asks: no wait behind a registration holding the lock
+        if table is not None:
+            return table
         with self._lock:  # (not built from buffers a growth is swapping out)
             if self._kernel_table is None and self.device.type == "cpu" and self.dtype == torch.float32:
                 from loraplex.engine.kernels.cpu.decode_step import DecodeStepLora, decode_step_available
