@@ -49,6 +49,7 @@ class ModelRunner:
         self.block_size = block_size
         self.lora_slots: LoraSlots | None = None
         self.lora_merge: MergedAdapter | None = None  # set with lora_slots where merging is on
+        self._last_lora_index: tuple[tuple[int, ...], LoraBatchIndex] | None = None  # (token slots, index)
         shape = (cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim)
         # [layers, 2, blocks, block_size, kv_heads, head_dim]: one op moves a block in every layer
         self.kv_storage = allocate_kv_storage(shape[0], num_blocks, *shape[1:], model.dtype, model.device)
@@ -106,4 +107,14 @@ class ModelRunner:
     def _step_lora(self, token_slots: list[int]) -> StepLora | None:
         if self.lora_slots is None or max(token_slots) < 0:
             return None
-        return StepLora(self.lora_slots, LoraBatchIndex.from_token_slots(token_slots, self.device), self.lora_merge)
+        return StepLora(self.lora_slots, self._lora_index(token_slots), self.lora_merge)
+
+    def _lora_index(self, token_slots: list[int]) -> LoraBatchIndex:
+        """The step's batch index, reused while the batch's slots stay the same: decode steps repeat the
+        previous step's slots until a request joins, leaves or moves slot, and building the index and
+        its slot groups costs about 0.3 ms of Python per step (the index holds slot numbers only, so a
+        slot rewritten in between is still described correctly)."""
+        key = tuple(token_slots)
+        if self._last_lora_index is None or self._last_lora_index[0] != key:
+            self._last_lora_index = (key, LoraBatchIndex.from_token_slots(token_slots, self.device))
+        return self._last_lora_index[1]

@@ -104,6 +104,34 @@ def test_a_larger_rank_arriving_mid_run_grows_the_buffers_and_every_request_matc
         assert tuple(tokens[r.request_id]) == tuple(want), r.request_id
 
 
+def test_decode_steps_reuse_the_batch_index_until_the_batch_changes(adapter_dirs):
+    """The runner builds a step's LoRA batch index (and its slot groups) once per batch composition:
+    decode steps over the same requests share it, and a request leaving gives the next step a new index
+    that describes the new batch."""
+    core = make_core()
+    core.add_adapter("a1", str(adapter_dirs[1]))
+    core.add_adapter("a2", str(adapter_dirs[2]))
+    prompts = mixed_prompts(5, seed=13)
+    plan = [("a1", 4), ("a2", 8), (None, 8), ("a1", 4), ("a2", 8)]
+    seen = []  # (token slots, index) of each step that ran adapters
+    step_lora = core.runner._step_lora
+
+    def record(token_slots):
+        lora = step_lora(token_slots)
+        seen.append((list(token_slots), lora.index))
+        return lora
+
+    core.runner._step_lora = record
+    core.run([req(f"r{i}", p, a, max_tokens=n) for i, (p, (a, n)) in enumerate(zip(prompts, plan, strict=True))])
+    decodes = [(slots, index) for slots, index in seen if len(slots) <= len(plan)]
+    assert len(decodes) >= 6
+    for (slots, index), (prev_slots, prev_index) in zip(decodes[1:], decodes, strict=False):
+        assert (index is prev_index) == (slots == prev_slots), (slots, prev_slots)
+    assert len({id(index) for _, index in decodes}) == 2  # all five requests, then the three left
+    for slots, index in seen:
+        assert index.token_slots.tolist() == slots
+
+
 def test_more_adapters_than_slots_all_complete_correctly(adapter_dirs):
     core = make_core(max_loras=2, max_lora_rank=64)
     for i, path in enumerate(adapter_dirs[:6]):
