@@ -111,9 +111,9 @@ class ModelRunner:
 
     def _lora_index(self, token_slots: list[int]) -> LoraBatchIndex:
         """The step's batch index, reused while the batch's slots stay the same: decode steps repeat the
-        previous step's slots until a request joins, leaves or moves slot, and building the index and
-        its slot groups costs 0.15-0.25 ms of Python per step on Zen 3 (the index holds slot numbers only, so a
-        slot rewritten in between is still described correctly)."""
+        previous step's slots until a request joins, leaves or moves slot, and building the index and its
+        slot groups costs 0.15-0.25 ms of Python per step on Zen 3. The index holds slot numbers only, so
+        a slot rewritten in between is still described correctly."""
         key = tuple(token_slots)
         if self._last_lora_index is None or self._last_lora_index[0] != key:
             self._last_lora_index = (key, LoraBatchIndex.from_token_slots(token_slots, self.device))
