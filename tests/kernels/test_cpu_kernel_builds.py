@@ -1,7 +1,7 @@
 """The narrower builds of the CPU kernels, run on this machine: the packed GEMM and the fold have one
 layout per vector width (48-column panels with AVX-512, 24 with AVX2 or none), and lora.c's tile
-kernel one body per width, so the tests of the width-dependent kernels run again in a child process
-under each build a smaller CPU would get.
+kernel and the argmax one body per width, so the tests of the width-dependent kernels run again in a
+child process under each build a smaller CPU would get.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ LAYOUT_TESTS = [
     + "::test_an_adapter_holding_most_of_the_batch_is_folded_into_the_gemms",
     os.path.join(HERE, "test_cpu_lora.py") + "::test_many_tokens_of_one_slot",  # the tile kernel
     os.path.join(HERE, "test_cpu_lora.py") + "::test_ranks_mixed_across_slots",
+    os.path.join(HERE, "test_cpu_argmax.py"),  # one vector body per width
 ]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.engine.api import GenerateRequest, SamplingParams
-from loraplex.engine.sampler import apply_penalties, sample
+from loraplex.engine.sampler import apply_penalties, greedy_tokens, sample
 from loraplex.engine.sched.request import Request
 from tests.conftest import make_core
 from tests.unit.test_engine_core import MODEL, greedy, mixed_prompts
@@ -80,3 +80,21 @@ def test_greedy_and_top_k_sampling_pick_allowed_tokens():
     picks = {sample(logits.clone(), [g, k])[1] for _ in range(50)}
     assert sample(logits.clone(), [g])[0] == 1
     assert picks == {1, 3}
+
+
+def test_greedy_tokens_match_torch_argmax_on_every_path():
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(32, 49152, generator=gen)
+    logits[3, 100:] = logits[3].max()  # a tie: the first index of the maximum wins
+    want = logits.argmax(-1).tolist()
+    assert greedy_tokens(logits) == want  # the C kernel (fp32, dense rows)
+    assert greedy_tokens(logits.t().contiguous().t()) == want  # columns dense: torch's argmax
+    assert greedy_tokens(logits.to(torch.bfloat16)) == logits.to(torch.bfloat16).argmax(-1).tolist()
+
+
+def test_greedy_rows_of_a_mixed_batch_take_the_argmax():
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+    reqs = [_req(temperature=0.0) if i % 2 else _req(temperature=1.0, seed=i) for i in range(4)]
+    out = sample(logits.clone(), reqs)
+    assert [out[1], out[3]] == logits[[1, 3]].argmax(-1).tolist()
+    assert all(0 <= t < 50 for t in out)
