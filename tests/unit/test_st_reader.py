@@ -103,8 +103,8 @@ def test_flat_view_only_when_tensors_tile_an_aligned_region(tmp_path):
             continue
         aligned += 1
         assert torch.equal(flat_view(region, entries), torch.cat([a, b]))
-        del entries["b"]  # its bytes now belong to no tensor: no flat view over them
-        assert flat_view(region, entries) is None
+        without_b = {k: e for k, e in entries.items() if k != "b"}  # b's bytes now belong to no tensor
+        assert flat_view(region, without_b) is None
     assert aligned == 1
 
 
@@ -118,3 +118,17 @@ def test_read_file_returns_every_byte_in_one_or_two_halves(tmp_path, monkeypatch
     assert torch.equal(read_file(tmp_path / "f"), blob)
     spare = torch.zeros(2000, dtype=torch.uint8)
     assert torch.equal(read_file(tmp_path / "f", into=spare), blob) and not spare[1001:].any()
+
+
+def test_identical_headers_share_one_read_only_parse_and_the_file_size_still_counts(tmp_path):
+    a = torch.arange(6, dtype=torch.float32)
+    for name in ("one", "two"):  # two files, byte-identical headers
+        raw_file(tmp_path / f"{name}.safetensors", {"a": ("F32", [6], a.numpy().tobytes())})
+    first, _ = parse_safetensors(read_file(tmp_path / "one.safetensors"))
+    second, region = parse_safetensors(read_file(tmp_path / "two.safetensors"))
+    assert first is second and torch.equal(view(region, second["a"]), a)
+    with pytest.raises(TypeError):
+        second["b"] = second["a"]  # shared between loads: nobody may change it
+    data = read_file(tmp_path / "two.safetensors")
+    with pytest.raises(ValueError, match="do not fit the file"):  # the same header over a cut-short file
+        parse_safetensors(data[:-4].clone())

@@ -13,6 +13,7 @@ import functools
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -290,7 +291,7 @@ def _check_complete(found: dict[str, dict[tuple[int, str], Entry]], targets: tup
                                    f"target_modules lists {PEFT_NAMES[module]} for layer {layer}")
 
 
-def _as_values(found: dict[str, dict[tuple[int, str], Entry]], entries: dict[str, Entry],
+def _as_values(found: dict[str, dict[tuple[int, str], Entry]], entries: Mapping[str, Entry],
                region: torch.Tensor) -> tuple[torch.Tensor, dict[tuple[int, str], tuple[int, int]]]:
     """One flat fp32 tensor holding every A and B, and each pair's offsets in it: the file's data region
     itself when it is all fp32 (no copy), else a converted copy with the tensors back to back."""
@@ -332,7 +333,7 @@ def _expected_tensors(dims: tuple[tuple[str, tuple[int, int]], ...], rank: int, 
             for layer in layers for module in targets for ab in "AB"}
 
 
-def _found_as_expected(entries: dict[str, Entry], config: LlamaConfig, rank: int, targets: tuple[str, ...],
+def _found_as_expected(entries: Mapping[str, Entry], config: LlamaConfig, rank: int, targets: tuple[str, ...],
                        layers: tuple[int, ...]) -> dict[str, dict[tuple[int, str], Entry]] | None:
     """What _read_checked returns, for a file holding exactly the expected tensors under PEFT's names with the
     right shapes and dtypes (so none is missing): one dict lookup per tensor (an adapter has hundreds). None
@@ -349,7 +350,7 @@ def _found_as_expected(entries: dict[str, Entry], config: LlamaConfig, rank: int
     return found
 
 
-def _read_checked(entries: dict[str, Entry], where: str, config: LlamaConfig, rank: int,
+def _read_checked(entries: Mapping[str, Entry], where: str, config: LlamaConfig, rank: int,
                   targets: tuple[str, ...], layers: tuple[int, ...]) -> dict[str, dict[tuple[int, str], Entry]]:
     """Every tensor of the file, keyed "A"/"B" -> (layer, module), each checked before use."""
     dims = module_dims(config)
