@@ -31,3 +31,14 @@ def test_bench_prefix_and_priority_compare_both_sides(tmp_path):
     r = run_bench(tmp_path, "priority", "--model", "synthetic:tiny", "--max-num-seqs", "2", "--batch-tokens", "8",
                   "--realtime-requests", "2", "--interval", "0.05")
     assert {"with_priority_p99", "fcfs_p99"} <= set(r["realtime_ttft_ms"])
+
+
+def test_bench_lora_reports_every_pattern_peft_and_both_loads(tmp_path):
+    r = run_bench(tmp_path, "lora", "--model", "synthetic:tiny", "--batch", "4", "--new-tokens", "2", "--rounds", "1")
+    assert [r[k]["distinct_adapters"] for k in ("identical", "distinct")] == [1, 4]
+    assert 1 <= r["zipf"]["distinct_adapters"] <= 4
+    for key in ("identical", "zipf", "distinct"):
+        assert r[key]["tok_s"] > 0 and len(r["rounds"][key]) == 1
+        assert r["ratios"][f"{key}_vs_base"] == round(r[key]["tok_s"] / r["base_tok_s"], 3)
+    assert r["peft_distinct"]["tok_s"] > 0 and "distinct_vs_peft" in r["paired_ratios"]
+    assert r["adapter_load_ms"] > 0 and r["adapter_load_cached_ms"] > 0  # from disk, from the page cache

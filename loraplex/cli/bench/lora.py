@@ -19,6 +19,7 @@ prefill and the identical pattern's merge, and ran 15-25% slower than the next o
 
 from __future__ import annotations
 
+import os
 import random
 import statistics
 import tempfile
@@ -86,14 +87,35 @@ def _peft(model, tokenizer, prompts, adapter_names, new_tokens: int) -> float:
     return (out.shape[1] - width) * out.shape[0] / (time.perf_counter() - t0)
 
 
-def _load_ms(loaded, root: Path, count: int, rank: int) -> float:
-    """Median cold load: parse + validate one adapter from disk and write it into a device slot."""
+def _evict(adapter_dir: Path) -> None:
+    """Drops the adapter's files from the page cache (written back first), so the next read comes from disk."""
+    for file in adapter_dir.iterdir():
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _load_ms(loaded, root: Path, count: int, rank: int, from_disk: bool) -> float:
+    """Median cold load: parse + validate one adapter from its files and write it into a device slot.
+    `from_disk`: each adapter's files are dropped from the page cache first, so the read is the disk's;
+    else they are read once before, so it is the page cache's. (Without either, the figure depended on
+    the file's age: on the Zen 4 VM, pages of files some minutes old were reclaimed, and the load
+    took 16-21 ms against 5-7 ms for files just written.)"""
     slots = LoraSlots(loaded.config, max_loras=2, max_lora_rank=rank, max_cpu_loras=1,
                       dtype=torch.float32, device=torch.device("cpu"))
     times = []
     for i in range(count):
+        path = adapter_path(root, i)
+        if from_disk:
+            _evict(path)
+        else:
+            for file in path.iterdir():
+                file.read_bytes()
         t0 = time.perf_counter()
-        slots.register(f"cold{i}", adapter_path(root, i))
+        slots.register(f"cold{i}", path)
         slots.acquire(f"cold{i}")
         times.append((time.perf_counter() - t0) * 1000)
         slots.release(f"cold{i}")
@@ -148,7 +170,8 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
         for name, adapters in patterns.items():
             results[name] = {"tok_s": round(statistics.harmonic_mean(runs[name]), 2),
                              "distinct_adapters": len(set(adapters))}
-        results["adapter_load_ms"] = round(_load_ms(loaded, root, min(9, batch), rank), 2)
+        results["adapter_load_ms"] = round(_load_ms(loaded, root, min(9, batch), rank, from_disk=True), 2)
+        results["adapter_load_cached_ms"] = round(_load_ms(loaded, root, min(9, batch), rank, from_disk=False), 2)
         if not skip_peft:
             results["peft_distinct"] = {"tok_s": round(statistics.harmonic_mean(peft_runs), 2),
                                         "new_tokens": peft_new_tokens, "rounds": peft_runs}
