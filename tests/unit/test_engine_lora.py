@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 
@@ -212,17 +213,22 @@ def test_remove_adapter_waits_for_its_requests(adapter_dirs):
         engine = AsyncEngine(make_core())
         try:
             engine.add_adapter("a0", str(adapter_dirs[0]))
-            # long enough (~1 s) that it is surely still running after the 50 ms below
             stream = engine.generate(req("long", [1, 2, 3], "a0", max_tokens=1500))
             first = await stream.__anext__()
             removal = asyncio.ensure_future(engine.remove_adapter("a0"))
-            await asyncio.sleep(0.05)
-            assert not removal.done()  # its request is still running
+            # until the engine loop takes the removal (at its next step; no fixed sleep to outlast)
+            entry, deadline = engine.pool.models[engine.default_model], time.monotonic() + 10
+            while "a0" not in entry.removing:
+                assert time.monotonic() < deadline, "the engine loop never took the removal"
+                await asyncio.sleep(0.001)
+            assert not removal.done()  # its request still runs: 1500 tokens, one step gone at most
+            second = await stream.__anext__()
+            assert not second.finished
             with pytest.raises(ModelNotFoundError):
                 engine.generate(req("new", [1, 2, 3], "a0"))
             rest = [e async for e in stream]
             await asyncio.wait_for(removal, 10)
-            assert len(first.token_ids) + sum(len(e.token_ids) for e in rest) == 1500
+            assert sum(len(e.token_ids) for e in [first, second, *rest]) == 1500
             assert "a0" not in engine.core.lora
         finally:
             engine.shutdown()
