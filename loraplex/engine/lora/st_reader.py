@@ -6,7 +6,8 @@ the read) or into a recycled one (fresh pages cost a page fault each: on a VM th
 read itself), and never copied again. The header is checked as plain Python values, without a torch
 object per tensor (an adapter has hundreds, and per-tensor views cost more than the read): callers
 that need tensors take views of the data region, and when every tensor shares one dtype the whole
-region is one flat tensor that a single reduction can check for NaN/Inf.
+region is one flat tensor that a single reduction can check for NaN/Inf. A header is parsed once
+per distinct header (`_entries`): adapters of one shape have byte-identical ones.
 """
 
 from __future__ import annotations
