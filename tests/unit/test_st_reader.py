@@ -1,16 +1,26 @@
 """The safetensors reader of adapter loads: views equal to the safetensors library's tensors, odd
-alignments and mixed dtypes, malformed files refused with ValueError, and reads into a recycled buffer."""
+alignments and mixed dtypes, malformed files refused with ValueError, and reads into a recycled buffer
+from the page cache, from the disk (O_DIRECT) and from both."""
 
 from __future__ import annotations
 
 import json
+import mmap
+import os
 import struct
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from loraplex.engine.lora.st_reader import flat_view, parse_safetensors, read_file, view
+from loraplex.engine.lora.st_reader import (
+    DIRECT_ALIGN,
+    flat_view,
+    parse_safetensors,
+    read_file,
+    resident_pages,
+    view,
+)
 
 
 def read_safetensors(path) -> tuple[dict[str, torch.Tensor], torch.Tensor | None]:
@@ -81,14 +91,16 @@ def test_reads_into_a_recycled_buffer_when_the_file_fits(tmp_path):
     tensors = {"w": torch.arange(12, dtype=torch.float32).view(3, 4)}
     save_file(tensors, tmp_path / "w.safetensors")
     size = (tmp_path / "w.safetensors").stat().st_size
-    spare = torch.full((size + 100,), 7, dtype=torch.uint8)
+    spare = torch.full((2 * DIRECT_ALIGN,), 7, dtype=torch.uint8)  # room for one aligned block wherever it starts
     data = read_file(tmp_path / "w.safetensors", into=spare)
-    assert data.data_ptr() == spare.data_ptr() and len(data) == size
+    assert len(data) == size and data.data_ptr() % DIRECT_ALIGN == 0
+    assert spare.data_ptr() <= data.data_ptr() < spare.data_ptr() + DIRECT_ALIGN  # inside the spare
     entries, region = parse_safetensors(data)
     assert torch.equal(view(region, entries["w"]), tensors["w"])
-    small = torch.zeros(size - 1, dtype=torch.uint8)  # too small: a new buffer, the spare untouched
+    small = torch.zeros(DIRECT_ALIGN, dtype=torch.uint8)[1:]  # no aligned block fits: a new buffer, untouched
     data = read_file(tmp_path / "w.safetensors", into=small)
-    assert data.data_ptr() != small.data_ptr() and len(data) == size and not small.any()
+    assert not small.data_ptr() <= data.data_ptr() < small.data_ptr() + len(small)
+    assert len(data) == size and data.data_ptr() % DIRECT_ALIGN == 0 and not small.any()
 
 
 def test_flat_view_only_when_tensors_tile_an_aligned_region(tmp_path):
@@ -108,16 +120,51 @@ def test_flat_view_only_when_tensors_tile_an_aligned_region(tmp_path):
     assert aligned == 1
 
 
+def evict(path) -> None:
+    """Drops the file from the page cache (written back first), as a file not read for a while."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def cached_pages(path) -> int:
+    """How many of the file's pages the page cache holds."""
+    with open(path, "rb") as f:
+        return resident_pages(f.fileno(), os.path.getsize(path))
+
+
+# sizes around the O_DIRECT block: below one, exactly some, one past, a split read's halves
+@pytest.mark.parametrize("size", [1001, DIRECT_ALIGN, 3 * DIRECT_ALIGN + 1, 5 * DIRECT_ALIGN - 7])
 @pytest.mark.parametrize("split", [False, True])
-def test_read_file_returns_every_byte_in_one_or_two_halves(tmp_path, monkeypatch, split):
+@pytest.mark.parametrize("state", ["cached", "cold", "half cached", "no direct I/O"])
+def test_read_file_returns_every_byte(tmp_path, monkeypatch, size, split, state):
+    """From the page cache, from the disk (O_DIRECT, which leaves the page cache as it was), from both
+    (the cached part copied, the rest read from its block on) and where direct I/O is not offered."""
     from loraplex.engine.lora import st_reader
 
-    blob = torch.randint(0, 256, (1001,), dtype=torch.uint8, generator=torch.Generator().manual_seed(3))
-    (tmp_path / "f").write_bytes(blob.numpy().tobytes())
+    blob = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
+    path = tmp_path / "f"
+    path.write_bytes(blob.numpy().tobytes())
     monkeypatch.setattr(st_reader, "SPLIT_READ_BYTES", 64 if split else 1 << 40)
-    assert torch.equal(read_file(tmp_path / "f"), blob)
-    spare = torch.zeros(2000, dtype=torch.uint8)
-    assert torch.equal(read_file(tmp_path / "f", into=spare), blob) and not spare[1001:].any()
+    if state == "no direct I/O":
+        monkeypatch.setattr(st_reader, "_open_direct", lambda path: None)
+    pages = -(-size // mmap.PAGESIZE)
+    if state == "cached":
+        assert cached_pages(path) == pages  # just written
+    else:
+        evict(path)
+        assert cached_pages(path) == 0  # (the test's premise: eviction works on tmp_path's file system)
+    if state == "half cached":
+        with open(path, "rb", buffering=0) as f:
+            f.read(size // 2)
+    spare = torch.zeros(4 * DIRECT_ALIGN + size, dtype=torch.uint8)
+    for into in (None, spare):
+        assert torch.equal(read_file(path, into=into), blob)
+    if state == "cold":
+        assert cached_pages(path) == 0
 
 
 def test_identical_headers_share_one_read_only_parse_and_the_file_size_still_counts(tmp_path):
