@@ -15,6 +15,7 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.engine.lora.st_reader import (
     DIRECT_ALIGN,
+    drop_from_page_cache,
     flat_view,
     parse_safetensors,
     read_file,
@@ -120,16 +121,6 @@ def test_flat_view_only_when_tensors_tile_an_aligned_region(tmp_path):
     assert aligned == 1
 
 
-def evict(path) -> None:
-    """Drops the file from the page cache (written back first), as a file not read for a while."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def cached_pages(path) -> int:
     """How many of the file's pages the page cache holds."""
     with open(path, "rb") as f:
@@ -155,7 +146,7 @@ def test_read_file_returns_every_byte(tmp_path, monkeypatch, size, split, state)
     if state == "cached":
         assert cached_pages(path) == pages  # just written
     else:
-        evict(path)
+        drop_from_page_cache(path)
         assert cached_pages(path) == 0  # (the test's premise: eviction works on tmp_path's file system)
     if state == "half cached":
         with open(path, "rb", buffering=0) as f:

@@ -19,7 +19,6 @@ prefill and the identical pattern's merge, and ran 15-25% slower than the next o
 
 from __future__ import annotations
 
-import os
 import random
 import statistics
 import tempfile
@@ -33,6 +32,7 @@ from loraplex.engine.api import GenerateRequest, SamplingParams
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.lora.slots import LoraSlots
+from loraplex.engine.lora.st_reader import drop_from_page_cache
 from loraplex.engine.models.loader import load_model, resolve_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
@@ -90,12 +90,7 @@ def _peft(model, tokenizer, prompts, adapter_names, new_tokens: int) -> float:
 def _evict(adapter_dir: Path) -> None:
     """Drops the adapter's files from the page cache (written back first), so the next read comes from disk."""
     for file in adapter_dir.iterdir():
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+        drop_from_page_cache(file)
 
 
 def _load_ms(loaded, root: Path, count: int, rank: int, from_disk: bool) -> float:
