@@ -125,8 +125,9 @@ def flat_view(region: torch.Tensor, entries: Mapping[str, Entry]) -> torch.Tenso
 SPLIT_READ_BYTES = 4 << 20
 # A file the page cache does not wholly hold is read with O_DIRECT, into memory aligned to this (a
 # multiple of any disk's logical block): the disk's DMA lands in the buffer, with no page-cache pages to
-# allocate, fill and copy. A cold 19.5 MB adapter took 6.3-6.9 ms so, against 17.9 ms through the page
-# cache (the Zen 3 VM's virtio disk, bench/RESULTS.md).
+# allocate, fill and copy. On the Zen 3 VM's virtio disk, cold 19.5 MB adapters read so took 0.47-1.02
+# of the plain read's time (medians over runs of 9-36 files taking turns), and at most 25 ms where the
+# plain read took up to 38 (bench/RESULTS.md, seventeenth session).
 DIRECT_ALIGN = 4096
 
 
@@ -171,16 +172,25 @@ def _aligned(size: int, into: torch.Tensor | None) -> torch.Tensor:
     return fresh[skip:skip + need]
 
 
+class _CachestatRange(ctypes.Structure):
+    _fields_ = [("off", ctypes.c_uint64), ("len", ctypes.c_uint64)]
+
+
+class _Cachestat(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_uint64) for name in
+                ("nr_cache", "nr_dirty", "nr_writeback", "nr_evicted", "nr_recently_evicted")]
+
+
+_SYS_CACHESTAT = 451  # Linux 6.5 and later, the same number on every architecture's table
+
+
 @functools.cache
-def _libc():
-    """libc's mmap, mincore and munmap through ctypes, or None where they are not found."""
+def _syscall():
+    """libc's syscall() through ctypes, or None where there is none."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [
-            ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        return libc
+        libc.syscall.restype = ctypes.c_long
+        return libc.syscall
     except (OSError, AttributeError):
         return None
 
@@ -190,27 +200,23 @@ def _wholly_cached(fd: int, size: int) -> bool:
     read is always right) or there is no direct I/O to read it otherwise."""
     if size == 0 or not hasattr(os, "O_DIRECT"):
         return True
-    resident = resident_pages(fd, size)
-    return resident is None or resident == -(-size // mmap.PAGESIZE)
+    resident = resident_pages(fd)
+    return resident is None or resident >= -(-size // mmap.PAGESIZE)
 
 
-def resident_pages(fd: int, size: int) -> int | None:
-    """How many of the file's first `size` bytes' pages the page cache holds, or None where that cannot be
-    told: mincore over a mapping of the file, which starts no read. (A read that may not wait, RWF_NOWAIT,
-    starts the readahead it misses: on the Zen 3 VM, 16 MB of a 19.5 MB file, read again by O_DIRECT.)"""
-    libc = _libc()
-    if libc is None or size <= 0:
+def resident_pages(fd: int) -> int | None:
+    """How many of the file's pages the page cache holds (the cachestat system call, which starts no
+    read), or None where that cannot be told (a kernel before 6.5). Asking with a read that may not
+    wait (RWF_NOWAIT) starts the readahead it misses: on the Zen 3 VM, 16 MB of a 19.5 MB file, read
+    again by O_DIRECT; mincore over a mapping of the file took 0.73 ms, cachestat 0.16."""
+    syscall = _syscall()
+    if syscall is None:
         return None
-    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-    if addr is None or addr == ctypes.c_void_p(-1).value:
+    stat = _Cachestat()
+    whole = _CachestatRange(0, 0)  # len 0: to the file's end
+    if syscall(_SYS_CACHESTAT, fd, ctypes.byref(whole), ctypes.byref(stat), 0) != 0:
         return None
-    try:
-        pages = torch.empty(-(-size // mmap.PAGESIZE), dtype=torch.uint8)  # bit 0: resident
-        if libc.mincore(addr, size, pages.data_ptr()):
-            return None
-        return int(pages.bitwise_and(1).sum())
-    finally:
-        libc.munmap(addr, size)
+    return stat.nr_cache
 
 
 def drop_from_page_cache(path) -> None:
