@@ -233,7 +233,7 @@ def drop_from_page_cache(path) -> None:
 def _open_direct(path) -> int | None:
     """A second descriptor of the file, opened with O_DIRECT; None where the file system has none."""
     try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT | getattr(os, "O_CLOEXEC", 0))
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)  # (non-inheritable, as every os.open)
     except OSError:  # EINVAL: a file system without direct I/O
         return None
 
