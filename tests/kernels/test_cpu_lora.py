@@ -15,7 +15,7 @@ from loraplex.engine.kernels import lora_ops
 from loraplex.engine.kernels.cpu import build
 from loraplex.engine.kernels.cpu import lora as cpu_lora
 from loraplex.engine.kernels.cpu.lora import lora_available, lora_shrink_expand_cpu
-from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora
+from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora, stacked_b
 from loraplex.engine.kernels.reference import ref_lora_shrink_expand
 from tests.kernels import lora_batches
 
@@ -38,7 +38,7 @@ ATOL = RTOL = 1e-4
 
 
 def make_weights(module: str, r_max: int, ranks: list[int] | None = None, pad: float | None = None, seed: int = 0):
-    """A [slots, S*r_max, in], B [slots, out, r_max] with O(1) deltas; beyond each slot's rank the
+    """A [slots, S*r_max, in], B [slots, out, r_max] (rank-major) with O(1) deltas; beyond each slot's rank the
     padding is zero, or `pad` (NaN, huge values) that the kernel must never read into out."""
     in_f, widths = MODULES[module]
     g = torch.Generator().manual_seed(seed)
@@ -50,7 +50,7 @@ def make_weights(module: str, r_max: int, ranks: list[int] | None = None, pad: f
             fill = 0.0 if pad is None else pad
             a.view(NUM_SLOTS, s, r_max, in_f)[slot, :, rk:] = fill
             b[slot, :, rk:] = fill
-    return a, b, widths
+    return a, b.mT.contiguous().mT, widths  # B rank-major, as the slot buffers hold it (lora.c requires it)
 
 
 def make_batch(pattern: str, shape: str, with_base: bool, seed: int = 0) -> LoraBatchIndex:
@@ -289,15 +289,16 @@ def _call(**kw) -> None:
     (lambda g: dict(x=torch.randn(45, 4).t()), "x must be contiguous"),
     (lambda g: dict(out=torch.zeros(79, 4).t()), "out must be contiguous"),
     (lambda g: dict(lora_a=g["lora_a"].transpose(1, 2).contiguous().transpose(1, 2)), "lora_a must be contiguous"),
-    (lambda g: dict(lora_b=g["lora_b"][:, :, ::2]), "lora_b must be contiguous"),
+    (lambda g: dict(lora_b=g["lora_b"].contiguous()), "lora_b must be rank-major"),
+    (lambda g: dict(lora_b=g["lora_b"][:, :, ::2]), "lora_b must be rank-major"),
     (lambda g: dict(x=g["x"][None]), "x must have 2 dimensions"),
     (lambda g: dict(lora_b=g["lora_b"][0]), "lora_b must have 3 dimensions"),
     (lambda g: dict(x=[[0.0]]), "x must be a torch.Tensor"),
     (lambda g: dict(x=torch.randn(4, 44)), "x has 44 features but lora_a expects in_features=45"),
     (lambda g: dict(out=torch.zeros(4, 80)), r"out must have shape \(4, 79\)"),
     (lambda g: dict(out=torch.zeros(3, 79)), r"out must have shape \(4, 79\)"),
-    (lambda g: dict(lora_b=g["lora_b"][:5].contiguous()), "lora_a has 12 slots but lora_b has 5"),
-    (lambda g: dict(lora_b=torch.zeros(NUM_SLOTS, 79, 5)), "must be num_slices \\* r_max"),
+    (lambda g: dict(lora_b=g["lora_b"][:5]), "lora_a has 12 slots but lora_b has 5"),
+    (lambda g: dict(lora_b=stacked_b(NUM_SLOTS, 79, 5)), "must be num_slices \\* r_max"),
     (lambda g: dict(slice_widths=(37, 21, 20)), "slice_widths"),
     (lambda g: dict(slice_widths=(37, 42)), "slice_widths"),
     (lambda g: dict(slice_widths=None), "do not split into 3 equal slices"),
@@ -315,7 +316,7 @@ def test_bad_inputs_raise_value_error(change, match: str) -> None:
 
 def test_too_many_slices_and_rank_bound() -> None:
     with pytest.raises(ValueError, match="slices per fused projection"):
-        _call(lora_a=torch.zeros(NUM_SLOTS, 40, 45), lora_b=torch.zeros(NUM_SLOTS, 79, 8),
+        _call(lora_a=torch.zeros(NUM_SLOTS, 40, 45), lora_b=stacked_b(NUM_SLOTS, 79, 8),
               slice_widths=(16,) * 4 + (15,))
     with pytest.raises(ValueError, match="r_max"):
-        _call(lora_a=torch.zeros(NUM_SLOTS, 300, 45), lora_b=torch.zeros(NUM_SLOTS, 79, 300), slice_widths=(79,))
+        _call(lora_a=torch.zeros(NUM_SLOTS, 300, 45), lora_b=stacked_b(NUM_SLOTS, 79, 300), slice_widths=(79,))

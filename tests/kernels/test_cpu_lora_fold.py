@@ -108,8 +108,8 @@ def test_packing_a_slot_reads_only_its_live_rank_and_follows_the_layout():
     dims = {"qkv": (32, (32, 16, 16)), "o": (32, (32,)), "gate_up": (32, (48, 48)), "down": (48, (32,))}
     lora_a = [{m: torch.randn(slots, len(wd) * r_max, k, generator=g) for m, (k, wd) in dims.items()}
               for _ in range(layers)]
-    lora_b = [{m: torch.randn(slots, sum(wd), r_max, generator=g) for m, (k, wd) in dims.items()}
-              for _ in range(layers)]
+    lora_b = [{m: torch.randn(slots, r_max, sum(wd), generator=g).transpose(1, 2) for m, (k, wd) in dims.items()}
+              for _ in range(layers)]  # rank-major, as the slot buffers hold B
     ranks = torch.tensor([0, rank, r_max], dtype=torch.int32)
     table = DecodeStepLora(lora_a, lora_b, ranks, {m: wd for m, (_, wd) in dims.items()})
     got = table.pack_fold(1)

@@ -41,8 +41,9 @@ PATTERNS = ("distinct", "uniform", "zipf:1.5", "identical", "skewed")
 
 
 def make_weights(module: str, r_max: int, dtype: torch.dtype, seed: int = 0, ranks: list[int] | None = None,
-                 pad_garbage: bool = False):
-    """Stacked A [slots, S*r_max, in] and B [slots, out, r_max] sized so that deltas are O(1)."""
+                 pad_garbage: bool = False, rank_major: bool = False):
+    """Stacked A [slots, S*r_max, in] and B [slots, out, r_max] sized so that deltas are O(1); B contiguous,
+    or with `rank_major` a view of [slots, r_max, out] storage (the slot buffers' layout)."""
     in_f, widths = MODULES[module]
     g = torch.Generator().manual_seed(seed)
     s = len(widths)
@@ -53,7 +54,8 @@ def make_weights(module: str, r_max: int, dtype: torch.dtype, seed: int = 0, ran
             fill = 7.0 if pad_garbage else 0.0
             a.view(NUM_SLOTS, s, r_max, in_f)[slot, :, rk:] = fill
             b[slot, :, rk:] = fill
-    return a.to(dtype), b.to(dtype), widths
+    b = b.to(dtype)
+    return a.to(dtype), b.mT.contiguous().mT if rank_major else b, widths
 
 
 def make_batch(pattern: str, shape: str, with_base: bool, seed: int = 0) -> LoraBatchIndex:
@@ -69,8 +71,8 @@ def inputs(index: LoraBatchIndex, module: str, dtype: torch.dtype, seed: int = 1
 
 
 def run_and_check(fn, kernel: str, index: LoraBatchIndex, module: str, r_max: int, dtype: torch.dtype,
-                  ranks: list[int] | None = None, pad_garbage: bool = False) -> None:
-    a, b, widths = make_weights(module, r_max, dtype, ranks=ranks, pad_garbage=pad_garbage)
+                  ranks: list[int] | None = None, pad_garbage: bool = False, rank_major: bool = False) -> None:
+    a, b, widths = make_weights(module, r_max, dtype, ranks=ranks, pad_garbage=pad_garbage, rank_major=rank_major)
     rk = torch.tensor(ranks, dtype=torch.int32) if ranks is not None else None
     x, out = inputs(index, module, dtype)
     expected = ref_lora_shrink_expand(x, out, a, b, index.token_slots, widths, rk)
@@ -130,6 +132,18 @@ def test_ranks_tensor_skips_padding(fn, kernel: str, pad_garbage: bool) -> None:
     ranks = [32, 8, 0, 16, 24, 32, 1, 9] * 2
     run_and_check(fn, kernel, make_batch("uniform", "prefill", True, seed=4), "qkv", 32, torch.float32,
                   ranks=ranks, pad_garbage=pad_garbage)
+
+
+@pytest.mark.parametrize("fn,kernel", TRITON + TORCH + [(lora_shrink_expand_torch, "grouped")],
+                         ids=["sgmv", "bgmv", "torch-segments", "torch-gather", "torch-grouped"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rank_major_b(fn, kernel: str, dtype: torch.dtype) -> None:
+    """B as the slot buffers store it (rank-major: rows of B r_max apart become columns out apart), with
+    mixed ranks and garbage in the padding rows: every path reads it through its strides."""
+    ranks = [32, 8, 0, 16, 24, 32, 1, 9] * 2
+    index = sorted_batch("uniform", True, seed=6) if kernel == "grouped" else make_batch("uniform", "prefill", True,
+                                                                                         seed=6)
+    run_and_check(fn, kernel, index, "qkv", 32, dtype, ranks=ranks, pad_garbage=True, rank_major=True)
 
 
 def test_launchers_honour_ranks_one_by_one() -> None:
@@ -208,9 +222,11 @@ def test_torch_path_ranks_dtypes_patterns(r_max: int, dtype: torch.dtype) -> Non
                 run_and_check(lora_shrink_expand_torch, "auto", index, "qkv", r_max, dtype)
 
 
-def test_apply_lora_on_cpu_uses_torch_path() -> None:
+@pytest.mark.parametrize("rank_major", [False, True], ids=["contiguous-b", "rank-major-b"])
+def test_apply_lora_on_cpu_takes_either_b_layout(rank_major: bool) -> None:
+    """The C kernel serves a rank-major B (the slot buffers'), torch ops a contiguous one: the same answer."""
     index = make_batch("zipf:1.5", "decode", True)
-    a, b, widths = make_weights("qkv", 16, torch.float32)
+    a, b, widths = make_weights("qkv", 16, torch.float32, rank_major=rank_major)
     x, out = inputs(index, "qkv", torch.float32)
     expected = ref_lora_shrink_expand(x, out, a, b, index.token_slots, widths)
     apply_lora(x, out, a, b, index, slice_widths=widths)
@@ -248,6 +264,7 @@ BAD = {
     "out wrong dtype": lambda k: k.update(out=k["out"].double()),
     "b dtype differs": lambda k: k.update(lora_b=k["lora_b"].half()),
     "b slot count": lambda k: k.update(lora_b=k["lora_b"][1:]),
+    "b neither layout": lambda k: k.update(lora_b=k["lora_b"].transpose(0, 1).contiguous().transpose(0, 1)),
     "a rows not S*r": lambda k: k.update(lora_a=k["lora_a"][:, 1:].contiguous()),
     "widths sum": lambda k: k.update(slice_widths=(64, 32, 31)),
     "widths count": lambda k: k.update(slice_widths=(64, 64)),

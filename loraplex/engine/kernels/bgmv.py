@@ -59,7 +59,7 @@ def _bgmv_shrink_kernel(x_ptr, a_ptr, y_ptr, slots_ptr, ranks_ptr, in_features, 
 
 @triton.jit
 def _bgmv_expand_kernel(y_ptr, b_ptr, out_ptr, slots_ptr, ranks_ptr, w0, w1, w2, w3, r_max,
-                        stride_ym, stride_bs, stride_bn, stride_om,
+                        stride_ym, stride_bs, stride_bn, stride_bk, stride_om,
                         HAS_RANKS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     t = tl.program_id(0).to(tl.int64)
     n0 = tl.program_id(1) * BLOCK_N
@@ -81,7 +81,7 @@ def _bgmv_expand_kernel(y_ptr, b_ptr, out_ptr, slots_ptr, ranks_ptr, w0, w1, w2,
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < rank
         yv = tl.load(y_ptr + t * stride_ym + s * r_max + offs_k, mask=mask_k, other=0.0)
-        bt = tl.load(b_ptr + slot * stride_bs + cols[:, None] * stride_bn + offs_k[None, :],
+        bt = tl.load(b_ptr + slot * stride_bs + cols[:, None] * stride_bn + offs_k[None, :] * stride_bk,
                      mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         acc += bt.to(tl.float32) * yv[None, :]
     o_ptrs = out_ptr + t * stride_om + cols
@@ -136,7 +136,8 @@ def bgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, token_
     """BGMV expand: add every token's LoRA delta to the base projection output, in place, all slices at once.
 
     Semantics:
-        y [T, S*r_max] fp32, lora_b [num_slots, out_total, r_max], out [T, out_total] (lora_b's dtype),
+        y [T, S*r_max] fp32, lora_b [num_slots, out_total, r_max] (contiguous or rank-major, any strides
+        work), out [T, out_total] (lora_b's dtype),
         token_slots [T] int, slice_widths (w_0..w_{S-1}) summing to out_total (None = S equal slices),
         off_s = w_0 + .. + w_{s-1}. For every token t with slot = token_slots[t] >= 0, slice s, n < w_s:
             out[t, off_s + n] += sum_{k < rank} y[t, s*r_max + k] * B[slot, off_s + n, k]
@@ -154,5 +155,5 @@ def bgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, token_
     grid = (out.shape[0], triton.cdiv(max(widths), bn), num_slices)
     _bgmv_expand_kernel[grid](
         y, lora_b, out, token_slots, ranks if ranks is not None else token_slots, *padded_widths(widths),
-        r_max, y.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
+        r_max, y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), out.stride(0),
         HAS_RANKS=ranks is not None, BLOCK_N=bn, BLOCK_K=bk)

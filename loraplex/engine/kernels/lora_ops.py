@@ -8,6 +8,10 @@ Layout (one layer, one target module; device slots stacked; DESIGN.md section 4)
              rows off_s .. off_s+w_s-1 hold slice s's B (columns >= r are zero), scaling alpha/r folded in;
              row n of lora_b is exactly column n of the fused projection output, so B needs no
              per-slice padding even when slice widths differ (qkv with GQA).
+             Stored contiguous or rank-major: a [num_slots, r_max, out_total] tensor transposed
+             (`stacked_b`, `is_rank_major`). The slot buffers are rank-major, which the CPU kernel
+             (cpu/lora.c) requires: an adapter of rank r reads r whole rows of out_total, never the
+             padding up to r_max, so a fleet's one rank-64 adapter costs its rank-16 ones nothing.
     slices   o, down: 1 slice (w = out); gate_up: 2 equal slices; qkv: 3 slices
              (q: n_heads*head_dim, k and v: n_kv_heads*head_dim), in that order, like the fused weight.
     ranks    optional [num_slots] int: the true rank per slot; kernels skip the zero padding beyond it.
@@ -161,15 +165,29 @@ class LoraBatchIndex:
 
 # ----------------------------------------------------------------------------------------- checks
 
-def _check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+def stacked_b(num_slots: int, out_total: int, r_max: int, dtype: torch.dtype = torch.float32,
+              device: torch.device | str | None = None) -> torch.Tensor:
+    """A zeroed lora_b [num_slots, out_total, r_max] in the rank-major layout (storage [num_slots, r_max,
+    out_total]) that the slot buffers use and cpu/lora.c requires."""
+    return torch.zeros(num_slots, r_max, out_total, dtype=dtype, device=device).transpose(1, 2)
+
+
+def is_rank_major(lora_b: torch.Tensor) -> bool:
+    """True when lora_b [slots, out_total, r_max] is a view of contiguous [slots, r_max, out_total] storage."""
+    return lora_b.dim() == 3 and lora_b.transpose(1, 2).is_contiguous()
+
+
+def _check_tensor(name: str, t: object, ndim: int, dtypes: tuple[torch.dtype, ...],
+                  rank_major_ok: bool = False) -> torch.Tensor:
     if not isinstance(t, torch.Tensor):
         raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
     if t.dim() != ndim:
         raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
     if t.dtype not in dtypes:
         raise ValueError(f"{name} dtype must be one of {[str(d) for d in dtypes]}, got {t.dtype}")
-    if not t.is_contiguous():
-        raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
+    if not t.is_contiguous() and not (rank_major_ok and is_rank_major(t)):
+        also = " or rank-major (stacked_b)" if rank_major_ok else ""
+        raise ValueError(f"{name} must be contiguous (call .contiguous()){also}, got strides {t.stride()}")
     return t
 
 
@@ -201,8 +219,9 @@ def check_a(lora_a: torch.Tensor, num_slices: int, ranks: torch.Tensor | None) -
 
 def check_b(lora_b: torch.Tensor, num_slices: int, slice_widths: Sequence[int] | None,
             ranks: torch.Tensor | None) -> tuple[int, ...]:
-    """Validate stacked B [slots, out_total, r_max] against num_slices; return the slice widths."""
-    _check_tensor("lora_b", lora_b, 3, FLOAT_DTYPES)
+    """Validate stacked B [slots, out_total, r_max] (contiguous or rank-major) against num_slices; return the
+    slice widths."""
+    _check_tensor("lora_b", lora_b, 3, FLOAT_DTYPES, rank_major_ok=True)
     out_total = lora_b.shape[1]
     if slice_widths is None:
         if out_total % num_slices:
@@ -223,7 +242,7 @@ def check_weights(lora_a: torch.Tensor, lora_b: torch.Tensor, slice_widths: Sequ
                   ranks: torch.Tensor | None) -> tuple[int, int, tuple[int, ...]]:
     """Validate stacked A and B together; return (num_slices, r_max, slice_widths)."""
     _check_tensor("lora_a", lora_a, 3, FLOAT_DTYPES)
-    _check_tensor("lora_b", lora_b, 3, FLOAT_DTYPES)
+    _check_tensor("lora_b", lora_b, 3, FLOAT_DTYPES, rank_major_ok=True)
     _same_device(lora_a, lora_b=lora_b)
     if lora_b.dtype != lora_a.dtype:
         raise ValueError(f"lora_b dtype {lora_b.dtype} differs from lora_a dtype {lora_a.dtype}")
@@ -320,7 +339,7 @@ def check_call(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b:
 def check_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, slice_widths: Sequence[int] | None,
                  ranks: torch.Tensor | None) -> tuple[int, int, tuple[int, ...]]:
     """Validate expand inputs; the slice count comes from y's width (S * r_max). Return (S, r_max, widths)."""
-    _check_tensor("lora_b", lora_b, 3, FLOAT_DTYPES)
+    _check_tensor("lora_b", lora_b, 3, FLOAT_DTYPES, rank_major_ok=True)
     _check_tensor("y", y, 2, (torch.float32,))
     r_max = lora_b.shape[2]
     if r_max < 1 or y.shape[1] % r_max:
@@ -439,10 +458,11 @@ def apply_lora(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b:
                index: LoraBatchIndex, *, slice_widths: Sequence[int] | None = None,
                ranks: torch.Tensor | None = None) -> None:
     """What a model layer calls: Triton kernels on CUDA; on the CPU the C kernel (cpu/lora.c) for
-    fp32 when it is built, torch ops otherwise (no compiler, LORAPLEX_CPU_KERNELS=0, other dtypes)."""
+    fp32 and a rank-major B (the slot buffers') when it is built, torch ops otherwise (no compiler,
+    LORAPLEX_CPU_KERNELS=0, other dtypes, a contiguous B)."""
     if x.is_cuda:
         fn = lora_shrink_expand
-    elif x.is_cpu and x.dtype is torch.float32 and (cpu := cpu_lora_kernel()) is not None:
+    elif x.is_cpu and x.dtype is torch.float32 and lora_b.stride(1) == 1 and (cpu := cpu_lora_kernel()) is not None:
         fn = cpu
     else:
         fn = lora_shrink_expand_torch

@@ -88,7 +88,7 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, y_ptr, seg_starts_ptr, seg_slots_ptr, rank
 
 @triton.jit
 def _sgmv_expand_kernel(y_ptr, b_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr,
-                        w0, w1, w2, w3, r_max, n_blocks, stride_ym, stride_bs, stride_bn, stride_om,
+                        w0, w1, w2, w3, r_max, n_blocks, stride_ym, stride_bs, stride_bn, stride_bk, stride_om,
                         HAS_RANKS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)  # (m block, n block within the slice)
@@ -118,7 +118,7 @@ def _sgmv_expand_kernel(y_ptr, b_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, ra
         mask_k = offs_k < rank
         yt = tl.load(y_ptr + offs_m[:, None] * stride_ym + (s * r_max + offs_k)[None, :],
                      mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        bt = tl.load(b_ptr + slot * stride_bs + cols[None, :] * stride_bn + offs_k[:, None],
+        bt = tl.load(b_ptr + slot * stride_bs + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk,
                      mask=mask_n[None, :] & mask_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] = B^T tile
         yt = yt.to(bt.dtype)  # tensor-core operands; exact for fp32
         if UPCAST:
@@ -230,7 +230,8 @@ def sgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, seg_st
     """SGMV expand: add each segment's LoRA delta to the base projection output, in place, all slices at once.
 
     Semantics:
-        y [T, S*r_max] fp32, lora_b [num_slots, out_total, r_max], out [T, out_total] (lora_b's dtype),
+        y [T, S*r_max] fp32, lora_b [num_slots, out_total, r_max] (contiguous or rank-major, any strides
+        work), out [T, out_total] (lora_b's dtype),
         slice_widths (w_0..w_{S-1}) summing to out_total (None = S equal slices), off_s = w_0+..+w_{s-1}.
         For every segment g with slot = seg_slots[g] >= 0, token t in it, slice s and n < w_s:
             out[t, off_s + n] += sum_{k < rank} y[t, s*r_max + k] * B[slot, off_s + n, k]
@@ -254,6 +255,6 @@ def sgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, seg_st
     _sgmv_expand_kernel[grid](
         y, lora_b, out, seg_starts, seg_slots, ranks if ranks is not None else seg_slots,
         *padded_widths(widths), r_max, n_blocks,
-        y.stride(0), lora_b.stride(0), lora_b.stride(1), out.stride(0),
+        y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), out.stride(0),
         HAS_RANKS=ranks is not None, PRECISION=precision, UPCAST=upcast,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)

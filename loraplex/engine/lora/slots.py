@@ -10,14 +10,16 @@ what kernels/lora_ops.py takes, per layer and fused module (r = the buffers' ran
     down     A [max_loras, r, intermediate] B [max_loras, hidden, r]
 
 with scaling folded into B, lower ranks zero-padded, untargeted modules zero, and `ranks` [max_loras]
-int32 holding each slot's true rank (0 = empty) so kernels skip the padding. The scheduler acquires a
+int32 holding each slot's true rank (0 = empty) so kernels skip the padding. B is stored rank-major
+(lora_ops.stacked_b: storage [max_loras, r, out_total], handed out as its [max_loras, out_total, r]
+view): an adapter of rank 16 reads 16 whole rows of B whatever r is. The scheduler acquires a
 slot per request (None: every slot busy, wait) and releases it when the request leaves the batch.
 
 The buffers' rank follows the largest adapter loaded so far (rounded up to RANK_STEP, at most
-max_lora_rank), not max_lora_rank itself: B's rows are r apart, so rank-16 adapters in buffers of rank 64
-read one 64-byte line in every four of B's 256-byte rows, and the CPU kernels, bound by reading the
-adapters, ran a zipf batch at 0.68 of the base model against 0.85 (bench/RESULTS.md). A larger rank
-grows them once: new buffers with every loaded slot copied over, swapped in as one (A, B) pair, so a
+max_lora_rank), not max_lora_rank itself, so that they take no more memory than the fleet needs (with
+B row-major, [.., out_total, r], it also kept rank-16 adapters from reading one 64-byte line in every
+four of B's 256-byte rows; the rank-major layout ended that: bench/RESULTS.md). A larger rank grows
+them once: new buffers with every loaded slot copied over, swapped in as one (A, B) pair, so a
 step that already holds the old pair (or a kernel table made from it) finishes on it.
 """
 
@@ -33,7 +35,7 @@ from pathlib import Path
 import torch
 
 from loraplex.engine.kernels.cpu.copy_blocks import copy_blocks, copy_blocks_available, scale_bits
-from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora
+from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora, stacked_b
 from loraplex.engine.lora.peft import (
     FUSED,
     AdapterError,
@@ -107,10 +109,12 @@ class LoraSlots:
         self.writes = [0] * max_loras  # slot -> times written: a copy made from a slot names the write it saw
         self._views: dict[int, list] = {}  # slot -> _slot_views(slot)
         self._view_addresses: dict[int, torch.Tensor] = {}
-        # Per view (the same for every slot): its A rows' features and its B rows (_slot_blocks).
-        self._view_dims = torch.tensor([(self._in[f], width) for _ in range(config.num_layers)
-                                        for f, rows in self._rows.items() for _, _, width in rows], dtype=torch.int64)
-        # Per slot, the rank below which its A rows / B columns may hold non-zero values (all else is zero).
+        # Per view (the same for every slot): its A rows' features, its width of B's rows and B's row stride
+        # (the fused module's outputs) (_slot_blocks).
+        self._view_dims = torch.tensor([(self._in[f], width, sum(w for _, _, w in rows))
+                                        for _ in range(config.num_layers) for f, rows in self._rows.items()
+                                        for _, _, width in rows], dtype=torch.int64)
+        # Per slot, the rank below which its A rows / B rows may hold non-zero values (all else is zero).
         self._dirty = [0] * max_loras
         self._copy_in_c = self.device.type == "cpu" and dtype == torch.float32 and copy_blocks_available()
         self._lock = threading.RLock()
@@ -137,7 +141,7 @@ class LoraSlots:
 
     @property
     def lora_b(self) -> list[dict[str, torch.Tensor]]:
-        """Per layer, fused module -> stacked B [slots, out_total, r_max]."""
+        """Per layer, fused module -> stacked B [slots, out_total, r_max], rank-major (lora_ops.stacked_b)."""
         return self._buffers[1]
 
     def slice_widths(self, module: str) -> tuple[int, ...]:
@@ -145,7 +149,7 @@ class LoraSlots:
         return tuple(w for _, _, w in self._rows[module])
 
     def buffers(self, layer: int, module: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(A [slots, S * r_max, in], B [slots, out_total, r_max]) of one layer's fused module."""
+        """(A [slots, S * r_max, in], B [slots, out_total, r_max] rank-major) of one layer's fused module."""
         a, b = self._buffers  # (one pair: a growth may swap them between two reads)
         return a[layer][module], b[layer][module]
 
@@ -385,7 +389,7 @@ class LoraSlots:
         shapes, pair = slot_buffer_shapes(self.config, self.max_loras, new), ([], [])
         for layer in range(self.config.num_layers):
             a_new = {f: torch.zeros(a, dtype=self.dtype, device=self.device) for f, (a, _) in shapes.items()}
-            b_new = {f: torch.zeros(b, dtype=self.dtype, device=self.device) for f, (_, b) in shapes.items()}
+            b_new = {f: stacked_b(*b, dtype=self.dtype, device=self.device) for f, (_, b) in shapes.items()}
             if old:
                 for f, rows in self._rows.items():
                     a_old, b_old = self.buffers(layer, f)  # [slots, S * old, in], [slots, out, old]
@@ -412,16 +416,17 @@ class LoraSlots:
         self._dirty[slot] = rank
 
     def _slot_blocks(self, slot: int, lora: LoraWeights | None) -> torch.Tensor:
-        """The writes that put `lora` (None: nothing) in the slot, as int64 rows [blocks, 8]: (view, 0 for
+        """The writes that put `lora` (None: nothing) in the slot, as int64 rows [blocks, 10]: (view, 0 for
         its A rows or 1 for its B rows (_slot_views), source offset in lora.values or -1 for zeros, first
-        element in the view, rows, cols, dst row stride, scale: _ONE, _SCALED or _ZERO); sources are dense
-        rows. Per (layer, module): its A rows [rank, in] and scaled B columns [width, rank], then zeros over
-        what an earlier adapter left between the new rank (0 where untargeted) and the slot's dirty rank.
+        element in the view, rows, cols, source row and column strides, dst row stride, scale: _ONE,
+        _SCALED or _ZERO). Per (layer, module): its A rows [rank, in] (dense source rows) and its scaled B
+        rows [rank, width] (from PEFT's B [width, rank], read transposed), then zeros over what an earlier
+        adapter left between the new rank (0 where untargeted) and the slot's dirty rank.
         Each element is written once at most, and a slot that only ever held adapters of one rank is never
         zeroed (the buffers start at zero). Built as columns: a load sits on a request's path, and one
         Python tuple per block cost more than the copies."""
-        views, dims = self._slot_views(slot), self._view_dims  # dims [views, 2]: (in, width)
-        n, in_f, width = len(views), dims[:, 0], dims[:, 1]
+        views, dims = self._slot_views(slot), self._view_dims  # dims [views, 3]: (in, width, B's row stride)
+        n, in_f, width, b_ld = len(views), dims[:, 0], dims[:, 1], dims[:, 2]
         at = torch.full((n, 2), -1, dtype=torch.int64)  # per view: its A and B start in lora.values
         if lora is not None:
             at = torch.tensor([lora.offsets.get(key, (-1, -1)) for key, _, _ in views], dtype=torch.int64)
@@ -431,47 +436,49 @@ class LoraSlots:
         def rows(*columns) -> torch.Tensor:
             return torch.stack([torch.broadcast_to(torch.as_tensor(c, dtype=torch.int64), (n,)) for c in columns], 1)
 
-        view, r_max = torch.arange(n), self.r_max
-        return torch.cat([rows(view, 0, at[:, 0], 0, live, in_f, in_f, _ONE)[live > 0],
-                          rows(view, 1, at[:, 1], 0, width, live, r_max, _SCALED)[live > 0],
-                          rows(view, 0, -1, live * in_f, stale, in_f, in_f, _ZERO)[stale > 0],
-                          rows(view, 1, -1, live, width, stale, r_max, _ZERO)[stale > 0]])
+        view = torch.arange(n)
+        return torch.cat([rows(view, 0, at[:, 0], 0, live, in_f, in_f, 1, in_f, _ONE)[live > 0],
+                          rows(view, 1, at[:, 1], 0, live, width, 1, live, b_ld, _SCALED)[live > 0],
+                          rows(view, 0, -1, live * in_f, stale, in_f, 0, 1, in_f, _ZERO)[stale > 0],
+                          rows(view, 1, -1, live * b_ld, stale, width, 0, 1, b_ld, _ZERO)[stale > 0]])
 
     def _run_blocks(self, slot: int, blocks: torch.Tensor, lora: LoraWeights | None) -> None:
         """One C call over all blocks for fp32 slots on the CPU; torch ops per block elsewhere. `lora`:
         whose values the blocks' source offsets index (None when every block is a zero fill)."""
         scales = (1.0, lora.scaling if lora is not None else 0.0, 0.0)  # by _ONE, _SCALED, _ZERO
-        view, ab, src, at, nrows, ncols, dld, scale = blocks.unbind(1)
+        view, ab, src, at, nrows, ncols, sld, scs, dld, scale = blocks.unbind(1)
         if self._copy_in_c:  # C reads the source rows at their raw addresses
             base = lora.values.data_ptr() if lora is not None else 0
             bits = torch.tensor([scale_bits(v) for v in scales], dtype=torch.int64)
             copy_blocks(torch.stack([torch.where(src >= 0, base + 4 * src, 0),
                                      self._view_addresses[slot][view, ab] + 4 * at,
-                                     nrows, ncols, ncols, dld, bits[scale]], 1))
+                                     nrows, ncols, sld, dld, bits[scale], scs], 1))
             return
         views = self._slot_views(slot)
-        for v, b, first, start, r, c, ld, code in blocks.tolist():
+        for v, b, first, start, r, c, _, cs, ld, code in blocks.tolist():
             dst = views[v][1 + b]
             out = dst.as_strided((r, c), (ld, 1), dst.storage_offset() + start)
             if first < 0:
                 out.zero_()
                 continue
-            out.copy_(lora.values[first:first + r * c].view(r, c))  # (across devices)
+            source = lora.values[first:first + r * c]  # dense rows [r, c], or (cs > 1) [c, r] read transposed
+            out.copy_(source.view(r, c) if cs == 1 else source.view(c, r).t())  # (across devices)
             if scales[code] != 1.0:
                 out.mul_(scales[code])
 
     def _slot_views(self, slot: int) -> list[tuple[tuple[int, str], torch.Tensor, torch.Tensor]]:
-        """Per (layer, module) of a slot: its A rows [r_max, in] and B rows [width, r_max] in the
-        stacked buffers, sliced once per slot (a load then only copies: it sits on a request's path),
-        with their addresses (_view_addresses[slot], int64 [views, 2]) for the C copy."""
+        """Per (layer, module) of a slot: its A rows [r_max, in] and B rows [r_max, width] (rank-major:
+        rows out_total apart) in the stacked buffers, sliced once per slot (a load then only copies: it
+        sits on a request's path), with their addresses (_view_addresses[slot], int64 [views, 2]) for the
+        C copy."""
         views = self._views.get(slot)
         if views is None:
             r_max, views = self.r_max, []
             for layer in range(self.config.num_layers):
                 for f, rows in self._rows.items():
-                    # [S*r_max, in], [out, r_max]
-                    a_buf, b_buf = self.lora_a[layer][f][slot], self.lora_b[layer][f][slot]
-                    views += [((layer, m), a_buf[s * r_max:(s + 1) * r_max], b_buf[off:off + width])
+                    # [S*r_max, in], [r_max, out] (B's storage)
+                    a_buf, b_buf = self.lora_a[layer][f][slot], self.lora_b[layer][f][slot].t()
+                    views += [((layer, m), a_buf[s * r_max:(s + 1) * r_max], b_buf[:, off:off + width])
                               for s, (m, off, width) in enumerate(rows)]
             self._views[slot] = views
             self._view_addresses[slot] = torch.tensor([(a.data_ptr(), b.data_ptr()) for _, a, b in views],

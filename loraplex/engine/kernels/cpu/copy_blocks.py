@@ -10,7 +10,7 @@ import torch
 
 from loraplex.engine.kernels.cpu.build import functions
 
-BLOCK_FIELDS = 7  # src, dst, rows, cols, src_ld, dst_ld, scale bits
+BLOCK_FIELDS = 8  # src, dst, rows, cols, src_ld, dst_ld, scale bits, src column stride
 
 
 @functools.cache
@@ -27,9 +27,11 @@ def scale_bits(scale: float) -> int:
     return struct.unpack("<q", struct.pack("<d", scale))[0]
 
 
-def block(src: int, dst: int, rows: int, cols: int, src_ld: int, dst_ld: int, scale: float) -> tuple[int, ...]:
-    """One table row: dst[i, j] = scale * src[i, j] (src = 0: zeros); addresses as integers, lds in floats."""
-    return src, dst, rows, cols, src_ld, dst_ld, scale_bits(scale)
+def block(src: int, dst: int, rows: int, cols: int, src_ld: int, dst_ld: int, scale: float,
+          src_cs: int = 1) -> tuple[int, ...]:
+    """One table row: dst[i * dst_ld + j] = scale * src[i * src_ld + j * src_cs] (src = 0: zeros); addresses as
+    integers, strides in floats (src_ld 1 and src_cs > 1 read src transposed)."""
+    return src, dst, rows, cols, src_ld, dst_ld, scale_bits(scale), src_cs
 
 
 def copy_blocks(table: torch.Tensor) -> None:
@@ -41,4 +43,4 @@ def copy_blocks(table: torch.Tensor) -> None:
                          f"{tuple(table.shape)} on {table.device}")
     table = table.contiguous()
     if table.shape[0] and _fns()["lp_copy_blocks_f32"](table.data_ptr(), table.shape[0]):
-        raise ValueError("a block has negative sizes or a row stride shorter than its row")
+        raise ValueError("a block has negative sizes, a column stride below 1 or a row stride shorter than its row")

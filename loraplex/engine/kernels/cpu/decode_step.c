@@ -121,7 +121,7 @@ static int lora(const step_lora_t *lo, int64_t layer, int module, const float *x
 }
 
 /* The side spans of one layer's module: for each adapter of the step, its A rows (rk of each slice)
- * and B's first rk columns, as lora.c's shrink and expand read them. */
+ * and B's first rk rows (rank-major), as lora.c's shrink and expand read them. */
 static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
     lp_side_t side = {.spans = lo->spans};
     if (lo->step[S_BATCH] < SIDE_MIN_ROWS) return side;
@@ -136,8 +136,7 @@ static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
         if (rk == 0 || groups[3 * g + 2] == groups[3 * g + 1]) continue;
         for (int64_t s = 0; s < S; s++, sp += 4)
             sp[0] = ab[0] + ((slot * S + s) * r_max * K) * 4, sp[1] = 1, sp[2] = 0, sp[3] = rk * K * 4;
-        sp[0] = ab[1] + slot * N * r_max * 4, sp[1] = rk == r_max ? 1 : N, sp[2] = r_max * 4;
-        sp[3] = rk == r_max ? N * r_max * 4 : rk * 4;
+        sp[0] = ab[1] + slot * r_max * N * 4, sp[1] = 1, sp[2] = 0, sp[3] = rk * N * 4; /* B's rk rows */
         sp += 4;
     }
     side.n = (sp - lo->spans) / 4;

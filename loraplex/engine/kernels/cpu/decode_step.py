@@ -141,8 +141,8 @@ class DecodeStepModel:
 
 class DecodeStepLora:
     """The LoRA table: slot count, r_max, ranks [slots] int32, each fused module's slice widths, then
-    per layer and module the stacked A [slots, S * r_max, in] and B [slots, out, r_max] buffers
-    (lora_ops' layout), fp32, contiguous."""
+    per layer and module the stacked A [slots, S * r_max, in] (contiguous) and B [slots, out, r_max]
+    (rank-major) buffers (lora_ops' layout), fp32."""
 
     def __init__(self, lora_a: Sequence[dict[str, torch.Tensor]], lora_b: Sequence[dict[str, torch.Tensor]],
                  ranks: torch.Tensor, slice_widths: dict[str, tuple[int, ...]]):
@@ -159,7 +159,7 @@ class DecodeStepLora:
             for m in LORA_MODULES:
                 a, bm = a_layer[m], b_layer[m]
                 require(f"{m} A", a, 3)
-                require(f"{m} B", bm, 3)
+                require(f"{m} B (rank-major, its storage)", bm.transpose(1, 2), 3)
                 if a.shape[2] != lora_a[0][m].shape[2]:
                     raise ValueError(f"{m}: A takes {a.shape[2]} features in one layer, "
                                      f"{lora_a[0][m].shape[2]} in another")

@@ -45,7 +45,7 @@ int64_t lp_lora_fold_floats(const int64_t *tab, const int64_t *ins, int64_t laye
 
 /* The LoRA table (decode_step.py's DecodeStepLora): slots, r_max, ranks, then per fused module (qkv, o,
  * gate_up, down) its slice count and up to LP_LORA_WIDTHS widths, then per layer and module the A
- * [slots, S * r_max, in] and B [slots, out, r_max] buffers. */
+ * [slots, S * r_max, in] and rank-major B [slots, r_max, out] buffers (lora.c's layout). */
 enum { LP_LORA_MODULES = 4, LP_LORA_WIDTHS = 4 };
 enum { LP_R_SLOTS, LP_R_RMAX, LP_R_RANKS, LP_R_MODULES,
        LP_LORA_HEADER = LP_R_MODULES + LP_LORA_MODULES * (1 + LP_LORA_WIDTHS) };

@@ -1,22 +1,25 @@
 /* Multi-LoRA deltas for a flat token batch on the CPU, fp32: shrink (A) then expand (B), in one call.
  *
  * Semantics (the layout of kernels/lora_ops.py): x [T, K], out [T, N] (row-major, contiguous),
- * A [slots, S * r_max, K], B [slots, N, r_max], N = w_0 + .. + w_{S-1}, off_s = w_0 + .. + w_{s-1}.
+ * A [slots, S * r_max, K], B [slots, r_max, N] (rank-major: the storage of lora_ops' B [slots, N, r_max]
+ * view), N = w_0 + .. + w_{S-1}, off_s = w_0 + .. + w_{s-1}.
  * The LoRA tokens come grouped by slot: rows [n] holds token indices, groups [G][3] holds
  * (slot, begin, end): tokens rows[begin .. end-1] use that slot (tokens of no group are untouched).
  * With rk = min(max(ranks[slot], 0), r_max) (r_max when ranks is NULL), for each such token t:
  *     y[s][j]                  = sum_{k < K}  A[slot, s * r_max + j, k] * x[t, k]     j < rk
- *     out[t, off_s + n]       += sum_{j < rk} B[slot, off_s + n, j] * y[s][j]          n < w_s
- * A's rows and B's columns at or beyond rk are padding: never read into a result.
+ *     out[t, off_s + n]       += sum_{j < rk} B[slot, j, off_s + n] * y[s][j]          n < w_s
+ * (the sum as FMAs onto out[t, off_s + n] in j order). Rows of A and of B at or beyond rk are padding:
+ * never read. So an adapter of rank rk reads rk whole rows of B whatever r_max: a fleet whose largest
+ * rank is 64 costs its rank-16 adapters no extra memory traffic.
  *
  * Why: a decode step makes 4 calls per layer; torch ops cost a dispatch per adapter or copy the
  * gathered weights, while the FLOPs are a few percent of the base model's. Here the work is one
  * OpenMP region in two phases split by a barrier, over blocks (up to BLOCK_TOKENS tokens of one slot)
  * whose tokens go in near-equal groups of up to six (32 = 5 + 5 + 6 + 5 + 5 + 6: a lone group of two
- * would run its FMA chains at half speed). Each phase is a small GEMM, a group x 16 weight rows packed
- * transposed (tile_gemm), where the tokens pay for the packing (3 in the expand, MANY_TOKENS in the
- * shrink); else dot products over the weights' contiguous rows, register-blocked over rows x tokens,
- * memory-bound for one or two tokens. In each phase the threads take contiguous ranges of equal
+ * would run its FMA chains at half speed). The shrink is a small GEMM, a group x 16 rows of A packed
+ * transposed (tile_gemm), where the tokens pay for the packing (MANY_TOKENS); else dot products over
+ * A's contiguous rows, register-blocked over rows x tokens, memory-bound for one or two tokens. The expand runs FMAs over B's rows as they lie, a group of
+ * tokens at a time over an L1-sized panel of columns. In each phase the threads take contiguous ranges of equal
  * estimated cost (weights read + FLOPs) over all blocks' weight rows, so every weight row is read by
  * one thread: one adapter for the whole batch is split over the threads, many adapters are not read
  * twice. The weights come from memory (the base model's GEMMs evict them between calls): a block of
@@ -44,8 +47,8 @@
 #define SHRINK_KC 256   /* features of A per packed tile: 16 rows x 256 fill a panel */
 #define PF_AHEAD (24 * 1024) /* bytes of weights asked for ahead of the compute: more than a panel */
 #define PF_BURST 1024        /* bytes asked for at once beyond what was read since the last ask */
-#define PANEL_FLOATS 4096 /* transposed B tiles packed at once (16 KB, in L1) */
-_Static_assert(PANEL_FLOATS >= MAX_RANK * EXPAND_TILE && PANEL_FLOATS >= SHRINK_KC * EXPAND_TILE, "a tile fits");
+#define PANEL_FLOATS 4096 /* a packed A tile (16 KB, in L1); the weights of an expand panel */
+_Static_assert(PANEL_FLOATS >= SHRINK_KC * EXPAND_TILE, "a tile fits");
 
 typedef struct {
     int32_t slot, begin, end; /* tokens rows[begin .. end-1], at most BLOCK_TOKENS */
@@ -75,13 +78,14 @@ static inline int64_t split_at(double base, double unit, int64_t units, double t
 }
 
 /* A thread's share of one phase, range by range: units [u0, u1) of slice s of block i, where the
- * units are rows of A (shrink) or tiles of EXPAND_TILE rows of B (expand). */
+ * units are rows of A (shrink) or EXPAND_TILE columns of B's rk rows (expand). */
 typedef struct {
     const job_t *job;
     int expand;
     double lo, hi, base;
     int64_t i, s, u0, u1;
-    const float *p, *end; /* the range's weights */
+    const float *p, *end;  /* the range's weights: rows of [p, end), the next `rows` of them `stride` apart */
+    int64_t rows, stride; /* (stride in floats) */
 } walk_t;
 
 static void walk_start(walk_t *w, const job_t *job, int expand, int64_t tid, int64_t nth) {
@@ -108,22 +112,26 @@ static int walk_next(walk_t *w) {
         w->base += unit * units;
         if (w->u0 >= w->u1) continue;
         const int64_t r_max = job->r_max, n0 = w->u0 * EXPAND_TILE, n1 = w->u1 * EXPAND_TILE;
-        if (w->expand) { /* B's rows n0 .. n1-1 of the slice, n1 clipped to its width */
-            w->p = job->B + ((int64_t)blk->slot * job->N + job->off[w->s] + n0) * r_max;
-            w->end = w->p + ((n1 < job->w[w->s] ? n1 : job->w[w->s]) - n0) * r_max;
+        if (w->expand) { /* columns n0 .. n1-1 of the slice (n1 clipped to its width) in B's rk rows */
+            w->p = job->B + (int64_t)blk->slot * r_max * job->N + job->off[w->s] + n0;
+            w->end = w->p + (n1 < job->w[w->s] ? n1 : job->w[w->s]) - n0;
+            w->rows = blk->rank, w->stride = job->N;
         } else {
             w->p = job->A + (((int64_t)blk->slot * job->S + w->s) * r_max + w->u0) * job->K;
             w->end = w->p + (w->u1 - w->u0) * job->K;
+            w->rows = 1, w->stride = 0;
         }
         return 1;
     }
     return 0;
 }
 
-/* The prefetch walk: the thread's shrink ranges, then its expand ranges, asked for in order. */
+/* The prefetch walk: the thread's shrink ranges, then its expand ranges, asked for in order (a range's
+ * rows one after another). */
 typedef struct {
     walk_t w;
     int64_t tid, nth, lead; /* lead: bytes asked for beyond what the compute has reported read */
+    int64_t row;            /* the range's row being asked for */
     const char *p, *end;
 } prefetch_t;
 
@@ -136,12 +144,17 @@ static void prefetch_ahead(prefetch_t *pf, int64_t used, int issue) {
     if (!issue || pf->lead >= PF_AHEAD - PF_BURST) return;
     for (;;) {
         if (pf->p >= pf->end) {
-            if (!walk_next(&pf->w)) {
+            if (pf->row + 1 < pf->w.rows) {
+                pf->row++;
+            } else if (!walk_next(&pf->w)) {
                 if (pf->w.expand) return;
                 walk_start(&pf->w, pf->w.job, 1, pf->tid, pf->nth);
                 continue;
+            } else {
+                pf->row = 0;
             }
-            pf->p = (const char *)((uintptr_t)pf->w.p & ~(uintptr_t)63), pf->end = (const char *)pf->w.end;
+            const float *row = pf->w.p + pf->row * pf->w.stride;
+            pf->p = (const char *)((uintptr_t)row & ~(uintptr_t)63), pf->end = (const char *)(row + (pf->w.end - pf->w.p));
         }
         int64_t n = pf->end - pf->p;
         if (pf->lead < 0) { /* already read */
@@ -191,40 +204,27 @@ static void shrink_rows(const float *a, int64_t K, int64_t rk, int64_t j0, int64
     shrink_dot(a, K, j, j1, xr, m, y, ldy);
 }
 
-/* Outputs n0 .. n1-1 of one slice (b = its row 0; n0 a multiple of EXPAND_TILE) for m tokens:
- * out_t[n] += B[n, :rk] . y_t. */
-static void expand_range(const float *b, int64_t r_max, int64_t rk, int64_t n0, int64_t n1, const float *y,
+/* Outputs n0 .. n1-1 of one slice (bt = its column 0 in B's row 0, rows ldb floats apart) for m tokens:
+ * out_t[n] += B[:rk, n] . y_t, by groups of up to six tokens over a panel of columns whose rk rows
+ * (PANEL_FLOATS in all) stay in L1 while the groups read them. */
+static void expand_range(const float *bt, int64_t ldb, int64_t rk, int64_t n0, int64_t n1, const float *y,
                          int64_t ldy, float *const *outr, int m, prefetch_t *pf) {
-    if (m <= 2) {
-        prefetch_ahead(pf, (n1 - n0) * r_max * 4, 0);
-        if (m == 1)
-            expand_dot(b, r_max, rk, n0, n1, y, ldy, outr, 1);
-        else
-            expand_dot(b, r_max, rk, n0, n1, y, ldy, outr, 2);
-        return;
-    }
-    /* A panel of tiles is packed, then run for each group of (near-equally many, up to six) tokens,
-     * so each token's out row is walked in order: few streams, and no run over one tile's rows, which
-     * alias in L1 when they are a multiple of 4 KB apart (gate_up: 12 KB). */
-    float bt[PANEL_FLOATS] __attribute__((aligned(64)));
     const float *yr[BLOCK_TOKENS];
     for (int t = 0; t < m; t++) yr[t] = y + t * ldy;
-    const int64_t tile_floats = rk * EXPAND_TILE, per_panel = PANEL_FLOATS / tile_floats;
+    if (m <= 2) {
+        prefetch_ahead(pf, (n1 - n0) * rk * 4, 0);
+        expand_group(bt, ldb, rk, yr, outr, n0, n1, m);
+        return;
+    }
     const int ng = (m + 5) / 6;
-    for (int64_t p0 = n0; p0 < n1; p0 += per_panel * EXPAND_TILE) {
-        int64_t p1 = p0 + per_panel * EXPAND_TILE < n1 ? p0 + per_panel * EXPAND_TILE : n1;
-        const int64_t used = (p1 - p0) * r_max * 4 / ng;
-        for (int64_t n = p0; n < p1; n += EXPAND_TILE)
-            pack_tile(b, r_max, rk, n, p1 - n < EXPAND_TILE ? p1 - n : EXPAND_TILE,
-                      bt + (n - p0) / EXPAND_TILE * tile_floats);
+    int64_t panel = PANEL_FLOATS / rk / EXPAND_TILE * EXPAND_TILE;
+    panel = panel < EXPAND_TILE ? EXPAND_TILE : panel;
+    for (int64_t p0 = n0; p0 < n1; p0 += panel) {
+        const int64_t p1 = p0 + panel < n1 ? p0 + panel : n1, used = (p1 - p0) * rk * 4 / ng;
         for (int g = 0; g < ng; g++) {
-            const int t = m * g / ng, c = m * (g + 1) / ng - t;
+            const int t = m * g / ng;
             prefetch_ahead(pf, used, m >= MANY_TOKENS);
-            for (int64_t n = p0; n < p1; n += EXPAND_TILE) {
-                const float *tile = bt + (n - p0) / EXPAND_TILE * tile_floats;
-                int64_t cols = p1 - n < EXPAND_TILE ? p1 - n : EXPAND_TILE;
-                tile_group(tile, rk, yr + t, outr + t, n, cols, 0, c);
-            }
+            expand_group(bt, ldb, rk, yr + t, outr + t, p0, p1, m * (g + 1) / ng - t);
         }
     }
 }
@@ -242,14 +242,14 @@ static void shrink_rows(const float *a, int64_t K, int64_t rk, int64_t j0, int64
         }
 }
 
-static void expand_range(const float *b, int64_t r_max, int64_t rk, int64_t n0, int64_t n1, const float *y,
+static void expand_range(const float *bt, int64_t ldb, int64_t rk, int64_t n0, int64_t n1, const float *y,
                          int64_t ldy, float *const *outr, int m, prefetch_t *pf) {
-    prefetch_ahead(pf, (n1 - n0) * r_max * 4, 0);
+    prefetch_ahead(pf, (n1 - n0) * rk * 4, 0);
     for (int t = 0; t < m; t++)
         for (int64_t n = n0; n < n1; n++) {
-            float s = 0.0f;
-            for (int64_t j = 0; j < rk; j++) s += b[n * r_max + j] * y[t * ldy + j];
-            outr[t][n] += s;
+            float s = outr[t][n];
+            for (int64_t j = 0; j < rk; j++) s += bt[j * ldb + n] * y[t * ldy + j];
+            outr[t][n] = s;
         }
 }
 #endif
@@ -285,7 +285,7 @@ static void run(const job_t *job, int64_t tid, int64_t nth) {
         const block_t *blk = job->blocks + w.i;
         const int64_t n1 = w.u1 * EXPAND_TILE < job->w[w.s] ? w.u1 * EXPAND_TILE : job->w[w.s];
         token_rows(job, blk, NULL, outr, job->off[w.s]);
-        expand_range(job->B + ((int64_t)blk->slot * job->N + job->off[w.s]) * r_max, r_max, blk->rank,
+        expand_range(job->B + (int64_t)blk->slot * r_max * job->N + job->off[w.s], job->N, blk->rank,
                      w.u0 * EXPAND_TILE, n1, job->y + blk->begin * ldy + w.s * r_max, ldy, outr,
                      blk->end - blk->begin, &pf);
     }

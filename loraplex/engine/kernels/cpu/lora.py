@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import torch
 
 from loraplex.engine.kernels.cpu.build import function
-from loraplex.engine.kernels.lora_ops import MAX_SLICES, LoraBatchIndex
+from loraplex.engine.kernels.lora_ops import MAX_SLICES, LoraBatchIndex, is_rank_major
 
 MAX_RANK = 256  # lora.c's bound on r_max (its stack buffers)
 F32, I32 = torch.float32, torch.int32
@@ -43,7 +43,8 @@ def lora_shrink_expand_cpu(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Ten
     """out += the LoRA delta of every token with a slot, in place (lora_ops' semantics).
 
     x [T, in], out [T, out_total], lora_a [slots, S * r_max, in], lora_b [slots, out_total, r_max]:
-    float32, contiguous, on the CPU; slice_widths: S widths summing to out_total (default: equal);
+    float32 on the CPU, lora_b rank-major (lora_ops.stacked_b, as the slot buffers hold it), the others
+    contiguous; slice_widths: S widths summing to out_total (default: equal);
     ranks: optional [slots] int32/int64, each slot's true rank (clamped to [0, r_max]).
     Raises ValueError for bad inputs, RuntimeError when the C kernels are not built.
     """
@@ -52,12 +53,13 @@ def lora_shrink_expand_cpu(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Ten
         raise RuntimeError("the CPU kernels are not built (see loraplex.engine.kernels.cpu.build)")
     try:  # the common case in attribute reads; anything odd goes to _explain for a precise message
         ok = (x.dtype is F32 and out.dtype is F32 and lora_a.dtype is F32 and lora_b.dtype is F32
-              and x.is_contiguous() and out.is_contiguous() and lora_a.is_contiguous() and lora_b.is_contiguous()
+              and x.is_contiguous() and out.is_contiguous() and lora_a.is_contiguous()
               and x.is_cpu and out.is_cpu and lora_a.is_cpu and lora_b.is_cpu)
         t, k = x.shape
         num_slots, a_rows, a_in = lora_a.shape
         b_slots, n_out, r_max = lora_b.shape
-        ok = ok and out.shape == (t, n_out) and b_slots == num_slots and a_in == k and 1 <= r_max <= MAX_RANK
+        ok = ok and out.shape == (t, n_out) and b_slots == num_slots and a_in == k and 1 <= r_max <= MAX_RANK \
+            and (lora_b.stride() == (r_max * n_out, 1, n_out) or is_rank_major(lora_b))
     except (AttributeError, ValueError, TypeError):
         ok = False
     if not ok:
@@ -125,7 +127,10 @@ def _explain(x: object, out: object, lora_a: object, lora_b: object) -> None:
             raise ValueError(f"{name} must be float32 for the CPU LoRA kernel, got {t.dtype}")
         if t.dim() != ndim:
             raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
-        if not t.is_contiguous():
+        if name == "lora_b" and not is_rank_major(t):
+            raise ValueError(f"lora_b must be rank-major (lora_ops.stacked_b: storage [slots, r_max, out_total] "
+                             f"transposed), got strides {t.stride()}")
+        if name != "lora_b" and not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
         if not t.is_cpu:
             raise ValueError(f"{name} must be on the CPU, got {t.device}")

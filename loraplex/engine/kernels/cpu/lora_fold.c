@@ -6,13 +6,15 @@
  *     ap [pa, K, aw], aw = min(NR, S * rk rounded up to whole vectors of LP_VW), pa = ceil(S * rk / aw):
  *         ap[q, k, j] = A[slot, s * r_max + r, k]  (q * aw + j = s * rk + r), 0 beyond S * rk rows
  *     bp, per output panel p < ceil(N / NR), [len_p, NR] (len_p, e0_p: lp_fold_ext):
- *         bp_p[e, j] = B[slot, n, r]  where n = p * NR + j < N lies in slice s and e0_p + e = s * rk + r,
+ *         bp_p[e, j] = B[slot, r, n]  where n = p * NR + j < N lies in slice s and e0_p + e = s * rk + r,
  *                      0 elsewhere
  * so that a GEMM over x with the fold gives x @ W^T + (x @ A_s^T) @ B_s^T for each slice: the
  * adapter's delta at the GEMM's rate.
  *
- * Why a separate copy: the slot buffers keep lora.c's row-major layout (padded to r_max, read by
- * every adapter of a mixed batch); the packed copy is made only for an adapter that holds most of a
+ * B is the slot buffers' rank-major [slots, r_max, N] (lora.c's layout).
+ *
+ * Why a separate copy: the slot buffers keep lora.c's layout (padded to r_max, read by every adapter
+ * of a mixed batch); the packed copy is made only for an adapter that holds most of a
  * step's tokens (engine/lora/slots.py), once per load.
  */
 #include <stdint.h>
@@ -62,7 +64,7 @@ static void pack_module(const float *A, const float *B, int64_t K, int64_t N, in
         memset(bp, 0, sizeof(float) * len * NR);
         for (int64_t j = 0, n = p * NR, s = 0, off = 0; j < NR && n < N; j++, n++) {
             while (n >= off + widths[s]) off += widths[s++];
-            for (int64_t r = 0; r < rk; r++) bp[(s * rk + r - e0) * NR + j] = B[n * r_max + r];
+            for (int64_t r = 0; r < rk; r++) bp[(s * rk + r - e0) * NR + j] = B[r * N + n];
         }
         bp += len * NR;
     }

@@ -1,28 +1,30 @@
-/* The register-blocked pieces lora.c's two phases are made of (AVX2 / AVX-512): dot products over
- * weight rows for one to six tokens, the 8x8 transposes that pack 16-row tiles, and the tile GEMM
- * microkernel. Included by lora.c only (every function is static). A row's or an output's sum is
- * formed the same way whichever function or split serves it, so a thread's share never changes bits.
+/* The register-blocked pieces lora.c's two phases are made of (AVX2 / AVX-512). The shrink: dot
+ * products over A's rows for one to six tokens, the 8x8 transposes that pack 16-row tiles of A, and
+ * the tile GEMM microkernel over them. The expand: FMAs straight over rank-major B's rows. Included by
+ * lora.c only (every function is static). A row's or an output's sum is formed the same way whichever
+ * function or split serves it, so a thread's share never changes bits.
  */
 #ifndef LORAPLEX_CPU_LORA_TILES_H
 #define LORAPLEX_CPU_LORA_TILES_H
 #include <stdint.h>
 
 #define MAX_RANK 256
-#define EXPAND_TILE 16 /* outputs per transposed B tile */
+#define EXPAND_TILE 16 /* rows per packed A tile; outputs per unit of the expand's split */
 #define DOT_KC 768     /* features per dot-product pass: six tokens' worth (18 KB) stay in L1 */
 
 #if defined(__AVX2__) && defined(__FMA__)
 
 #include <immintrin.h>
 
+#include "transpose8.h"
+
 static const int32_t MASK_TABLE[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 
 /* Lanes 0 .. n-1 on (0 < n <= 8). */
 static inline __m256i lane_mask(int64_t n) { return _mm256_loadu_si256((const __m256i *)(MASK_TABLE + 8 - n)); }
 
-/* ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): the order of hsum4x8 and hsum8x8, so a row's or
- * an output's sum has the same bits whichever of them serves it, however the rows or outputs are
- * split between threads. */
+/* ((v0 + v1) + (v2 + v3)) + ((v4 + v5) + (v6 + v7)): the order of hsum4x8, so a row's sum has the same
+ * bits whichever of them serves it, however the rows are split between threads. */
 static inline float hsum8(__m256 v) {
     __m256 t = _mm256_hadd_ps(v, v);
     t = _mm256_hadd_ps(t, t);
@@ -33,16 +35,6 @@ static inline float hsum8(__m256 v) {
 static inline __m128 hsum4x8(__m256 a, __m256 b, __m256 c, __m256 d) {
     __m256 t = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
     return _mm_add_ps(_mm256_castps256_ps128(t), _mm256_extractf128_ps(t, 1));
-}
-
-/* [sum(v[0]), .., sum(v[7])] */
-static inline __m256 hsum8x8(const __m256 *v) {
-    __m256 t0 = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-    __m256 t1 = _mm256_hadd_ps(_mm256_hadd_ps(v[4], v[5]), _mm256_hadd_ps(v[6], v[7]));
-    /* t0's halves added, then t1's: 128-bit adds (a cross-lane permute costs 8 uops on Zen 1) */
-    const __m128 lo = _mm_add_ps(_mm256_castps256_ps128(t0), _mm256_extractf128_ps(t0, 1));
-    const __m128 hi = _mm_add_ps(_mm256_castps256_ps128(t1), _mm256_extractf128_ps(t1, 1));
-    return _mm256_insertf128_ps(_mm256_castps128_ps256(lo), hi, 1);
 }
 
 /* The dot products' chunk of a weight row: 16 lanes with AVX-512, else 8; rfold sums a chunk's halves
@@ -138,50 +130,77 @@ static void shrink_dot(const float *a, int64_t K, int64_t j0, int64_t j1, const 
     }
 }
 
-/* Expand by dot products over B's rows, for one or two tokens (memory-bound: B streamed in order):
- * out_m[n] += B[n, :rk] . y_m for n0 <= n < n1. */
-static inline __attribute__((always_inline)) void expand_dot(const float *b, int64_t r_max, int64_t rk, int64_t n0,
-                                                             int64_t n1, const float *y, int64_t ldy,
-                                                             float *const *outr, const int M) {
-    rvec_t yv[2][MAX_RANK / DOT_CHUNK];
-    const int64_t chunks = (rk + DOT_CHUNK - 1) / DOT_CHUNK;
-    const rmask_t tail = chunk_mask(rk - (chunks - 1) * DOT_CHUNK); /* padding columns read as 0 */
-    const int full = rk % DOT_CHUNK == 0;                            /* the last chunk needs no mask */
+static inline rvec_t rbcast(const float *p) {
+#if defined(__AVX512F__)
+    return _mm512_set1_ps(*p);
+#else
+    return _mm256_broadcast_ss(p);
+#endif
+}
+
+static inline void rstore(float *p, rvec_t v, int whole, rmask_t m) {
+#if defined(__AVX512F__)
+    if (whole) _mm512_storeu_ps(p, v); else _mm512_mask_storeu_ps(p, m, v);
+#else
+    if (whole) _mm256_storeu_ps(p, v); else _mm256_maskstore_ps(p, m, v);
+#endif
+}
+
+/* The expand for M tokens over V vectors of columns n .. n + cols - 1 (cols <= V * DOT_CHUNK; FULL:
+ * cols is exactly that), B rank-major (bt: row j holds rank j's weights to the slice's outputs, rows
+ * ldb floats apart): out_m[c] = fma(bt[rk-1][c], y_m[rk-1], .. fma(bt[0][c], y_m[0], out_m[c])), in j
+ * order. Every output's sum has that one order whatever M, V or the columns' split, so a token's bits
+ * depend neither on its group nor on the threads. Bt's rows are read as they lie: no packing. */
+static inline __attribute__((always_inline)) void expand_cols(const float *bt, int64_t ldb, int64_t rk,
+                                                              const float *const *yr, float *const *outr, int64_t n,
+                                                              int64_t cols, const int M, const int V, const int FULL) {
+    rvec_t acc[6][4];
+    rmask_t mk[4];
+    for (int v = 0; v < V; v++) {
+        const int64_t c = cols - v * DOT_CHUNK;
+        mk[v] = chunk_mask(c < 0 ? 0 : c);
+    }
     for (int m = 0; m < M; m++)
-        for (int64_t c = 0; c < chunks; c++) yv[m][c] = rload(y + m * ldy + c * DOT_CHUNK, c + 1 < chunks || full, tail);
-    int64_t n = n0;
-    /* chunk by chunk over 8 rows at a time, the rows' loop unrolled: the accumulators stay in
-     * registers (a run-time chunk loop inside the row loop kept them in memory, at 8 GB/s from L2) */
-    for (; n + 8 <= n1; n += 8) {
-        rvec_t p[2][8];
-        const float *br = b + n * r_max;
-        for (int m = 0; m < M; m++)
-            for (int i = 0; i < 8; i++) p[m][i] = rzero();
-        for (int64_t c = 0; c < chunks; c++) {
-            const int whole = c + 1 < chunks || full;
-            for (int i = 0; i < 8; i++) {
-                const rvec_t bv = rload(br + i * r_max + c * DOT_CHUNK, whole, tail);
-                for (int m = 0; m < M; m++) p[m][i] = rfma(bv, yv[m][c], p[m][i]);
-            }
-        }
+        for (int v = 0; v < V; v++) acc[m][v] = rload(outr[m] + n + v * DOT_CHUNK, FULL, mk[v]);
+    for (int64_t j = 0; j < rk; j++) {
+        const float *b = bt + j * ldb + n;
+        rvec_t bv[4];
+        for (int v = 0; v < V; v++) bv[v] = rload(b + v * DOT_CHUNK, FULL, mk[v]);
         for (int m = 0; m < M; m++) {
-            const __m256 f[8] = {rfold(p[m][0]), rfold(p[m][1]), rfold(p[m][2]), rfold(p[m][3]),
-                                 rfold(p[m][4]), rfold(p[m][5]), rfold(p[m][6]), rfold(p[m][7])};
-            _mm256_storeu_ps(outr[m] + n, _mm256_add_ps(_mm256_loadu_ps(outr[m] + n), hsum8x8(f)));
+            const rvec_t ym = rbcast(yr[m] + j);
+            for (int v = 0; v < V; v++) acc[m][v] = rfma(bv[v], ym, acc[m][v]);
         }
     }
-    for (; n < n1; n++) {
-        const float *br = b + n * r_max;
-        for (int m = 0; m < M; m++) {
-            rvec_t acc = rzero();
-            for (int64_t c = 0; c < chunks; c++)
-                acc = rfma(rload(br + c * DOT_CHUNK, c + 1 < chunks || full, tail), yv[m][c], acc);
-            outr[m][n] += hsum8(rfold(acc));
-        }
+    for (int m = 0; m < M; m++)
+        for (int v = 0; v < V; v++) rstore(outr[m] + n + v * DOT_CHUNK, acc[m][v], FULL, mk[v]);
+}
+
+/* expand_cols over columns n0 .. n1-1 in steps of V vectors, the last step masked. */
+static inline __attribute__((always_inline)) void expand_span(const float *bt, int64_t ldb, int64_t rk,
+                                                              const float *const *yr, float *const *outr, int64_t n0,
+                                                              int64_t n1, const int M, const int V) {
+    const int64_t w = V * DOT_CHUNK;
+    int64_t n = n0;
+    for (; n + w <= n1; n += w) expand_cols(bt, ldb, rk, yr, outr, n, w, M, V, 1);
+    if (n < n1) expand_cols(bt, ldb, rk, yr, outr, n, n1 - n, M, V, 0);
+}
+
+/* The expand of a group of c (1 to 6) tokens over columns n0 .. n1-1: one or two tokens take four
+ * vectors of columns at a time (four FMA chains each: memory-bound, Bt streamed), more take two
+ * (up to 12 accumulators). */
+static void expand_group(const float *bt, int64_t ldb, int64_t rk, const float *const *yr, float *const *outr,
+                         int64_t n0, int64_t n1, int c) {
+    switch (c) {
+        case 1: expand_span(bt, ldb, rk, yr, outr, n0, n1, 1, 4); break;
+        case 2: expand_span(bt, ldb, rk, yr, outr, n0, n1, 2, 4); break;
+        case 3: expand_span(bt, ldb, rk, yr, outr, n0, n1, 3, 2); break;
+        case 4: expand_span(bt, ldb, rk, yr, outr, n0, n1, 4, 2); break;
+        case 5: expand_span(bt, ldb, rk, yr, outr, n0, n1, 5, 2); break;
+        default: expand_span(bt, ldb, rk, yr, outr, n0, n1, 6, 2); break;
     }
 }
 
-/* Bt[k * 16 + i] = B[n0 + i, k] for k < rk, i < 16 (rows of B r_max apart; also A's, then r_max = K);
+/* Bt[k * 16 + i] = B[n0 + i, k] for k < rk, i < 16 (here A's rows, r_max = K apart);
  * rows at or beyond `rows` read as zero. Loads whole 8-column chunks, up to round_up(rk, 8) <= r_max,
  * but stores only k < rk. */
 static void pack_tile(const float *b, int64_t r_max, int64_t rk, int64_t n0, int64_t rows, float *bt) {
@@ -196,30 +215,15 @@ static void pack_tile(const float *b, int64_t r_max, int64_t rk, int64_t n0, int
             __m256 r[8];
             for (int i = 0; i < 8; i++)
                 r[i] = h + i < rows ? _mm256_loadu_ps(b + (n0 + h + i) * r_max + k0) : _mm256_setzero_ps();
-            /* 8x8 transpose */
-            __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-            __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-            __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-            __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-            __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
-            __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
-            __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
-            __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
-            __m256 c[8] = {
-                _mm256_permute2f128_ps(u0, u4, 0x20), _mm256_permute2f128_ps(u1, u5, 0x20),
-                _mm256_permute2f128_ps(u2, u6, 0x20), _mm256_permute2f128_ps(u3, u7, 0x20),
-                _mm256_permute2f128_ps(u0, u4, 0x31), _mm256_permute2f128_ps(u1, u5, 0x31),
-                _mm256_permute2f128_ps(u2, u6, 0x31), _mm256_permute2f128_ps(u3, u7, 0x31),
-            };
-            for (int i = 0; i < 8 && k0 + i < rk; i++) _mm256_store_ps(bt + (k0 + i) * EXPAND_TILE + h, c[i]);
+            transpose8x8(r);
+            for (int i = 0; i < 8 && k0 + i < rk; i++) _mm256_store_ps(bt + (k0 + i) * EXPAND_TILE + h, r[i]);
         }
     }
 }
 
-/* The GEMM microkernel of both phases, M tokens x one packed tile of 16 columns (12 accumulators):
- * out_m[n + i] = (init ? 0 : out_m[n + i]) + sum_{k < kn} in_m[k] * P[k * 16 + i] for i < cols <= 16.
- * Shrink: P = 16 rows of A transposed, in = x rows, out = y rows; expand: P = 16 rows of B
- * transposed, in = y rows, out = out rows. */
+/* The shrink's GEMM microkernel, M tokens x one packed tile of 16 columns (12 accumulators):
+ * out_m[n + i] = (init ? 0 : out_m[n + i]) + sum_{k < kn} in_m[k] * P[k * 16 + i] for i < cols <= 16,
+ * with P = 16 rows of A transposed, in = x rows, out = y rows. */
 static inline __attribute__((always_inline)) void tile_gemm(const float *P, int64_t kn, const float *const *in,
                                                             float *const *outr, int64_t n, int64_t cols, int init,
                                                             const int M) {
