@@ -25,7 +25,7 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--rounds", {"type": int, "default": 3,
                       "help": "interleaved rounds; each system's best round counts (a shared VM's noise only slows)"}),
     ]),
-    "lora": ("lora", "multi-LoRA tokens/s (identical, zipf, distinct) vs base and HF PEFT", [
+    "lora": ("lora", "multi-LoRA tokens/s (identical, zipf, distinct, zipf in a rank-64 fleet) vs base and HF PEFT", [
         ("--model", {"default": DEFAULT_MODEL}),
         ("--batch", {"type": int, "default": 32}),
         ("--rank", {"type": int, "default": 16}),

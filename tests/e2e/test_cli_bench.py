@@ -37,7 +37,9 @@ def test_bench_lora_reports_every_pattern_peft_and_both_loads(tmp_path):
     r = run_bench(tmp_path, "lora", "--model", "synthetic:tiny", "--batch", "4", "--new-tokens", "2", "--rounds", "1")
     assert [r[k]["distinct_adapters"] for k in ("identical", "distinct")] == [1, 4]
     assert 1 <= r["zipf"]["distinct_adapters"] <= 4
-    for key in ("identical", "zipf", "distinct"):
+    assert r["zipf_rank64_fleet"]["distinct_adapters"] == r["zipf"]["distinct_adapters"]
+    assert r["zipf_rank64_fleet"]["buffer_rank"] == 64  # the fleet's rank-64 adapter grew its slot buffers
+    for key in ("identical", "zipf", "distinct", "zipf_rank64_fleet"):
         assert r[key]["tok_s"] > 0 and len(r["rounds"][key]) == 1
         assert r["ratios"][f"{key}_vs_base"] == round(r[key]["tok_s"] / r["base_tok_s"], 3)
     assert r["peft_distinct"]["tok_s"] > 0 and "distinct_vs_peft" in r["paired_ratios"]

@@ -1,5 +1,7 @@
 """Multi-LoRA throughput: one batch over 1, zipf-many or all-distinct adapters, against the base
-model alone and against HF PEFT's mixed-adapter batch, in one run.
+model alone and against HF PEFT's mixed-adapter batch, in one run. One more pattern, zipf_rank64_fleet,
+runs zipf's batch in an engine whose fleet also holds a rank-64 adapter (so its slot buffers are of rank
+64): what a mixed-rank fleet costs the rank-16 adapters.
 
 The adapters are made by PEFT itself (rank 16 on all seven projections, random non-zero A and B),
 saved to a temporary directory, and loaded by both systems from there.
@@ -36,6 +38,9 @@ from loraplex.engine.lora.st_reader import drop_from_page_cache
 from loraplex.engine.models.loader import load_model, resolve_model
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# zipf's batch again, in an engine whose fleet also holds one adapter of this rank (loaded, served, kept in
+# its slot): the slot buffers' rank is then 64, and the rank-16 adapters must not pay for it.
+MIXED, MIXED_RANK = "zipf_rank64_fleet", 64
 
 
 def zipf_choices(n_requests: int, n_adapters: int, s: float, seed: int = 0) -> list[int]:
@@ -130,15 +135,20 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
         peft_model = make_adapters(loaded, root, batch, rank)
         zipf = [f"a{k}" for k in zipf_choices(batch, batch, 1.5)]
         patterns = {"base": [None] * batch, "identical": ["a0"] * batch, "zipf": zipf,
-                    "distinct": [f"a{i}" for i in range(batch)]}
+                    "distinct": [f"a{i}" for i in range(batch)], MIXED: zipf}
+        big_rank = max(rank, MIXED_RANK)
+        make_adapters(loaded, root / "big", 1, big_rank)
         cores = {}
         for name, adapters in patterns.items():  # one engine per pattern, all on the same loaded weights
             used = sorted({a for a in adapters if a is not None}, key=lambda a: int(a[1:]))
             core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=batch,
-                                           max_num_batched_tokens=2048, max_loras=max(len(used), 1),
-                                           max_lora_rank=rank), loaded=loaded)
+                                           max_num_batched_tokens=2048, max_loras=max(len(used), 1) + (name == MIXED),
+                                           max_lora_rank=big_rank if name == MIXED else rank), loaded=loaded)
             for a in used:
                 core.add_adapter(a, str(adapter_path(root, int(a[1:]))))
+            if name == MIXED:  # the fleet's rank-64 adapter serves a request and stays in its slot
+                core.add_adapter("big", str(adapter_path(root / "big", 0)))
+                core.run(_requests(prompts[:1], ["big"], 2, model, "big"))
             # the whole batch, one step past the merge's threshold: every round then measures the steady
             # state (kernel tables, folds, a merged copy, the allocator's pages), not the first round's setup
             core.run(_requests(prompts, adapters, core.config.lora_merge_after_steps + 2, model, "warm"))
@@ -165,6 +175,7 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
         for name, adapters in patterns.items():
             results[name] = {"tok_s": round(statistics.harmonic_mean(runs[name]), 2),
                              "distinct_adapters": len(set(adapters))}
+        results[MIXED]["buffer_rank"] = cores[MIXED].lora.r_max
         results["adapter_load_ms"] = round(_load_ms(loaded, root, min(9, batch), rank, from_disk=True), 2)
         results["adapter_load_cached_ms"] = round(_load_ms(loaded, root, min(9, batch), rank, from_disk=False), 2)
         if not skip_peft:
