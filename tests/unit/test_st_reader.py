@@ -4,6 +4,7 @@ from the page cache or from the disk (O_DIRECT)."""
 
 from __future__ import annotations
 
+import ctypes
 import json
 import mmap
 import os
@@ -121,21 +122,67 @@ def test_flat_view_only_when_tensors_tile_an_aligned_region(tmp_path):
     assert aligned == 1
 
 
-def cached_pages(path) -> int:
-    """How many of the file's pages the page cache holds."""
+def mincore_pages(path) -> int:
+    """How many of the file's pages the page cache holds, told by mincore over a shared mapping (any Linux;
+    a mapping only looks, it reads nothing in)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype, libc.mmap.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                                                             ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    size = os.path.getsize(path)
+    pages = -(-size // mmap.PAGESIZE)
     with open(path, "rb") as f:
-        return resident_pages(f.fileno())
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    assert addr not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    try:
+        vec = (ctypes.c_ubyte * pages)()
+        assert libc.mincore(ctypes.c_void_p(addr), ctypes.c_size_t(size), vec) == 0, os.strerror(ctypes.get_errno())
+        return sum(v & 1 for v in vec)
+    finally:
+        libc.munmap(ctypes.c_void_p(addr), ctypes.c_size_t(size))
+
+
+def kernel_has_cachestat() -> bool:
+    with open(__file__, "rb") as f:
+        return resident_pages(f.fileno()) is not None
+
+
+def cached_pages(path) -> int:
+    """How many of the file's pages the page cache holds: cachestat where the kernel has it (6.5 and
+    later), else mincore."""
+    with open(path, "rb") as f:
+        pages = resident_pages(f.fileno())
+    return mincore_pages(path) if pages is None else pages
+
+
+def test_cachestat_and_mincore_agree_where_the_kernel_has_cachestat(tmp_path):
+    if not kernel_has_cachestat():
+        pytest.skip("this kernel has no cachestat (before Linux 6.5): the reader always reads through the "
+                    "page cache, which the 'no cachestat' state of the next test covers")
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(5 * mmap.PAGESIZE + 3))
+    drop_from_page_cache(path)
+    with open(path, "rb") as f:
+        f.seek(2 * mmap.PAGESIZE)
+        f.read(10)  # (readahead may bring in the pages after it, never those before)
+        os.posix_fadvise(f.fileno(), 0, 2 * mmap.PAGESIZE, os.POSIX_FADV_DONTNEED)
+    counts = []
+    for _ in range(2):
+        with open(path, "rb") as f:
+            counts.append((resident_pages(f.fileno()), mincore_pages(path)))
+    assert counts[0][0] == counts[0][1] and 1 <= counts[0][0] <= 4 and counts[0] == counts[1]
 
 
 # sizes around the O_DIRECT block: below one, exactly one, one past three, a split read's halves
 @pytest.mark.parametrize("size", [1001, DIRECT_ALIGN, 3 * DIRECT_ALIGN + 1, 5 * DIRECT_ALIGN - 7])
 @pytest.mark.parametrize("split", [False, True])
-@pytest.mark.parametrize("state", ["cached", "cold", "partly cached", "no direct I/O"])
+@pytest.mark.parametrize("state", ["cached", "cold", "partly cached", "no direct I/O", "no cachestat"])
 def test_read_file_returns_every_byte(tmp_path, monkeypatch, size, split, state):
     """Every byte, into new memory and into a recycled buffer: copied from the page cache when it holds the
     whole file, else read with O_DIRECT (which leaves the page cache as it was), and where direct I/O is
-    not offered, read through the page cache."""
+    not offered, or the kernel cannot say what the page cache holds, read through the page cache."""
     from loraplex.engine.lora import st_reader
+
+    through_cache = state in ("no direct I/O", "no cachestat") or not kernel_has_cachestat()
 
     blob = torch.randint(0, 256, (size,), dtype=torch.uint8, generator=torch.Generator().manual_seed(size))
     path = tmp_path / "f"
@@ -143,6 +190,8 @@ def test_read_file_returns_every_byte(tmp_path, monkeypatch, size, split, state)
     monkeypatch.setattr(st_reader, "SPLIT_READ_BYTES", 64 if split else 1 << 40)
     if state == "no direct I/O":
         monkeypatch.setattr(st_reader, "_open_direct", lambda path: None)
+    if state == "no cachestat":  # as on a kernel before 6.5
+        monkeypatch.setattr(st_reader, "resident_pages", lambda fd: None)
     pages = -(-size // mmap.PAGESIZE)
     assert cached_pages(path) == pages  # just written
     if state != "cached":
@@ -157,7 +206,7 @@ def test_read_file_returns_every_byte(tmp_path, monkeypatch, size, split, state)
     spare = torch.zeros(4 * DIRECT_ALIGN + size, dtype=torch.uint8)
     for into in (None, spare):
         assert torch.equal(read_file(path, into=into), blob)
-    assert cached_pages(path) == (pages if state == "no direct I/O" else before)
+    assert cached_pages(path) == (pages if through_cache else before)
 
 
 def test_identical_headers_share_one_read_only_parse_and_the_file_size_still_counts(tmp_path):
