@@ -95,20 +95,24 @@ TORCH = [(lora_shrink_expand_torch, "segments"), (lora_shrink_expand_torch, "gat
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("r_max", [8, 16, 32, 64])
 def test_ranks_and_dtypes(r_max: int, dtype: torch.dtype) -> None:
-    """Every rank x dtype: SGMV on a prefill batch, BGMV on a decode batch, fused qkv, with -1 tokens."""
-    run_and_check(lora_shrink_expand, "sgmv", make_batch("skewed", "prefill", True), "qkv", r_max, dtype)
-    run_and_check(lora_shrink_expand, "bgmv", make_batch("uniform", "decode", True, seed=2), "qkv", r_max,
-                  dtype)
+    """Every rank x dtype: SGMV on a prefill batch, BGMV on a decode batch, fused qkv, with -1 tokens;
+    each over B as the slot buffers hold it (rank-major) and over a contiguous B."""
+    for rank_major in (True, False):
+        run_and_check(lora_shrink_expand, "sgmv", make_batch("skewed", "prefill", True), "qkv", r_max, dtype,
+                      rank_major=rank_major)
+        run_and_check(lora_shrink_expand, "bgmv", make_batch("uniform", "decode", True, seed=2), "qkv", r_max,
+                      dtype, rank_major=rank_major)
 
 
 @pytest.mark.parametrize("with_base", [False, True], ids=["lora-only", "with-base"])
 @pytest.mark.parametrize("shape", ["prefill", "decode"])
 @pytest.mark.parametrize("pattern", PATTERNS)
 def test_popularity_auto_dispatch(pattern: str, shape: str, with_base: bool) -> None:
-    """Every popularity pattern x batch shape x base tokens through the auto SGMV/BGMV choice."""
+    """Every popularity pattern x batch shape x base tokens through the auto SGMV/BGMV choice, over the
+    slot buffers' rank-major B."""
     index = make_batch(pattern, shape, with_base, seed=len(pattern))
     dtype = torch.bfloat16 if with_base else torch.float32
-    run_and_check(lora_shrink_expand, "auto", index, "qkv", 16, dtype)
+    run_and_check(lora_shrink_expand, "auto", index, "qkv", 16, dtype, rank_major=True)
 
 
 def test_auto_picks_sgmv_for_long_segments_and_bgmv_for_decode() -> None:
@@ -219,7 +223,7 @@ def test_torch_path_ranks_dtypes_patterns(r_max: int, dtype: torch.dtype) -> Non
         for shape in ("prefill", "decode"):
             for with_base in (False, True):
                 index = make_batch(pattern, shape, with_base, seed=r_max)
-                run_and_check(lora_shrink_expand_torch, "auto", index, "qkv", r_max, dtype)
+                run_and_check(lora_shrink_expand_torch, "auto", index, "qkv", r_max, dtype, rank_major=with_base)
 
 
 @pytest.mark.parametrize("rank_major", [False, True], ids=["contiguous-b", "rank-major-b"])
