@@ -182,7 +182,12 @@ def test_buffers_take_the_largest_loaded_rank_and_grow_keeping_loaded_slots(tmp_
     check_slot(slots, s_small, load_peft_adapter(small, config))
     check_slot(slots, s_big, load_peft_adapter(big, config))
     after = deltas()
-    assert all(torch.equal(before[f], after[f]) for f in FUSED) and before["o"].any()
+    assert before["o"].any()
+    for f in FUSED:  # the C kernel reads each slot's own rank rows only: the same bits; torch ops (kernels
+        if table is not None:  # off) reduce over r_max columns, whose blocking may round differently
+            assert torch.equal(before[f], after[f])
+        else:
+            torch.testing.assert_close(before[f], after[f], rtol=1e-6, atol=1e-6)
     if table is not None:  # the C kernels are built: a table of the old buffers is replaced, not reused
         assert slots.kernel_table() is not table and int(slots.kernel_table().table[1]) == 24
     capped = make(config, max_loras=1, r_max=12)
