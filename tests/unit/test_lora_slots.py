@@ -129,6 +129,27 @@ def test_loading_overwrites_the_whole_slot(tmp_path, config, dtype):
     check_slot(slots, 0, load_peft_adapter(tmp_path / "big", config))
 
 
+def test_a_block_table_is_reused_by_adapters_of_one_shape_in_any_slot(tmp_path, config):
+    """The slot write's block table depends on the adapter's layout, its rank and what the slot held,
+    not on the slot or the adapter's values: adapters of one shape reuse it, and each lands exactly."""
+    slots = make(config, max_loras=3, r_max=16)
+    for name, rank, seed in (("a", 8, 1), ("b", 8, 2), ("c", 16, 3), ("d", 8, 4)):
+        register(slots, tmp_path, name, rank=rank, seed=seed)
+    loras = {name: load_peft_adapter(tmp_path / name, config) for name in "abcd"}
+    first = slots._slot_blocks(0, slots._cpu["a"])
+    assert slots._slot_blocks(2, slots._cpu["b"]) is first  # same shape, another slot: the same table
+    assert slots._slot_blocks(0, slots._cpu["c"]) is not first  # another rank: another table
+    for name, slot in (("a", 0), ("b", 1), ("c", 2)):
+        assert slots.acquire(name) == slot
+        check_slot(slots, slot, loras[name])
+        slots.release(name)
+    assert slots._slot_blocks(2, slots._cpu["d"]) is not first  # slot 2 held rank 16: rows 8-15 to zero
+    assert slots.acquire("d") == 0  # evicts a (LRU) from slot 0, which held the same shape
+    check_slot(slots, 0, loras["d"])
+    slots.unregister("c")  # slot 2 zeroed by its own table
+    assert not any(t[2].any() for layer in range(config.num_layers) for f in FUSED for t in slots.buffers(layer, f))
+
+
 def test_apply_matches_merged_weights(tmp_path, tiny):
     """Per-token slots (two adapters and base rows) give exactly the merged model's projections."""
     config = tiny.config

@@ -59,6 +59,24 @@ def test_half_precision_tensors_load_as_fp32(tmp_path, config, dtype):
     assert torch.equal(lora.b(0, "q"), raw.float())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_adapters_of_one_header_share_one_read_only_layout(tmp_path, config, dtype):
+    """Adapters of one shape (byte-identical headers) share their offsets mapping, which the slots key
+    their block tables on; each still holds its own values. Another rank is another layout."""
+    loras = [load_peft_adapter(make_peft_dir(tmp_path / f"a{seed}", config, rank=8, alpha=16, targets="all",
+                                             seed=seed, dtype=dtype), config) for seed in (1, 2)]
+    other = load_peft_adapter(make_peft_dir(tmp_path / "r4", config, rank=4, alpha=8, targets="all", seed=3,
+                                            dtype=dtype), config)
+    assert loras[0].offsets is loras[1].offsets and other.offsets is not loras[0].offsets
+    with pytest.raises(TypeError):
+        loras[0].offsets[(0, "q")] = (0, 0)  # shared: nobody may change it
+    for seed, lora in zip((1, 2), loras, strict=True):
+        raw = read_tensors(tmp_path / f"a{seed}")
+        assert torch.equal(lora.a(1, "down"), raw[tensor_key(1, "down", "A")].float())
+        assert torch.equal(lora.b(1, "down"), raw[tensor_key(1, "down", "B")].float())
+    assert not torch.equal(loras[0].a(1, "down"), loras[1].a(1, "down"))
+
+
 def test_rslora_scaling(tmp_path, config):
     path = make_peft_dir(tmp_path, config, rank=16, alpha=8, targets="all", seed=3, use_rslora=True)
     lora = load_peft_adapter(path, config)

@@ -13,9 +13,13 @@ import functools
 import json
 import math
 import re
+import threading
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 
@@ -90,7 +94,8 @@ class LoraWeights:
     target_modules: tuple[str, ...]  # short names, in MODULES order
     layers: tuple[int, ...]  # decoder layers that carry deltas
     values: torch.Tensor = field(repr=False)  # flat fp32 holding every A [rank, in] and B [out, rank], row-major
-    offsets: dict[tuple[int, str], tuple[int, int]] = field(repr=False)  # (layer, module) -> A's, B's start in values
+    # (layer, module) -> A's, B's start in values; read-only, shared by the adapters of one header and shape
+    offsets: Mapping[tuple[int, str], tuple[int, int]] = field(repr=False)
     dims: dict[str, tuple[int, int]] = field(repr=False)  # module -> (in_features, out_features)
     use_rslora: bool = False
     path: str = ""
@@ -259,7 +264,7 @@ def _key_of(layer: int, module: str, ab: str) -> str:
 
 def _read_tensors(file: Path, config: LlamaConfig, rank: int, targets: tuple[str, ...], layers: tuple[int, ...],
                   where: str, buffer: torch.Tensor | None
-                  ) -> tuple[torch.Tensor, dict[tuple[int, str], tuple[int, int]], torch.Tensor]:
+                  ) -> tuple[torch.Tensor, Mapping[tuple[int, str], tuple[int, int]], torch.Tensor]:
     """(values, offsets, the file's bytes): A and B of every (layer, module), each checked for name, shape,
     dtype and finiteness, in one flat fp32 tensor (a view of the file's bytes when they are fp32)."""
     try:  # one read of the whole file; the header is checked as plain values
@@ -267,12 +272,13 @@ def _read_tensors(file: Path, config: LlamaConfig, rank: int, targets: tuple[str
         entries, region = parse_safetensors(data)
     except ValueError as e:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} cannot be read as safetensors: {e}") from None
-    found = _found_as_expected(entries, config, rank, targets, layers)  # (complete when not None)
-    if found is None:  # an unusual or bad file: every tensor checked by name, to say what is wrong
+    layout = _expected_layout(entries, config, rank, targets, layers)  # (complete when not None)
+    if layout is None:  # an unusual or bad file: every tensor checked by name, to say what is wrong
         found = _read_checked(entries, where, config, rank, targets, layers)
         _check_complete(found, targets, layers, where)
-    values, offsets = _as_values(found, entries, region)
-    _check_finite(values, offsets, found, where)
+        layout = _layout(found)
+    values, offsets = _as_values(layout, entries, region)
+    _check_finite(values, offsets, layout.found, where)
     return values, offsets, data
 
 
@@ -291,25 +297,70 @@ def _check_complete(found: dict[str, dict[tuple[int, str], Entry]], targets: tup
                                    f"target_modules lists {PEFT_NAMES[module]} for layer {layer}")
 
 
-def _as_values(found: dict[str, dict[tuple[int, str], Entry]], entries: Mapping[str, Entry],
-               region: torch.Tensor) -> tuple[torch.Tensor, dict[tuple[int, str], tuple[int, int]]]:
+class _Layout(NamedTuple):
+    """Where an adapter's tensors are: its A and B entries by (layer, module), and each pair's (A, B) start
+    among the floats of the values (read-only), as the file's own data region when that is one fp32 tensor
+    (`flat`) or as _as_values packs a converted copy, each pair back to back (`packed`)."""
+
+    found: dict[str, dict[tuple[int, str], Entry]]  # "A" / "B" -> (layer, module) -> entry
+    flat: Mapping[tuple[int, str], tuple[int, int]]
+    packed: Mapping[tuple[int, str], tuple[int, int]]
+
+
+def _layout(found: dict[str, dict[tuple[int, str], Entry]]) -> _Layout:
+    packed, at = {}, 0
+    for key, a in found["A"].items():
+        packed[key] = (at, at + a.numel)
+        at += a.numel + found["B"][key].numel
+    flat = {key: (a.begin // 4, found["B"][key].begin // 4) for key, a in found["A"].items()}
+    return _Layout(found, MappingProxyType(flat), MappingProxyType(packed))
+
+
+# Adapters of one shape have byte-identical headers, which st_reader parses into one shared entries
+# mapping; their layout is worked out once too, so a fleet's loads skip matching hundreds of entries and
+# share one offsets mapping, on which the slots key their block tables (slots._slot_blocks).
+_LAYOUTS_KEPT = 32
+_layouts: OrderedDict[tuple, tuple[Mapping[str, Entry], _Layout]] = OrderedDict()
+_layouts_lock = threading.Lock()
+
+
+def _expected_layout(entries: Mapping[str, Entry], config: LlamaConfig, rank: int, targets: tuple[str, ...],
+                     layers: tuple[int, ...]) -> _Layout | None:
+    """The layout of a file holding exactly the expected tensors (_found_as_expected), kept per parsed
+    header and adapter shape; None for any other file (not kept)."""
+    key = (id(entries), rank, targets, layers, tuple(module_dims(config).items()))
+    with _layouts_lock:
+        kept = _layouts.get(key)
+        if kept is not None and kept[0] is entries:  # (the mapping is held, so its id is not reused)
+            _layouts.move_to_end(key)
+            return kept[1]
+    found = _found_as_expected(entries, config, rank, targets, layers)
+    if found is None:
+        return None
+    layout = _layout(found)
+    with _layouts_lock:
+        _layouts[key] = (entries, layout)
+        while len(_layouts) > _LAYOUTS_KEPT:
+            _layouts.popitem(last=False)
+    return layout
+
+
+def _as_values(layout: _Layout, entries: Mapping[str, Entry],
+               region: torch.Tensor) -> tuple[torch.Tensor, Mapping[tuple[int, str], tuple[int, int]]]:
     """One flat fp32 tensor holding every A and B, and each pair's offsets in it: the file's data region
     itself when it is all fp32 (no copy), else a converted copy with the tensors back to back."""
     flat = flat_view(region, entries)
     if flat is not None and flat.dtype == torch.float32:
-        return flat, {key: (a.begin // 4, found["B"][key].begin // 4) for key, a in found["A"].items()}
+        return flat, layout.flat
+    found = layout.found
     values = torch.empty(sum(e.numel for part in found.values() for e in part.values()), dtype=torch.float32)
-    offsets, at = {}, 0
     for key, a in found["A"].items():
-        b = found["B"][key]
-        offsets[key] = (at, at + a.numel)
-        for e in (a, b):
+        for e, at in zip((a, found["B"][key]), layout.packed[key], strict=True):
             values[at:at + e.numel].view(e.shape).copy_(view(region, e))
-            at += e.numel
-    return values, offsets
+    return values, layout.packed
 
 
-def _check_finite(values: torch.Tensor, offsets: dict[tuple[int, str], tuple[int, int]],
+def _check_finite(values: torch.Tensor, offsets: Mapping[tuple[int, str], tuple[int, int]],
                   found: dict[str, dict[tuple[int, str], Entry]], where: str) -> None:
     """One pass over every value; only when that fails are tensors checked one by one, to name the culprit."""
     # NaN and Inf propagate through a sum, so a finite sum proves every value finite; a non-finite
