@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -39,12 +39,14 @@ def tensor_key(layer: int, module: str, ab: str, adapter_name: str | None = None
 
 def make_peft_dir(path: str | Path, config, rank: int, alpha: float, targets: Iterable[str] | str, seed: int,
                   dtype: torch.dtype = torch.float32, use_rslora: bool = False, *, magnitude: float = 0.05,
-                  adapter_name: str | None = None, **overrides) -> Path:
+                  adapter_name: str | None = None, ranks: Callable[[int, str], int] | None = None,
+                  **overrides) -> Path:
     """Writes adapter_config.json and adapter_model.safetensors under `path` (created) and returns it.
 
     targets: short ("q") or PEFT ("q_proj") names, or "all". overrides replace adapter_config.json
     fields (MISSING deletes one); a `layers_to_transform` override also limits which layers get tensors.
-    A ~ N(0, 1/in), B scaled so that scaling * B @ A has entries of std `magnitude`.
+    A ~ N(0, 1/in), B scaled so that scaling * B @ A has entries of std `magnitude`. `ranks(layer, short
+    name)`: each module's rank in the file (default `rank`), to go with a rank_pattern override.
     """
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -76,8 +78,9 @@ def make_peft_dir(path: str | Path, config, rank: int, alpha: float, targets: It
             continue  # an out-of-range override is for the config check; write nothing for it
         for m in short:
             in_f, out_f = dims[m]
-            a = torch.randn(rank, in_f, generator=gen) / math.sqrt(in_f)
-            b = torch.randn(out_f, rank, generator=gen) * magnitude * math.sqrt(in_f) / (scaling * math.sqrt(rank))
+            r = ranks(layer, m) if ranks is not None else rank
+            a = torch.randn(r, in_f, generator=gen) / math.sqrt(in_f)
+            b = torch.randn(out_f, r, generator=gen) * magnitude * math.sqrt(in_f) / (scaling * math.sqrt(r))
             tensors[tensor_key(layer, m, "A", adapter_name)] = a.to(dtype).contiguous()
             tensors[tensor_key(layer, m, "B", adapter_name)] = b.to(dtype).contiguous()
     save_file(tensors, str(path / WEIGHTS), metadata={"format": "pt"})

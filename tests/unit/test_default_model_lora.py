@@ -14,11 +14,16 @@ MODEL = "smollm2-135m"
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def _peft_adapter(base, path, rank: int, seed: int, use_rslora: bool = False):
+# Per-module ranks and alphas, keys in sorted order (as PEFT saves them, so its model and the file agree).
+PATTERNS = {"rank_pattern": {r"layers\.(1|2)?[0-9]\.mlp\.down_proj": 24, "q_proj": 4},
+            "alpha_pattern": {"gate_proj": 4, "v_proj": 40}}
+
+
+def _peft_adapter(base, path, rank: int, seed: int, use_rslora: bool = False, patterns: dict | None = None):
     from peft import LoraConfig, get_peft_model
 
     model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-                                             use_rslora=use_rslora, lora_dropout=0.0))
+                                             use_rslora=use_rslora, lora_dropout=0.0, **(patterns or {})))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -28,9 +33,11 @@ def _peft_adapter(base, path, rank: int, seed: int, use_rslora: bool = False):
     return model.eval()
 
 
-@pytest.mark.parametrize(("rank", "use_rslora"), [(8, False), (16, True)])
-def test_peft_adapter_greedy_tokens_match_peft(default_model, tmp_path, rank, use_rslora):
-    peft_model = _peft_adapter(hf_model(default_model), tmp_path / "adapter", rank, seed=rank, use_rslora=use_rslora)
+@pytest.mark.parametrize(("rank", "use_rslora", "patterns"), [(8, False, None), (16, True, None), (8, False, PATTERNS)],
+                         ids=["r8", "r16-rslora", "r8-rank-and-alpha-patterns"])
+def test_peft_adapter_greedy_tokens_match_peft(default_model, tmp_path, rank, use_rslora, patterns):
+    peft_model = _peft_adapter(hf_model(default_model), tmp_path / "adapter", rank, seed=rank, use_rslora=use_rslora,
+                               patterns=patterns)
     prompt = default_model.tokenizer.encode("The quick brown fox jumps over the lazy dog. Then it")
     with torch.inference_mode():
         out = peft_model.generate(input_ids=torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16,

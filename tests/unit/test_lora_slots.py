@@ -58,17 +58,18 @@ def test_buffer_shapes_match_kernel_layout(config):
 
 def check_slot(slots, slot, lora):
     """Every row and column of the slot: A and scaling*B where the adapter has them, zero elsewhere."""
-    r_max, rank, w = slots.r_max, lora.rank, widths(slots.config)
-    assert int(slots.ranks[slot]) == rank
+    r_max, w = slots.r_max, widths(slots.config)
+    assert int(slots.ranks[slot]) == lora.rank
     for layer in range(slots.config.num_layers):
         for fused, modules in FUSED.items():
             a_buf, b_buf = (t[slot].float() for t in slots.buffers(layer, fused))
             exp_a, exp_b = torch.zeros_like(a_buf), torch.zeros_like(b_buf)
             off = 0
             for s, m in enumerate(modules):
-                if (layer, m) in lora.offsets:
+                if (layer, m) in lora.offsets:  # (each module at its own rank and scaling)
+                    rank = lora.rank_of(layer, m)
                     exp_a[s * r_max:s * r_max + rank] = lora.a(layer, m)
-                    exp_b[off:off + w[m], :rank] = lora.scaling * lora.b(layer, m)
+                    exp_b[off:off + w[m], :rank] = lora.scaling_of(layer, m) * lora.b(layer, m)
                 off += w[m]
             assert off == b_buf.shape[0]
             torch.testing.assert_close(a_buf, exp_a.to(slots.dtype).float(), rtol=0, atol=0)
@@ -148,6 +149,39 @@ def test_a_block_table_is_reused_by_adapters_of_one_shape_in_any_slot(tmp_path, 
     check_slot(slots, 0, loras["d"])
     slots.unregister("c")  # slot 2 zeroed by its own table
     assert not any(t[2].any() for layer in range(config.num_layers) for f in FUSED for t in slots.buffers(layer, f))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_module_ranks_and_alphas_land_in_one_slot_and_match_merged_weights(tmp_path, tiny, dtype):
+    """rank_pattern / alpha_pattern: each module at its own rank (rows up to the adapter's largest rank
+    zero, even over what a rank-16 adapter left) and its own scaling."""
+    config = tiny.config
+    slots = make(config, max_loras=1, r_max=16, dtype=dtype)
+    register(slots, tmp_path, "wide", rank=16, seed=1)
+    assert slots.acquire("wide") == 0
+    slots.release("wide")
+    patterns = {"rank_pattern": {"q_proj": 4, r"layers\.1\.mlp\.down_proj": 12}, "alpha_pattern": {"v_proj": 24}}
+    path = register(slots, tmp_path, "mixed", rank=8, alpha=16, seed=2,
+                    ranks=lambda layer, m: 4 if m == "q" else 12 if (layer, m) == (1, "down") else 8, **patterns)
+    lora = load_peft_adapter(path, config)
+    assert lora.rank == 12 and lora.rank_of(0, "q") == 4 and lora.rank_of(0, "down") == 8
+    assert (lora.scaling, lora.scaling_of(1, "v"), lora.scaling_of(1, "down"), lora.scaling_of(0, "q")) == \
+        (2.0, 3.0, 16 / 12, 4.0)
+    assert slots.acquire("mixed") == 0  # evicts "wide"
+    check_slot(slots, 0, lora)
+    merged = merged_weights(tiny.weights, config, lora)
+    index = LoraBatchIndex.from_token_slots([0, -1, 0])
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(config.num_layers):
+        for fused in FUSED:
+            base = tiny.weights[f"layers.{layer}.{fused}"]
+            x = torch.randn(3, base.shape[1], generator=gen)
+            out = F.linear(x, base)
+            slots.apply(layer, fused, x.to(dtype), out_typed := out.to(dtype), index)
+            expected = torch.stack([F.linear(x[0], merged[f"layers.{layer}.{fused}"]), F.linear(x[1], base),
+                                    F.linear(x[2], merged[f"layers.{layer}.{fused}"])])
+            tol = 1e-5 if dtype == torch.float32 else 3e-2
+            torch.testing.assert_close(out_typed.float(), expected, rtol=tol, atol=tol)
 
 
 def test_apply_matches_merged_weights(tmp_path, tiny):

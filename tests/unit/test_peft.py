@@ -123,8 +123,15 @@ def test_default_adapter_name_keys_and_layer_subset(tmp_path, config):
     ({"bias": "lora_only"}, ["bias"]),
     ({"layers_to_transform": [0, 2]}, ["layers_to_transform", "layer 2", "2 layers"]),
     ({"layers_to_transform": 7}, ["layers_to_transform", "layer 7"]),
-    ({"rank_pattern": {"q_proj": 4}}, ["rank_pattern"]),
-    ({"alpha_pattern": {"q_proj": 4}}, ["alpha_pattern"]),
+    ({"rank_pattern": {"q_proj": 0}}, ["rank_pattern['q_proj']", "integer in [1, 64]"]),
+    ({"rank_pattern": {"q_proj": 65}}, ["rank_pattern['q_proj']", "max_lora_rank"]),
+    ({"rank_pattern": {"q_proj": "4"}}, ["rank_pattern['q_proj']"]),
+    ({"rank_pattern": ["q_proj"]}, ["rank_pattern must map"]),
+    ({"rank_pattern": {"q_proj(": 4}}, ["rank_pattern key 'q_proj('", "not a valid pattern"]),
+    ({"alpha_pattern": {"v_proj": -2}}, ["alpha_pattern['v_proj']", "positive"]),
+    ({"alpha_pattern": {"v_proj": True}}, ["alpha_pattern['v_proj']", "positive"]),
+    # the file's tensors are of rank r everywhere, the config says 4 for q_proj
+    ({"rank_pattern": {"q_proj": 4}}, ["self_attn.q_proj.lora_A.weight", "expected [4, ", "rank_pattern"]),
     ({"init_lora_weights": "pissa"}, ["init_lora_weights", "base weights"]),
 ])
 def test_bad_config_fields_refused(tmp_path, config, overrides, needles):
@@ -235,8 +242,12 @@ def test_non_peft_config_json_types(tmp_path, config):
     refused(path, config, "lora_alpha")
 
 
-def test_real_peft_directory_matches_peft_deltas_and_merge(tmp_path, config):
-    """A directory saved by the peft library loads, and its deltas / merge equal PEFT's own."""
+@pytest.mark.parametrize("patterns", [{}, {"rank_pattern": {"q_proj": 4, "layers.1.mlp.down_proj": 16},
+                                          "alpha_pattern": {r"model\.layers\.0\..*": 4, "v_proj": 32}}],
+                         ids=["uniform", "rank-and-alpha-patterns"])
+def test_real_peft_directory_matches_peft_deltas_and_merge(tmp_path, config, patterns):
+    """A directory saved by the peft library loads, and its deltas / merge equal PEFT's own, with per-module
+    ranks and alphas read as PEFT reads its patterns."""
     pytest.importorskip("peft")
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig as HFLlamaConfig
@@ -251,14 +262,19 @@ def test_real_peft_directory_matches_peft_deltas_and_merge(tmp_path, config):
                        head_dim=config.head_dim)
     model = LlamaForCausalLM(hf).eval()
     targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets))
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=targets, **patterns))
     with torch.no_grad():
         for name, p in peft_model.named_parameters():
             if "lora_" in name:
                 p.normal_(0.0, 0.1)  # PEFT starts B at zero; randomize both so deltas are not trivial
     peft_model.save_pretrained(tmp_path)
     lora = load_peft_adapter(tmp_path, config)
-    assert (lora.rank, lora.scaling, lora.target_modules) == (8, 2.0, ALL)
+    assert (lora.rank, lora.scaling, lora.target_modules) == (16 if patterns else 8, 2.0, ALL)
+    if patterns:
+        assert (lora.rank_of(0, "q"), lora.rank_of(1, "down"), lora.rank_of(0, "down")) == (4, 16, 8)
+        # the first key that matches wins, in the file's order (PEFT writes its config with sorted keys; the
+        # keys here are in that order already, so the model in memory agrees): layer 0's v_proj takes 4
+        assert [lora.scaling_of(*k) for k in ((1, "v"), (0, "v"), (0, "o"), (1, "o"))] == [4.0, 0.5, 0.5, 2.0]
 
     short = {p: p.split("_")[0] for p in targets}
     base = {}

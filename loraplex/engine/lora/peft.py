@@ -88,9 +88,9 @@ class LoraWeights:
     flat tensor. That is usually a view of the file's bytes as read (`buffer`), so a load makes no torch
     object per tensor; `a()` and `b()` give views."""
 
-    rank: int
+    rank: int  # the largest of its modules' ranks: what a slot must hold
     alpha: float
-    scaling: float
+    scaling: float  # of the modules rank_pattern and alpha_pattern leave at r and lora_alpha
     target_modules: tuple[str, ...]  # short names, in MODULES order
     layers: tuple[int, ...]  # decoder layers that carry deltas
     values: torch.Tensor = field(repr=False)  # flat fp32 holding every A [rank, in] and B [out, rank], row-major
@@ -100,22 +100,31 @@ class LoraWeights:
     use_rslora: bool = False
     path: str = ""
     buffer: torch.Tensor | None = field(default=None, repr=False)  # the file's bytes `values` views, if it does
+    # Per (layer, module), where rank_pattern / alpha_pattern set them; None: every module at rank / scaling.
+    module_ranks: Mapping[tuple[int, str], int] | None = field(default=None, repr=False)
+    module_scalings: Mapping[tuple[int, str], float] | None = field(default=None, repr=False)
+
+    def rank_of(self, layer: int, module: str) -> int:
+        return self.rank if self.module_ranks is None else self.module_ranks[(layer, module)]
+
+    def scaling_of(self, layer: int, module: str) -> float:
+        return self.scaling if self.module_scalings is None else self.module_scalings[(layer, module)]
 
     def a(self, layer: int, module: str) -> torch.Tensor:
-        """A [rank, in] of a targeted (layer, module) (KeyError otherwise)."""
-        start, in_f = self.offsets[(layer, module)][0], self.dims[module][0]
-        return self.values[start:start + self.rank * in_f].view(self.rank, in_f)
+        """A [rank, in] of a targeted (layer, module) (KeyError otherwise), at that module's rank."""
+        start, in_f, r = self.offsets[(layer, module)][0], self.dims[module][0], self.rank_of(layer, module)
+        return self.values[start:start + r * in_f].view(r, in_f)
 
     def b(self, layer: int, module: str) -> torch.Tensor:
-        """B [out, rank] of a targeted (layer, module) (KeyError otherwise)."""
-        start, out_f = self.offsets[(layer, module)][1], self.dims[module][1]
-        return self.values[start:start + out_f * self.rank].view(out_f, self.rank)
+        """B [out, rank] of a targeted (layer, module) (KeyError otherwise), at that module's rank."""
+        start, out_f, r = self.offsets[(layer, module)][1], self.dims[module][1], self.rank_of(layer, module)
+        return self.values[start:start + out_f * r].view(out_f, r)
 
     def delta(self, layer: int, module: str) -> torch.Tensor | None:
         """scaling * B @ A [out, in] in fp32, or None where the adapter leaves the module alone."""
         if (layer, module) not in self.offsets:
             return None
-        return self.scaling * (self.b(layer, module) @ self.a(layer, module))
+        return self.scaling_of(layer, module) * (self.b(layer, module) @ self.a(layer, module))
 
 
 def load_peft_adapter(path: str | Path, config: LlamaConfig, max_rank: int = 64,
@@ -131,7 +140,7 @@ def load_peft_adapter(path: str | Path, config: LlamaConfig, max_rank: int = 64,
     if not root.is_dir():
         raise AdapterError(f"{where}: not a directory (expected {CONFIG_FILE} and {WEIGHTS_FILE} inside)")
     cfg = _read_config(root, where)
-    rank, alpha, scaling, rslora, targets, layers = _check_config(cfg, config, max_rank, where)
+    shape = _check_config(cfg, config, max_rank, where)
     weights = root / WEIGHTS_FILE
     if not weights.is_file():
         pickles = sorted(p.name for p in root.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
@@ -139,11 +148,12 @@ def load_peft_adapter(path: str | Path, config: LlamaConfig, max_rank: int = 64,
             raise AdapterError(f"{where}: only pickled weights ({', '.join(pickles)}) and no {WEIGHTS_FILE}; "
                                "pickle files are refused (they can run code), convert the adapter to safetensors")
         raise AdapterError(f"{where}: {WEIGHTS_FILE} is missing")
-    values, offsets, data = _read_tensors(weights, config, rank, targets, layers, where, buffer)
-    return LoraWeights(rank=rank, alpha=alpha, scaling=scaling, target_modules=targets, layers=layers,
-                       values=values, offsets=offsets, dims=module_dims(config), use_rslora=rslora, path=str(root),
+    values, offsets, data = _read_tensors(weights, config, shape, where, buffer)
+    return LoraWeights(rank=shape.rank, alpha=shape.alpha, scaling=shape.scaling, target_modules=shape.targets,
+                       layers=shape.layers, values=values, offsets=offsets, dims=module_dims(config),
+                       use_rslora=shape.rslora, path=str(root),
                        buffer=data if values.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
-                       else None)
+                       else None, module_ranks=shape.ranks, module_scalings=shape.scalings)
 
 
 def _read_config(root: Path, where: str) -> dict:
@@ -163,9 +173,22 @@ def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _check_config(cfg: dict, config: LlamaConfig, max_rank: int,
-                  where: str) -> tuple[int, float, float, bool, tuple[str, ...], tuple[int, ...]]:
-    """Returns (rank, alpha, scaling, use_rslora, targets, layers) or raises naming the field."""
+class _Shape(NamedTuple):
+    """What the config says of the adapter: its largest rank, r's scaling, targets, layers, and where
+    rank_pattern / alpha_pattern set them, each (layer, module)'s rank and scaling (else None)."""
+
+    rank: int
+    alpha: float
+    scaling: float
+    rslora: bool
+    targets: tuple[str, ...]
+    layers: tuple[int, ...]
+    ranks: Mapping[tuple[int, str], int] | None
+    scalings: Mapping[tuple[int, str], float] | None
+
+
+def _check_config(cfg: dict, config: LlamaConfig, max_rank: int, where: str) -> _Shape:
+    """The adapter's shape, or raises naming the field."""
     peft_type = cfg.get("peft_type")
     if peft_type != "LORA":
         raise AdapterError(f"{where}: peft_type is {peft_type!r}; only 'LORA' adapters are supported")
@@ -182,8 +205,50 @@ def _check_config(cfg: dict, config: LlamaConfig, max_rank: int,
     _check_unsupported(cfg, where)
     targets = _parse_targets(cfg.get("target_modules"), where)
     layers = _parse_layers(cfg, config.num_layers, where)
-    scaling = alpha / math.sqrt(r) if rslora else alpha / r
-    return r, float(alpha), float(scaling), rslora, targets, layers
+    ranks, alphas = (_per_module(cfg, name, default, targets, layers, max_rank, where)
+                     for name, default in (("rank_pattern", r), ("alpha_pattern", alpha)))
+
+    def scaling_at(rank: int, a: float) -> float:
+        return float(a / math.sqrt(rank) if rslora else a / rank)
+
+    if ranks is None and alphas is None:
+        return _Shape(r, float(alpha), scaling_at(r, alpha), rslora, targets, layers, None, None)
+    keys = [(layer, m) for layer in layers for m in targets]
+    ranks = ranks or dict.fromkeys(keys, r)
+    scalings = {k: scaling_at(ranks[k], alphas[k] if alphas else alpha) for k in keys}
+    return _Shape(max(ranks.values()), float(alpha), scaling_at(r, alpha), rslora, targets, layers,
+                  MappingProxyType(ranks), MappingProxyType(scalings))
+
+
+def _per_module(cfg: dict, name: str, default: float, targets: tuple[str, ...], layers: tuple[int, ...],
+                max_rank: int, where: str) -> dict[tuple[int, str], float] | None:
+    """Each targeted (layer, module)'s value under rank_pattern or alpha_pattern (`name`), as PEFT reads
+    them: the first pattern key, in the file's order (PEFT writes it sorted), that as a regex matches the
+    module's whole name or a dotted suffix of it (e.g. "q_proj", "layers.0.self_attn.q_proj", "mlp\\..*"),
+    gives its value; default elsewhere. None when the field is absent or empty."""
+    patterns = cfg.get(name)
+    if not patterns:
+        return None
+    if not isinstance(patterns, dict):
+        raise AdapterError(f"{where}: {name} must map module name patterns to values, got {patterns!r}")
+    compiled = []
+    for key, value in patterns.items():
+        if name == "rank_pattern" and not (_is_int(value) and 1 <= value <= max_rank):
+            raise AdapterError(f"{where}: {name}[{key!r}] must be an integer in [1, {max_rank}] (max_lora_rank), "
+                               f"got {value!r}")
+        if name == "alpha_pattern" and (isinstance(value, bool) or not isinstance(value, int | float)
+                                        or not math.isfinite(value) or value <= 0):
+            raise AdapterError(f"{where}: {name}[{key!r}] must be a positive number, got {value!r}")
+        try:
+            compiled.append((re.compile(rf"(.*\.)?({key})$"), value))
+        except re.error as e:
+            raise AdapterError(f"{where}: {name} key {key!r} is not a valid pattern: {e}") from None
+    out = {}
+    for layer in layers:
+        for m in targets:
+            full = f"model.layers.{layer}.{_PARENT[m]}.{PEFT_NAMES[m]}"
+            out[(layer, m)] = next((v for rx, v in compiled if rx.match(full)), default)
+    return out
 
 
 def _check_unsupported(cfg: dict, where: str) -> None:
@@ -195,8 +260,6 @@ def _check_unsupported(cfg: dict, where: str) -> None:
         "use_dora": "DoRA adapters are not supported",
         "fan_in_fan_out": "fan_in_fan_out (Conv1D-style transposed weights) is not supported for Llama",
         "modules_to_save": "fully trained modules (modules_to_save) are not supported, only LoRA deltas",
-        "rank_pattern": "per-module ranks (rank_pattern) are not supported",
-        "alpha_pattern": "per-module alphas (alpha_pattern) are not supported",
         "exclude_modules": "exclude_modules is not supported; list the target modules instead",
         "layer_replication": "layer_replication is not supported",
         "lora_bias": "lora_bias (a bias on lora_B) is not supported",
@@ -262,8 +325,7 @@ def _key_of(layer: int, module: str, ab: str) -> str:
     return f"base_model.model.model.layers.{layer}.{_PARENT[module]}.{PEFT_NAMES[module]}.lora_{ab}.weight"
 
 
-def _read_tensors(file: Path, config: LlamaConfig, rank: int, targets: tuple[str, ...], layers: tuple[int, ...],
-                  where: str, buffer: torch.Tensor | None
+def _read_tensors(file: Path, config: LlamaConfig, shape: _Shape, where: str, buffer: torch.Tensor | None
                   ) -> tuple[torch.Tensor, Mapping[tuple[int, str], tuple[int, int]], torch.Tensor]:
     """(values, offsets, the file's bytes): A and B of every (layer, module), each checked for name, shape,
     dtype and finiteness, in one flat fp32 tensor (a view of the file's bytes when they are fp32)."""
@@ -272,10 +334,11 @@ def _read_tensors(file: Path, config: LlamaConfig, rank: int, targets: tuple[str
         entries, region = parse_safetensors(data)
     except ValueError as e:
         raise AdapterError(f"{where}: {WEIGHTS_FILE} cannot be read as safetensors: {e}") from None
-    layout = _expected_layout(entries, config, rank, targets, layers)  # (complete when not None)
+    ranks = _rank_table(shape)
+    layout = _expected_layout(entries, config, ranks)  # (complete when not None)
     if layout is None:  # an unusual or bad file: every tensor checked by name, to say what is wrong
-        found = _read_checked(entries, where, config, rank, targets, layers)
-        _check_complete(found, targets, layers, where)
+        found = _read_checked(entries, where, config, shape)
+        _check_complete(found, shape.targets, shape.layers, where)
         layout = _layout(found)
     values, offsets = _as_values(layout, entries, region)
     _check_finite(values, offsets, layout.found, where)
@@ -324,17 +387,27 @@ _layouts: OrderedDict[tuple, tuple[Mapping[str, Entry], _Layout]] = OrderedDict(
 _layouts_lock = threading.Lock()
 
 
-def _expected_layout(entries: Mapping[str, Entry], config: LlamaConfig, rank: int, targets: tuple[str, ...],
-                     layers: tuple[int, ...]) -> _Layout | None:
+# ((layer, module), rank) of every targeted module, in layer then MODULES order: hashable, for the caches.
+_RankTable = tuple[tuple[tuple[int, str], int], ...]
+
+
+def _rank_table(shape: _Shape) -> _RankTable:
+    ranks = shape.ranks
+    return tuple(((layer, m), shape.rank if ranks is None else ranks[(layer, m)])
+                 for layer in shape.layers for m in shape.targets)
+
+
+def _expected_layout(entries: Mapping[str, Entry], config: LlamaConfig,
+                     ranks: _RankTable) -> _Layout | None:
     """The layout of a file holding exactly the expected tensors (_found_as_expected), kept per parsed
-    header and adapter shape; None for any other file (not kept)."""
-    key = (id(entries), rank, targets, layers, tuple(module_dims(config).items()))
+    header and adapter shape (`ranks`: _rank_table); None for any other file (not kept)."""
+    key = (id(entries), ranks, tuple(module_dims(config).items()))
     with _layouts_lock:
         kept = _layouts.get(key)
         if kept is not None and kept[0] is entries:  # (the mapping is held, so its id is not reused)
             _layouts.move_to_end(key)
             return kept[1]
-    found = _found_as_expected(entries, config, rank, targets, layers)
+    found = _found_as_expected(entries, config, ranks)
     if found is None:
         return None
     layout = _layout(found)
@@ -374,22 +447,23 @@ def _check_finite(values: torch.Tensor, offsets: Mapping[tuple[int, str], tuple[
 
 
 @functools.lru_cache(maxsize=64)
-def _expected_tensors(dims: tuple[tuple[str, tuple[int, int]], ...], rank: int, targets: tuple[str, ...],
-                      layers: tuple[int, ...]) -> dict[str, tuple[str, tuple[int, str], tuple[int, ...]]]:
-    """name -> ("A" or "B", (layer, module), shape) of every tensor of an adapter of this shape, under the
-    names PEFT saves (adapters of one shape share the table)."""
+def _expected_tensors(dims: tuple[tuple[str, tuple[int, int]], ...],
+                      ranks: _RankTable
+                      ) -> dict[str, tuple[str, tuple[int, str], tuple[int, ...]]]:
+    """name -> ("A" or "B", (layer, module), shape) of every tensor of an adapter of this shape (`ranks`:
+    _rank_table), under the names PEFT saves (adapters of one shape share the table)."""
     dim = dict(dims)
-    return {_key_of(layer, module, ab): (ab, (layer, module), (rank, dim[module][0]) if ab == "A"
-                                         else (dim[module][1], rank))
-            for layer in layers for module in targets for ab in "AB"}
+    return {_key_of(layer, module, ab): (ab, (layer, module), (r, dim[module][0]) if ab == "A"
+                                         else (dim[module][1], r))
+            for (layer, module), r in ranks for ab in "AB"}
 
 
-def _found_as_expected(entries: Mapping[str, Entry], config: LlamaConfig, rank: int, targets: tuple[str, ...],
-                       layers: tuple[int, ...]) -> dict[str, dict[tuple[int, str], Entry]] | None:
+def _found_as_expected(entries: Mapping[str, Entry], config: LlamaConfig,
+                       ranks: _RankTable) -> dict[str, dict[tuple[int, str], Entry]] | None:
     """What _read_checked returns, for a file holding exactly the expected tensors under PEFT's names with the
     right shapes and dtypes (so none is missing): one dict lookup per tensor (an adapter has hundreds). None
     for any other file."""
-    expected = _expected_tensors(tuple(module_dims(config).items()), rank, targets, layers)
+    expected = _expected_tensors(tuple(module_dims(config).items()), ranks)
     if len(entries) != len(expected):
         return None
     found: dict[str, dict[tuple[int, str], Entry]] = {"A": {}, "B": {}}
@@ -401,10 +475,10 @@ def _found_as_expected(entries: Mapping[str, Entry], config: LlamaConfig, rank: 
     return found
 
 
-def _read_checked(entries: Mapping[str, Entry], where: str, config: LlamaConfig, rank: int,
-                  targets: tuple[str, ...], layers: tuple[int, ...]) -> dict[str, dict[tuple[int, str], Entry]]:
+def _read_checked(entries: Mapping[str, Entry], where: str, config: LlamaConfig,
+                  shape: _Shape) -> dict[str, dict[tuple[int, str], Entry]]:
     """Every tensor of the file, keyed "A"/"B" -> (layer, module), each checked before use."""
-    dims = module_dims(config)
+    dims, targets, layers = module_dims(config), shape.targets, shape.layers
     found: dict[str, dict[tuple[int, str], Entry]] = {"A": {}, "B": {}}
     adapter_names: set[str | None] = set()
     for key in sorted(entries):
@@ -428,11 +502,13 @@ def _read_checked(entries: Mapping[str, Entry], where: str, config: LlamaConfig,
             raise AdapterError(f"{where}: tensor {key!r} names adapter {adapter_name!r} but other tensors do not "
                                "(one adapter per file)")
         in_f, out_f = dims[module]
+        rank = shape.rank if shape.ranks is None else shape.ranks[(layer, module)]
         expected = (rank, in_f) if ab == "A" else (out_f, rank)
         entry = entries[key]
         if entry.shape != expected:
+            whose = "" if shape.ranks is None else " as rank_pattern sets it"
             raise AdapterError(f"{where}: tensor {key!r} has shape {list(entry.shape)}, expected {list(expected)} "
-                               f"(r={rank}; {peft_name} is {in_f} -> {out_f} in the base model)")
+                               f"(r={rank}{whose}; {peft_name} is {in_f} -> {out_f} in the base model)")
         if entry.dtype not in _DTYPE_NAMES:
             dtype = str(entry.dtype).removeprefix("torch.")
             raise AdapterError(f"{where}: tensor {key!r} has dtype {dtype}; expected float16, bfloat16 or float32")

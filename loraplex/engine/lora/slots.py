@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.engine.kernels.cpu.copy_blocks import copy_blocks, copy_blocks_available, scale_bits
+from loraplex.engine.kernels.cpu.copy_blocks import copy_blocks, copy_blocks_available
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora, stacked_b
 from loraplex.engine.lora.peft import (
     FUSED,
@@ -454,7 +454,9 @@ class LoraSlots:
         at = torch.full((n, 2), -1, dtype=torch.int64)  # per view: its A and B start in lora.values
         if lora is not None:
             at = torch.tensor([lora.offsets.get(key, (-1, -1)) for key, _, _ in views], dtype=torch.int64)
-        live = torch.where(at[:, 0] >= 0, lora.rank if lora is not None else 0, 0)
+        live = torch.where(at[:, 0] >= 0, lora.rank if lora is not None else 0, 0)  # per view: its rank
+        if lora is not None and lora.module_ranks is not None:  # (rank_pattern: rows up to lora.rank stay zero)
+            live = torch.tensor([lora.module_ranks.get(key, 0) for key, _, _ in views], dtype=torch.int64)
         stale = (self._dirty[slot] - live).clamp(min=0)
 
         def rows(*columns) -> torch.Tensor:
@@ -469,26 +471,29 @@ class LoraSlots:
     def _run_blocks(self, slot: int, blocks: torch.Tensor, lora: LoraWeights | None) -> None:
         """One C call over all blocks for fp32 slots on the CPU; torch ops per block elsewhere. `lora`:
         whose values the blocks' source offsets index (None when every block is a zero fill)."""
-        scales = (1.0, lora.scaling if lora is not None else 0.0, 0.0)  # by _ONE, _SCALED, _ZERO
         view, ab, src, at, nrows, ncols, sld, scs, dld, scale = blocks.unbind(1)
         views = self._slot_views(slot)  # (and their addresses; a kept table did not ask for them)
+        # each block's factor, float64: 1, the adapter's scaling (its module's, under alpha_pattern or
+        # rank_pattern) or 0, by the block's code (_ONE, _SCALED, _ZERO)
+        factor = torch.tensor((1.0, lora.scaling if lora is not None else 0.0, 0.0), dtype=torch.float64)[scale]
+        if lora is not None and lora.module_scalings is not None:
+            per_view = torch.tensor([lora.module_scalings.get(key, 0.0) for key, _, _ in views], dtype=torch.float64)
+            factor = torch.where(scale == _SCALED, per_view[view], factor)
         if self._copy_in_c:  # C reads the source rows at their raw addresses
             base = lora.values.data_ptr() if lora is not None else 0
-            bits = torch.tensor([scale_bits(v) for v in scales], dtype=torch.int64)
             copy_blocks(torch.stack([torch.where(src >= 0, base + 4 * src, 0),
                                      self._view_addresses[slot][view, ab] + 4 * at,
-                                     nrows, ncols, sld, dld, bits[scale], scs], 1))
+                                     nrows, ncols, sld, dld, factor.view(torch.int64), scs], 1))  # (its bits)
             return
-        for v, b, first, start, r, c, _, cs, ld, code in blocks.tolist():
+        for (v, b, first, start, r, c, _, cs, ld, _), f in zip(blocks.tolist(), factor.tolist(), strict=True):
             dst = views[v][1 + b]
             out = dst.as_strided((r, c), (ld, 1), dst.storage_offset() + start)
             if first < 0:
                 out.zero_()
                 continue
             source = lora.values[first:first + r * c]  # dense rows [r, c], or (cs > 1) [c, r] read transposed
-            out.copy_(source.view(r, c) if cs == 1 else source.view(c, r).t())  # (across devices)
-            if scales[code] != 1.0:
-                out.mul_(scales[code])
+            source = source.view(r, c) if cs == 1 else source.view(c, r).t()
+            out.copy_(source if f == 1.0 else source * f)  # scaled in fp32, rounded to the slots' dtype once
 
     def _slot_views(self, slot: int) -> list[tuple[tuple[int, str], torch.Tensor, torch.Tensor]]:
         """Per (layer, module) of a slot: its A rows [r_max, in] and B rows [r_max, width] (rank-major:
