@@ -379,14 +379,6 @@ def _layout(found: dict[str, dict[tuple[int, str], Entry]]) -> _Layout:
     return _Layout(found, MappingProxyType(flat), MappingProxyType(packed))
 
 
-# Adapters of one shape have byte-identical headers, which st_reader parses into one shared entries
-# mapping; their layout is worked out once too, so a fleet's loads skip matching hundreds of entries and
-# share one offsets mapping, on which the slots key their block tables (slots._slot_blocks).
-_LAYOUTS_KEPT = 32
-_layouts: OrderedDict[tuple, tuple[Mapping[str, Entry], _Layout]] = OrderedDict()
-_layouts_lock = threading.Lock()
-
-
 # ((layer, module), rank) of every targeted module, in layer then MODULES order: hashable, for the caches.
 _RankTable = tuple[tuple[tuple[int, str], int], ...]
 
@@ -395,6 +387,14 @@ def _rank_table(shape: _Shape) -> _RankTable:
     ranks = shape.ranks
     return tuple(((layer, m), shape.rank if ranks is None else ranks[(layer, m)])
                  for layer in shape.layers for m in shape.targets)
+
+
+# Adapters of one shape have byte-identical headers, which st_reader parses into one shared entries
+# mapping; their layout is worked out once too, so a fleet's loads skip matching hundreds of entries and
+# share one offsets mapping, on which the slots key their block tables (slots._slot_blocks).
+_LAYOUTS_KEPT = 32
+_layouts: OrderedDict[tuple, tuple[Mapping[str, Entry], _Layout]] = OrderedDict()
+_layouts_lock = threading.Lock()
 
 
 def _expected_layout(entries: Mapping[str, Entry], config: LlamaConfig,
