@@ -74,6 +74,36 @@ def test_an_adapter_holding_most_of_the_batch_is_folded_and_matches_merged_weigh
         assert got[i].token_ids == ref.run([req(f"w{i}", p, None)])[0].token_ids, f"request {i} (adapter {a})"
 
 
+def test_an_adapter_with_rank_and_alpha_patterns_matches_its_merged_weights_folded_and_merged(tmp_path):
+    """Per-module ranks (4 for q_proj, 16 for layer 1's MLP, else 8) and alphas: the adapter holds the whole
+    batch, so its steps run folded into the GEMMs and, after lora_merge_after_steps, on a merged copy; a
+    base-model request joins it later, sending the steps back to lora.c. Every request matches its reference."""
+    cfg = _loaded(MODEL).config
+    patterns = {"rank_pattern": {r"layers\.1\.mlp\..*": 16, "q_proj": 4}, "alpha_pattern": {"o_proj": 2}}
+    path = make_peft_dir(tmp_path / "p", cfg, rank=8, alpha=16, targets="all", seed=7,
+                         ranks=lambda layer, m: 4 if m == "q" else 16 if layer == 1 and m in ("gate", "up", "down")
+                         else 8, **patterns)
+    core = make_core(lora_merge_after_steps=4)
+    core.add_adapter("p", str(path))
+    prompts = mixed_prompts(11, seed=13)
+    early = [req(f"e{i}", p, "p", max_tokens=20) for i, p in enumerate(prompts[:10])]
+    late = req("late", prompts[10], None, max_tokens=6)
+    tokens: dict[str, list[int]] = {}
+    for r in early:
+        core.add(core.prepare(r))
+    while core.has_work():
+        if core.num_steps == 12:
+            core.add(core.prepare(late))
+        for ev in core.step():
+            tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
+    assert core.lora._folds and core.stats().adapter_merges >= 1 and core.lora.r_max == 16
+    ref, base_alone = merged_core(path), make_core()
+    for r in (*early, late):
+        want = (ref if r.adapter else base_alone).run([req("w", r.prompt_token_ids, None, r.sampling.max_tokens)])
+        assert tuple(tokens[r.request_id]) == tuple(want[0].token_ids), r.request_id
+    assert tokens["e0"] != list(base_alone.run([req("b", prompts[0], None, 20)])[0].token_ids)
+
+
 def test_a_larger_rank_arriving_mid_run_grows_the_buffers_and_every_request_matches(adapter_dirs):
     """A rank-4 adapter runs (folded: it holds the batch) while a rank-64 one is loaded for a later
     request: the slot buffers grow from rank 8 to 64 between steps, and tokens still match the merged
