@@ -167,6 +167,8 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of which served from it
     adapters_loaded: int = 0  # adapters resident in device slots
     adapter_loads: int = 0
+    adapter_disk_loads: int = 0  # of adapter_loads, those that read the adapter from disk (not the CPU tier)
+    adapter_load_seconds: float = 0.0  # wall time of every adapter load into a device slot
     adapter_evictions: int = 0
     adapter_merges: int = 0  # adapters merged into a copy of the weights for steps wholly on them
     adapter_merged_bytes: int = 0  # memory of the merged copies held now

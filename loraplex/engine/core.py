@@ -212,6 +212,8 @@ class EngineCore:
             prefix_cached_blocks=self.pool.num_cached, prefix_query_tokens=counters.prefix_query_tokens,
             prefix_hit_tokens=counters.prefix_hit_tokens,
             adapters_loaded=len(lora.loaded()) if lora else 0, adapter_loads=lora.stats.loads if lora else 0,
+            adapter_disk_loads=lora.stats.disk_loads if lora else 0,
+            adapter_load_seconds=lora.stats.load_seconds if lora else 0.0,
             adapter_evictions=lora.stats.evictions if lora else 0,
             adapter_merges=merge.builds if merge else 0, adapter_merged_bytes=merge.nbytes() if merge else 0)
 

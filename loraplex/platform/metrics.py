@@ -51,6 +51,11 @@ class EngineCollector:
         yield GaugeMetricFamily("loraplex_adapters_loaded", "Adapters resident in device slots",
                                 value=s.adapters_loaded)
         yield CounterMetricFamily("loraplex_adapter_loads", "Adapter loads into device slots", value=s.adapter_loads)
+        yield CounterMetricFamily("loraplex_adapter_disk_loads", "Adapter loads into device slots that read the "
+                                  "adapter from disk (the rest came from the CPU tier)", value=s.adapter_disk_loads)
+        yield CounterMetricFamily("loraplex_adapter_load_seconds", "Wall time of adapter loads into device slots "
+                                  "(over loraplex_adapter_loads_total: the mean load time)",
+                                  value=s.adapter_load_seconds)
         yield CounterMetricFamily("loraplex_adapter_evictions", "Adapter evictions from device slots",
                                   value=s.adapter_evictions)
         yield CounterMetricFamily("loraplex_adapter_merges", "Adapters merged into a copy of the weights for "

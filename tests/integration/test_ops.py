@@ -27,7 +27,9 @@ def test_metrics_cover_latency_tokens_statuses_and_the_engine(api):
                  "loraplex_request_latency_seconds_bucket", "loraplex_requests_in_flight",
                  "loraplex_engine_requests_waiting", "loraplex_kv_cache_usage_ratio", "loraplex_kv_blocks_used",
                  'loraplex_engine_queue_depth{priority="batch"}', "loraplex_prefix_cache_hit_rate",
-                 "loraplex_adapter_loads_total", "loraplex_adapter_merges_total", "loraplex_adapter_merged_bytes"):
+                 "loraplex_adapter_loads_total", "loraplex_adapter_disk_loads_total",
+                 "loraplex_adapter_load_seconds_total", "loraplex_adapter_merges_total",
+                 "loraplex_adapter_merged_bytes"):
         assert name in text, name
     assert f'loraplex_tokens_total{{kind="completion",model="synthetic:tiny",tenant="{tenant}"}}' in text
     assert 'loraplex_requests_total{endpoint="/v1/chat/completions",status="404"}' in text

@@ -172,7 +172,10 @@ def test_more_adapters_than_slots_all_complete_correctly(adapter_dirs):
     for i, p in enumerate(prompts):
         want = merged_core(adapter_dirs[i % 6]).run([req("w", p, None)])[0].token_ids
         assert got[i].token_ids == want
-    assert core.lora.stats.evictions > 0
+    stats = core.stats()  # what /metrics reports: slot loads, how many read the disk, their time
+    assert stats.adapter_evictions > 0 and stats.adapter_loads >= 6 and stats.adapter_load_seconds > 0
+    # registering parsed all six into the CPU tier (32 by default): no slot load read the disk
+    assert stats.adapter_disk_loads == 0 and stats.adapter_loads == core.lora.stats.cpu_hits
     assert core.pool.num_free == core.pool.num_blocks
 
 

@@ -89,6 +89,7 @@ class LoraSlotStats:
     cpu_hits: int = 0  # slot loads served by the CPU tier
     disk_loads: int = 0  # slot loads that re-read the adapter from disk
     last_load_ms: float = 0.0  # wall time of the latest slot load (read + copy)
+    load_seconds: float = 0.0  # wall time of every slot load so far: over `loads`, the mean load time
 
 
 class LoraSlots:
@@ -382,7 +383,9 @@ class LoraSlots:
         self._owner[slot] = adapter_id
         self._loaded[adapter_id] = slot
         self.stats.loads += 1
-        self.stats.last_load_ms = (time.perf_counter() - start) * 1000.0
+        took = time.perf_counter() - start
+        self.stats.last_load_ms = took * 1000.0
+        self.stats.load_seconds += took
         return slot
 
     def _grow(self, rank: int) -> None:
