@@ -181,6 +181,26 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
+# EngineStats' totals since start (Prometheus counters): they must never go back, so an engine that
+# multiplexes models keeps an evicted model's share of them (ModelPool.retired); the other fields are
+# what holds now.
+ENGINE_COUNTERS = ("num_steps", "generated_tokens", "prompt_tokens_computed", "preemptions_by_class",
+                   "swapped_out_blocks", "swapped_in_blocks", "prefix_query_tokens", "prefix_hit_tokens",
+                   "adapter_loads", "adapter_disk_loads", "adapter_load_seconds", "adapter_evictions",
+                   "adapter_merges")
+
+
+def add_stats(total: dict, values: dict) -> None:
+    """Adds EngineStats fields `values` into `total` in place; per-class dicts add key by key."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            merged = total.setdefault(key, {})
+            for k, v in value.items():
+                merged[k] = merged.get(k, 0) + v
+        else:
+            total[key] = total.get(key, 0) + value
+
+
 class EngineClient(Protocol):
     """What the platform needs from an engine (in-process AsyncEngine, or a remote one)."""
 

@@ -24,6 +24,7 @@ from loraplex.engine.api import (
     InvalidRequestError,
     ModelInfo,
     Usage,
+    add_stats,
 )
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
@@ -116,26 +117,18 @@ class AsyncEngine:
         await done
 
     def stats(self) -> EngineStats:
-        """Totals over the resident models' engines."""
+        """Totals over the resident models' engines, and the counters of those since evicted."""
         cores = [e.core for e in list(self.pool.models.values()) if e.core is not None]
-        parts = [c.stats() for c in cores]
-        total: dict = {}
-        for s in parts:
-            for key, value in vars(s).items():
-                if isinstance(value, dict):
-                    merged = total.setdefault(key, dict.fromkeys(PRIORITY_CLASSES, 0))
-                    for k, v in value.items():
-                        merged[k] = merged.get(k, 0) + v
-                else:
-                    total[key] = total.get(key, 0) + value
+        total: dict = {"running": 0, "waiting": 0, "kv_blocks_total": 0, "kv_blocks_used": 0, "kv_blocks_free": 0,
+                       **{k: dict.fromkeys(PRIORITY_CLASSES, 0)
+                          for k in ("running_by_class", "waiting_by_class", "preemptions_by_class")}}
+        for core in cores:
+            add_stats(total, vars(core.stats()))
+        add_stats(total, self.pool.retired)  # (totals since start survive a model's eviction)
         entries = list(self.pool.models.values())
-        waiting = sum(len(e.pending) for e in entries)
-        models = {"models_resident": len(cores), "model_loads": sum(sum(e.loads.values()) for e in entries),
-                  "model_evictions": sum(e.evictions for e in entries)}
-        if not parts:
-            return EngineStats(0, waiting, 0, 0, 0, **models)
-        total["waiting"] += waiting
-        total.update(models)
+        total["waiting"] += sum(len(e.pending) for e in entries)
+        total.update(models_resident=len(cores), model_loads=sum(sum(e.loads.values()) for e in entries),
+                     model_evictions=sum(e.evictions for e in entries))
         return EngineStats(**total)
 
     # --- models (blocking calls: they read weights; from async code run them in a thread) ---------

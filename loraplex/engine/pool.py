@@ -21,7 +21,15 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from loraplex.engine.api import EngineError, GenerateEvent, InvalidRequestError, ModelNotFoundError, Usage
+from loraplex.engine.api import (
+    ENGINE_COUNTERS,
+    EngineError,
+    GenerateEvent,
+    InvalidRequestError,
+    ModelNotFoundError,
+    Usage,
+    add_stats,
+)
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.frontend import RequestFrontend, kv_blocks
@@ -100,6 +108,8 @@ class ModelPool:
         self.budget = int(memory_budget * total) if memory_budget <= 1 else int(memory_budget)
         self.cpu_budget = cpu_budget_bytes
         self.models: dict[str, ModelEntry] = {}
+        # The counters (api.ENGINE_COUNTERS) of engines since evicted: the engine's totals add them.
+        self.retired: dict = {}
         self.on_ready = on_ready or (lambda: None)  # called from the loader thread when a load ends
         self._lock = threading.RLock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loraplex-model-load")
@@ -372,6 +382,9 @@ class ModelPool:
         if entry.core is None:
             return
         core, entry.core = entry.core, None
+        retired = {k: dict(v) if isinstance(v, dict) else v for k, v in self.retired.items()}
+        add_stats(retired, {k: v for k, v in vars(core.stats()).items() if k in ENGINE_COUNTERS})
+        self.retired = retired  # replaced whole: stats() on another thread reads the old or the new one
         entry.evictions += 1
         self._to_host_tier(entry, core_weights(core) if keep_host else None)
 

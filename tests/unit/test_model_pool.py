@@ -235,3 +235,29 @@ def test_adapter_memory_never_evicts_a_pinned_model(tmp_path):
     pool.pin("m2", False)
     pool.add_adapter("m1", "ad", str(tiny_adapter(tmp_path)))
     assert pool.stats()["m2"]["tier"] != "device" and "ad" in pool.models["m1"].adapters
+
+
+def test_engine_counters_survive_a_models_eviction(tmp_path):
+    """Generated tokens, steps and adapter loads are totals since start (Prometheus counters): evicting
+    the model that made them must not take them back from the engine's stats."""
+    pool = make_pool(config=FEW_LORAS)
+    pool.add_adapter("m1", "ad", str(tiny_adapter(tmp_path)))
+
+    async def go():
+        engine = AsyncEngine(pool)
+        try:
+            seen = []
+            for rid, model, adapter in (("a", "m1", "ad"), ("b", "m2", None), ("c", "m3", None), ("d", "m2", None)):
+                async for _ in engine.generate(req(rid, model, adapter=adapter)):
+                    pass
+                seen.append(engine.stats())
+            return seen
+        finally:
+            engine.shutdown()
+
+    seen = asyncio.run(go())
+    assert pool.stats()["m1"]["tier"] != "device" and seen[-1].model_evictions >= 1  # m1 and its slots left
+    assert [s.generated_tokens for s in seen] == [8, 16, 24, 32]
+    assert all(s.adapter_loads == 1 and s.adapter_load_seconds > 0 for s in seen)
+    steps = [s.num_steps for s in seen]
+    assert steps == sorted(steps) and len(set(steps)) == 4
