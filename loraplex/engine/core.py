@@ -155,15 +155,17 @@ class EngineCore:
 
     def step(self) -> list[GenerateEvent]:
         batch = self.scheduler.schedule()
+        failed = [self._finish(r, "error", "", error=f"adapter {r.adapter!r} cannot be loaded: {why}")
+                  for r, why in self.scheduler.take_failed()]
         if batch.empty:
-            return []
+            return failed
         sampled = batch.sampled()
         tokens = self.runner.execute(batch)
         self.prompt_tokens_computed += sum(
             min(n, len(r.prompt_ids) - r.num_computed) for r, n in batch.entries if r.num_computed < len(r.prompt_ids))
         self.scheduler.update(batch)
         self.num_steps += 1
-        return [self._append(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
+        return failed + [self._append(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
 
     def _append(self, r: Request, token: int) -> GenerateEvent:
         now = time.monotonic()
@@ -181,7 +183,8 @@ class EngineCore:
             return self._finish(r, "length", text + detok.flush(), (token,))
         return GenerateEvent(r.request_id, text, (token,))
 
-    def _finish(self, r: Request, reason: str, text: str, token_ids: tuple[int, ...] = ()) -> GenerateEvent:
+    def _finish(self, r: Request, reason: str, text: str, token_ids: tuple[int, ...] = (),
+                error: str | None = None) -> GenerateEvent:
         self.scheduler.finish(r, reason)
         del self.requests[r.request_id]
         del self._detok[r.request_id]
@@ -189,7 +192,7 @@ class EngineCore:
             self._reap_adapter(r.adapter)
         ttft = None if r.first_token_time is None else r.first_token_time - r.arrival
         usage = Usage(len(r.prompt_ids), len(r.output_ids), r.num_cached, ttft)
-        return GenerateEvent(r.request_id, text, token_ids, reason, usage)
+        return GenerateEvent(r.request_id, text, token_ids, reason, usage, error)
 
     def stats(self) -> EngineStats:
         sched, counters = self.scheduler, self.scheduler.counters

@@ -227,6 +227,38 @@ def test_bad_adapter_is_refused_and_engine_keeps_serving(tmp_path, adapter_dirs,
     assert all(len(c.token_ids) == 16 for c in done)
 
 
+def test_an_adapter_whose_files_vanish_fails_only_its_requests(tmp_path, adapter_dirs):
+    """An adapter read again from disk (it left the CPU tier) after its directory went away: its request
+    ends with an error naming it, the others in the same steps finish as usual, no KV block or slot is
+    lost, and once the files are back the adapter serves again."""
+    import shutil
+
+    path = shutil.copytree(adapter_dirs[1], tmp_path / "a1")
+    core = make_core(max_loras=2, max_cpu_loras=1)
+    core.add_adapter("gone", str(path))
+    core.add_adapter("a0", str(adapter_dirs[0]))  # the CPU tier (1) now holds a0 only: "gone" re-reads disk
+    shutil.move(path, tmp_path / "elsewhere")
+    prompts = mixed_prompts(3, seed=21)
+    for i, a in enumerate(("gone", "a0", None)):
+        core.add(core.prepare(req(f"r{i}", prompts[i], a)))
+    events: dict[str, list] = {}
+    while core.has_work():
+        for ev in core.step():
+            events.setdefault(ev.request_id, []).append(ev)
+    failed = events["r0"][-1]
+    assert len(events["r0"]) == 1 and failed.finish_reason == "error" and not failed.token_ids
+    assert "adapter 'gone' cannot be loaded" in failed.error and "not a directory" in failed.error
+    assert failed.usage.completion_tokens == 0
+    for rid, a in (("r1", "a0"), ("r2", None)):
+        want = (merged_core(adapter_dirs[0]) if a else make_core()).run([req("w", prompts[int(rid[1])], None)])
+        assert [t for ev in events[rid] for t in ev.token_ids] == want[0].token_ids
+    assert core.pool.num_free == core.pool.num_blocks and core.lora.refcount("gone") == 0
+    shutil.move(tmp_path / "elsewhere", path)
+    again = core.run([req("back", prompts[0], "gone")])[0]
+    assert again.finish_reason == "length"
+    assert again.token_ids == merged_core(adapter_dirs[1]).run([req("w", prompts[0], None)])[0].token_ids
+
+
 def test_a_bad_first_adapter_leaves_no_slot_buffers(tmp_path, adapter_dirs):
     """The slot buffers (what the model pool counts against its budget) come with the first adapter that
     registers, not with one that is refused."""

@@ -12,7 +12,9 @@ swap-outs before swap-ins, and swap space freed by a swap-in is only reused afte
 
 A request for a LoRA adapter holds a device slot while it runs. A step never needs more distinct
 adapters than there are slots: a waiting request whose adapter finds no free slot is passed over
-(keeping its place) until a running request releases one.
+(keeping its place) until a running request releases one. A request whose adapter cannot be loaded
+at all (its files changed or vanished since it was registered) is handed back through `take_failed`
+with the reason, for the engine to end with an error; the other requests run on.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from loraplex.engine.api import PRIORITY_CLASSES
+from loraplex.engine.api import PRIORITY_CLASSES, EngineError
 from loraplex.engine.kv.block_pool import BlockPool
 from loraplex.engine.kv.prefix_cache import chain_hashes, root_hash
 from loraplex.engine.sched.queues import RANK, PriorityQueues
@@ -77,6 +79,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
         self._admitted_now: set[int] = set()  # ids of requests admitted during the current schedule()
+        self._failed: list[tuple[Request, str]] = []  # (request, why) whose adapter could not be loaded
 
     @property
     def num_preemptions(self) -> int:
@@ -87,6 +90,12 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def take_failed(self) -> list[tuple[Request, str]]:
+        """The waiting requests the last schedule() found unservable (their adapter failed to load), with
+        why; the caller ends them (finish)."""
+        failed, self._failed = self._failed, []
+        return failed
 
     # --- one step -------------------------------------------------------------------------------
 
@@ -236,7 +245,11 @@ class Scheduler:
     def _take_adapter_slot(self, req: Request) -> bool:
         if req.adapter is None:
             return True
-        slot = self.adapters.acquire(req.adapter) if self.adapters is not None else None
+        try:
+            slot = self.adapters.acquire(req.adapter) if self.adapters is not None else None
+        except EngineError as exc:  # e.g. its directory vanished since registration: this request fails
+            self._failed.append((req, exc.message))
+            return False
         if slot is None:
             return False
         req.lora_slot = slot
