@@ -118,6 +118,8 @@ class GenerationRun:
                 self.finish_reason = event.finish_reason
                 self.outcome = _OUTCOMES.get(event.finish_reason, "error")
                 self.error = event.error
+                if self.outcome == "error":  # (the tenant gets a generic 503: the reason may name server paths)
+                    log.error("generation %s failed in the engine: %s", self.request.request_id, self.error)
                 if event.usage is not None:
                     self.prompt_tokens = event.usage.prompt_tokens
                     self.completion_tokens = event.usage.completion_tokens

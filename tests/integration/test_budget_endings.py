@@ -5,6 +5,7 @@ used is charged: the counters equal the ledger and nothing stays reserved."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 
@@ -30,8 +31,11 @@ from tests.integration.billing_support import (
     ("hang", 504, "request_timeout", "timeout"),
 ])
 def test_every_ending_charges_what_was_generated_and_releases_the_rest(postgres_backend, ending, status, code,
-                                                                       ledger_status):
+                                                                       ledger_status, caplog, request):
     engine = ScriptedEngine(ending, tokens=3)
+    logger = logging.getLogger("loraplex.platform")  # (the app's logger does not propagate to caplog's)
+    logger.addHandler(caplog.handler)
+    request.addfinalizer(lambda: logger.removeHandler(caplog.handler))
     # Only the hanging engine meets the timeout. It counts from the request's arrival (auth, first
     # database reads), so a short one could cut the other endings short on a slow machine.
     with app_client(postgres_backend, engine, request_timeout_s=2.0 if ending == "hang" else 0.0) as client:
@@ -51,6 +55,8 @@ def test_every_ending_charges_what_was_generated_and_releases_the_rest(postgres_
             [(ledger_status, FAKE_PROMPT_TOKENS, 3)] * 2
         if ending in ("raise", "hang"):  # the engine was told to stop the request
             assert {r.request_id for r in rows} <= set(engine.aborted)
+        if ending == "error":  # the tenant sees a generic 503; the operator's log has the engine's reason
+            assert sum("failed in the engine: boom" in m for m in caplog.messages) == 2
 
 
 def test_an_engine_that_refuses_charges_nothing(postgres_backend):
