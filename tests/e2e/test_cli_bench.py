@@ -44,3 +44,4 @@ def test_bench_lora_reports_every_pattern_peft_and_both_loads(tmp_path):
         assert r["ratios"][f"{key}_vs_base"] == round(r[key]["tok_s"] / r["base_tok_s"], 3)
     assert r["peft_distinct"]["tok_s"] > 0 and "distinct_vs_peft" in r["paired_ratios"]
     assert r["adapter_load_ms"] > 0 and r["adapter_load_cached_ms"] > 0  # from disk, from the page cache
+    assert r["adapter_slot_swap_ms"] > 0  # from the CPU tier into a device slot

@@ -123,6 +123,24 @@ def _load_ms(loaded, root: Path, count: int, rank: int, from_disk: bool) -> floa
     return statistics.median(times)
 
 
+def _swap_ms(loaded, root: Path, rank: int, swaps: int = 30) -> float:
+    """Median write of an adapter from the CPU tier into a device slot, evicting another: what a fleet
+    larger than max_loras pays on a request's path (three adapters taking turns in one slot)."""
+    slots = LoraSlots(loaded.config, max_loras=1, max_lora_rank=rank, max_cpu_loras=3,
+                      dtype=torch.float32, device=torch.device("cpu"))
+    for i in range(3):
+        slots.register(f"swap{i}", adapter_path(root, i))
+    times = []
+    for k in range(swaps + 3):  # the first round of three also fills the slot's tables: not counted
+        name = f"swap{k % 3}"
+        t0 = time.perf_counter()
+        slots.acquire(name)
+        if k >= 3:
+            times.append((time.perf_counter() - t0) * 1000)
+        slots.release(name)
+    return statistics.median(times)
+
+
 def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_tokens: int | None = None,
                    skip_peft: bool = False, rounds: int = 3) -> dict:
     # PEFT generates as many tokens as our engines by default: at 16 instead of 64 its tok/s on the
@@ -178,6 +196,7 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
         results[MIXED]["buffer_rank"] = cores[MIXED].lora.r_max
         results["adapter_load_ms"] = round(_load_ms(loaded, root, min(9, batch), rank, from_disk=True), 2)
         results["adapter_load_cached_ms"] = round(_load_ms(loaded, root, min(9, batch), rank, from_disk=False), 2)
+        results["adapter_slot_swap_ms"] = round(_swap_ms(loaded, root, rank), 2) if batch >= 3 else None
         if not skip_peft:
             results["peft_distinct"] = {"tok_s": round(statistics.harmonic_mean(peft_runs), 2),
                                         "new_tokens": peft_new_tokens, "rounds": peft_runs}
