@@ -7,7 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loraplex.engine.kernels.cpu.copy_blocks import block, copy_blocks, copy_blocks_available
+from loraplex.engine.kernels.cpu.copy_blocks import (
+    block,
+    copy_blocks,
+    copy_blocks_available,
+    scale_bits,
+    scale_bits_column,
+)
 
 
 def test_copy_blocks_builds():
@@ -67,3 +73,8 @@ def test_a_table_of_the_wrong_shape_or_type_is_refused():
     for table in (torch.tensor([good], dtype=torch.int32), torch.tensor([good[:6]]), torch.tensor(good)):
         with pytest.raises(ValueError, match="int64 CPU tensor"):
             copy_blocks(table)
+
+
+def test_a_scale_column_holds_each_scales_bits():
+    scales = [1.0, 0.0, 2.0 / 3.0, -1.5, 16 / 12]
+    assert scale_bits_column(torch.tensor(scales, dtype=torch.float64)).tolist() == [scale_bits(s) for s in scales]

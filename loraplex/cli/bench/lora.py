@@ -98,14 +98,18 @@ def _evict(adapter_dir: Path) -> None:
         drop_from_page_cache(file)
 
 
+def _cpu_slots(loaded, rank: int, max_loras: int, max_cpu_loras: int) -> LoraSlots:
+    return LoraSlots(loaded.config, max_loras=max_loras, max_lora_rank=rank, max_cpu_loras=max_cpu_loras,
+                     dtype=torch.float32, device=torch.device("cpu"))
+
+
 def _load_ms(loaded, root: Path, count: int, rank: int, from_disk: bool) -> float:
     """Median cold load: parse + validate one adapter from its files and write it into a device slot.
     `from_disk`: each adapter's files are dropped from the page cache first, so the read is the disk's;
     else they are read once before, so it is the page cache's. (Without either, the figure depended on
     the file's age: on the Zen 4 VM, pages of files some minutes old were reclaimed, and the load
     took 16-21 ms against 5-7 ms for files just written.)"""
-    slots = LoraSlots(loaded.config, max_loras=2, max_lora_rank=rank, max_cpu_loras=1,
-                      dtype=torch.float32, device=torch.device("cpu"))
+    slots = _cpu_slots(loaded, rank, max_loras=2, max_cpu_loras=1)
     times = []
     for i in range(count):
         path = adapter_path(root, i)
@@ -126,8 +130,7 @@ def _load_ms(loaded, root: Path, count: int, rank: int, from_disk: bool) -> floa
 def _swap_ms(loaded, root: Path, rank: int, swaps: int = 30) -> float:
     """Median write of an adapter from the CPU tier into a device slot, evicting another: what a fleet
     larger than max_loras pays on a request's path (three adapters taking turns in one slot)."""
-    slots = LoraSlots(loaded.config, max_loras=1, max_lora_rank=rank, max_cpu_loras=3,
-                      dtype=torch.float32, device=torch.device("cpu"))
+    slots = _cpu_slots(loaded, rank, max_loras=1, max_cpu_loras=3)
     for i in range(3):
         slots.register(f"swap{i}", adapter_path(root, i))
     times = []

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from loraplex.engine.kernels.cpu.copy_blocks import copy_blocks, copy_blocks_available
+from loraplex.engine.kernels.cpu.copy_blocks import copy_blocks, copy_blocks_available, scale_bits_column
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora, stacked_b
 from loraplex.engine.lora.peft import (
     FUSED,
@@ -457,9 +457,10 @@ class LoraSlots:
         at = torch.full((n, 2), -1, dtype=torch.int64)  # per view: its A and B start in lora.values
         if lora is not None:
             at = torch.tensor([lora.offsets.get(key, (-1, -1)) for key, _, _ in views], dtype=torch.int64)
-        live = torch.where(at[:, 0] >= 0, lora.rank if lora is not None else 0, 0)  # per view: its rank
         if lora is not None and lora.module_ranks is not None:  # (rank_pattern: rows up to lora.rank stay zero)
             live = torch.tensor([lora.module_ranks.get(key, 0) for key, _, _ in views], dtype=torch.int64)
+        else:  # per view: its rank
+            live = torch.where(at[:, 0] >= 0, lora.rank if lora is not None else 0, 0)
         stale = (self._dirty[slot] - live).clamp(min=0)
 
         def rows(*columns) -> torch.Tensor:
@@ -486,7 +487,7 @@ class LoraSlots:
             base = lora.values.data_ptr() if lora is not None else 0
             copy_blocks(torch.stack([torch.where(src >= 0, base + 4 * src, 0),
                                      self._view_addresses[slot][view, ab] + 4 * at,
-                                     nrows, ncols, sld, dld, factor.view(torch.int64), scs], 1))  # (its bits)
+                                     nrows, ncols, sld, dld, scale_bits_column(factor), scs], 1))
             return
         for (v, b, first, start, r, c, _, cs, ld, _), f in zip(blocks.tolist(), factor.tolist(), strict=True):
             dst = views[v][1 + b]

@@ -27,6 +27,11 @@ def scale_bits(scale: float) -> int:
     return struct.unpack("<q", struct.pack("<d", scale))[0]
 
 
+def scale_bits_column(scales: torch.Tensor) -> torch.Tensor:
+    """scale_bits of every value of a float64 tensor at once (a table's whole scale column)."""
+    return scales.to(torch.float64).contiguous().view(torch.int64)
+
+
 def block(src: int, dst: int, rows: int, cols: int, src_ld: int, dst_ld: int, scale: float,
           src_cs: int = 1) -> tuple[int, ...]:
     """One table row: dst[i * dst_ld + j] = scale * src[i * src_ld + j * src_cs] (src = 0: zeros); addresses as
