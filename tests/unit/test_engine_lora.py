@@ -299,3 +299,27 @@ def test_remove_adapter_waits_for_its_requests(adapter_dirs):
             engine.shutdown()
 
     asyncio.run(go())
+
+
+def test_an_adapter_id_registered_again_with_other_weights_never_reuses_the_old_weights_kv(adapter_dirs):
+    """The prefix cache keys a block on the adapter as well as its tokens. An id removed and registered
+    again names other weights, so the KV its prompt left under the old weights must not be hit: the
+    second run must equal a fresh engine's run of the new adapter, not the old adapter's cached prefix."""
+    prompt = [t for p in mixed_prompts(4, seed=5) for t in p]  # several full blocks, cached after the run
+    assert len(prompt) >= 48
+    core = make_core()
+    core.add_adapter("x", str(adapter_dirs[1]))
+    first = core.run([req("old", prompt, "x")])[0].token_ids
+    core.remove_adapter("x")
+    core.add_adapter("x", str(adapter_dirs[2]))
+    hits_before = core.stats().prefix_hit_tokens
+    got = core.run([req("new", prompt, "x")])[0].token_ids
+    fresh = make_core()
+    fresh.add_adapter("x", str(adapter_dirs[2]))
+    want = fresh.run([req("want", prompt, "x")])[0].token_ids
+    assert got == want
+    assert got != first  # the two adapters differ on this prompt, so a stale hit would show
+    assert core.stats().prefix_hit_tokens == hits_before
+    # the new registration's own KV is cached as usual: the same prompt now hits it
+    again = core.run([req("again", prompt, "x")])[0].token_ids
+    assert again == want and core.stats().prefix_hit_tokens > hits_before

@@ -1,8 +1,9 @@
 """Content hashes of full KV blocks for prefix caching.
 
 A block's hash chains its parent's hash, its own tokens and the request's extra keys (model,
-adapter, cache salt), so equal hashes mean the same tokens after the same prefix under the same
-weights and tenant: a hit is only possible for the same model, adapter and cache salt. SHA-256 is
+adapter and its registration, cache salt), so equal hashes mean the same tokens after the same prefix
+under the same weights and tenant: a hit is only possible for the same model, adapter and cache salt,
+and an adapter id registered again (over other weights, maybe) starts afresh. SHA-256 is
 used rather than Python's hash() because a collision here would hand one tenant's KV to another.
 """
 
@@ -12,9 +13,10 @@ import hashlib
 import struct
 
 
-def root_hash(model: str, adapter: str | None, cache_salt: str | None) -> bytes:
-    """The parent of a sequence's first block: everything besides tokens that shapes the KV."""
-    key = "\x00".join((model, adapter or "", cache_salt or ""))
+def root_hash(model: str, adapter: str | None, registration: int, cache_salt: str | None) -> bytes:
+    """The parent of a sequence's first block: everything besides tokens that shapes the KV.
+    `registration`: which registration of `adapter` (LoraSlots.registration; 0 with no adapter)."""
+    key = "\x00".join((model, adapter or "", str(registration), cache_salt or ""))
     return hashlib.sha256(b"loraplex-kv\x00" + key.encode()).digest()
 
 

@@ -130,6 +130,9 @@ class LoraSlots:
         self._buffers: tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] = ([], [])
         self._grow(1)
         self._paths: dict[str, str] = {}  # registered adapter -> its PEFT directory
+        # registered adapter -> the number of its registration, unique over this object's life (registration)
+        self._registrations: dict[str, int] = {}
+        self._registered_total = 0
         self._cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, least recently used first
         self._owner: list[str | None] = [None] * max_loras  # slot -> adapter
         self._loaded: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
@@ -234,6 +237,8 @@ class LoraSlots:
                 raise AdapterError(f"adapter {adapter_id!r} is already registered; unregister it first")
             lora = self._read(path)
             self._paths[adapter_id] = str(path)
+            self._registered_total += 1
+            self._registrations[adapter_id] = self._registered_total
             self._remember(adapter_id, lora)
 
     def unregister(self, adapter_id: str) -> None:
@@ -253,6 +258,13 @@ class LoraSlots:
             if dropped is not None:
                 self._recycle(dropped)
             del self._paths[adapter_id]
+            del self._registrations[adapter_id]
+
+    def registration(self, adapter_id: str) -> int:
+        """Which registration of `adapter_id` this is: a number no other registration shares. The prefix
+        cache keys KV blocks on it, so an id unregistered and registered again, over other weights, never
+        hits the blocks its old weights computed."""
+        return self._registrations[adapter_id]
 
     def __contains__(self, adapter_id: object) -> bool:
         return adapter_id in self._paths

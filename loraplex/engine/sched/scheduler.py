@@ -54,6 +54,8 @@ class AdapterSlots(Protocol):
 
     def release(self, adapter_id: str) -> None: ...
 
+    def registration(self, adapter_id: str) -> int: ...
+
 
 @dataclass
 class SchedulerCounters:
@@ -227,10 +229,15 @@ class Scheduler:
         """The content hashes of the request's first n_blocks full blocks (computed once each)."""
         have = len(req.block_hashes)
         if n_blocks > have:
-            parent = req.block_hashes[-1] if have else root_hash(self.model, req.adapter, req.cache_salt)
+            parent = req.block_hashes[-1] if have else self._root_hash(req)
             tokens = req.token_ids(have * self.pool.block_size, n_blocks * self.pool.block_size)
             req.block_hashes.extend(chain_hashes(parent, tokens, self.pool.block_size, 0, n_blocks - have))
         return req.block_hashes
+
+    def _root_hash(self, req: Request) -> bytes:
+        # A request's adapter stays registered while it is in the engine (remove_adapter waits for it).
+        registration = self.adapters.registration(req.adapter) if req.adapter is not None else 0
+        return root_hash(self.model, req.adapter, registration, req.cache_salt)
 
     def _grow(self, req: Request, n: int) -> bool:
         """Gives `req` the blocks to hold n more tokens, or returns False having taken none."""
