@@ -227,6 +227,17 @@ def test_bad_adapter_is_refused_and_engine_keeps_serving(tmp_path, adapter_dirs,
     assert all(len(c.token_ids) == 16 for c in done)
 
 
+def step_events(core, prompts, adapters) -> dict[str, list]:
+    """Adds request r<i> (prompts[i], adapters[i]) for each i and steps until all end: their events by id."""
+    for i, a in enumerate(adapters):
+        core.add(core.prepare(req(f"r{i}", prompts[i], a)))
+    events: dict[str, list] = {}
+    while core.has_work():
+        for ev in core.step():
+            events.setdefault(ev.request_id, []).append(ev)
+    return events
+
+
 def test_an_adapter_whose_files_vanish_fails_only_its_requests(tmp_path, adapter_dirs):
     """An adapter read again from disk (it left the CPU tier) after its directory went away: its request
     ends with an error naming it, the others in the same steps finish as usual, no KV block or slot is
@@ -239,12 +250,7 @@ def test_an_adapter_whose_files_vanish_fails_only_its_requests(tmp_path, adapter
     core.add_adapter("a0", str(adapter_dirs[0]))  # the CPU tier (1) now holds a0 only: "gone" re-reads disk
     shutil.move(path, tmp_path / "elsewhere")
     prompts = mixed_prompts(3, seed=21)
-    for i, a in enumerate(("gone", "a0", None)):
-        core.add(core.prepare(req(f"r{i}", prompts[i], a)))
-    events: dict[str, list] = {}
-    while core.has_work():
-        for ev in core.step():
-            events.setdefault(ev.request_id, []).append(ev)
+    events = step_events(core, prompts, ("gone", "a0", None))
     failed = events["r0"][-1]
     assert len(events["r0"]) == 1 and failed.finish_reason == "error" and not failed.token_ids
     assert "adapter 'gone' cannot be loaded" in failed.error and "not a directory" in failed.error
@@ -257,6 +263,33 @@ def test_an_adapter_whose_files_vanish_fails_only_its_requests(tmp_path, adapter
     again = core.run([req("back", prompts[0], "gone")])[0]
     assert again.finish_reason == "length"
     assert again.token_ids == merged_core(adapter_dirs[1]).run([req("w", prompts[0], None)])[0].token_ids
+
+
+def test_an_adapter_whose_files_are_rewritten_fails_until_registered_again(tmp_path, adapter_dirs):
+    """A registration serves the files as they were registered. Rewritten in place (same path, other
+    weights), they are not picked up halfway, by whichever request next reads them from disk, beside KV
+    and slots computed from the old ones: the adapter's requests fail naming it, the others run, and once
+    registered again it serves the new weights."""
+    import shutil
+
+    path = shutil.copytree(adapter_dirs[1], tmp_path / "x")
+    core = make_core(max_loras=2, max_cpu_loras=1)
+    core.add_adapter("x", str(path))
+    core.add_adapter("a0", str(adapter_dirs[0]))  # the CPU tier (1) now holds a0 only: "x" re-reads disk
+    for file in adapter_dirs[2].iterdir():
+        shutil.copyfile(file, path / file.name)  # in place: same files, new contents
+    prompts = mixed_prompts(2, seed=23)
+    events = step_events(core, prompts, ("x", "a0"))
+    failed = events["r0"][-1]
+    assert failed.finish_reason == "error" and not failed.token_ids
+    assert "adapter 'x'" in failed.error and "changed since it was registered" in failed.error
+    want = merged_core(adapter_dirs[0]).run([req("w", prompts[1], None)])[0].token_ids
+    assert [t for ev in events["r1"] for t in ev.token_ids] == want
+    assert core.pool.num_free == core.pool.num_blocks and core.lora.refcount("x") == 0
+    core.remove_adapter("x")
+    core.add_adapter("x", str(path))
+    again = core.run([req("again", prompts[0], "x")])[0]
+    assert again.token_ids == merged_core(adapter_dirs[2]).run([req("w", prompts[0], None)])[0].token_ids
 
 
 def test_a_bad_first_adapter_leaves_no_slot_buffers(tmp_path, adapter_dirs):

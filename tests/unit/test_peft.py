@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import threading
 
 import pytest
 import torch
@@ -232,6 +234,39 @@ def test_bad_tensors_refused_naming_the_tensor(tmp_path, config, case):
     key, fn, needles = edits[case]
     _edit(path, fn)
     refused(path, config, repr(key), *needles)
+
+
+def test_an_adapter_rewritten_while_it_is_read_is_refused(tmp_path, config):
+    """A load that overlaps a write of the files could mix two versions whose shapes agree: the files'
+    version (inode, size, mtime) is taken before and after the read, and a change refuses the load. A
+    writer keeps touching the weights file's mtime, as a write in progress does."""
+    path = make_peft_dir(tmp_path / "a", config, rank=8, alpha=16, targets="all", seed=1)
+    weights = path / "adapter_model.safetensors"
+    version = load_peft_adapter(path, config).version
+    assert version == load_peft_adapter(path, config).version  # unchanged files: the same version
+    stop = threading.Event()
+
+    def write():
+        t = 1_000_000_000
+        while not stop.is_set():
+            t += 1
+            os.utime(weights, ns=(t, t))
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for _ in range(200):  # a read takes far longer than one utime: nearly every load sees a change
+            try:
+                load_peft_adapter(path, config)
+            except AdapterError as e:
+                assert "changed while they were read" in e.message
+                break
+        else:
+            pytest.fail("no load saw the files change under it")
+    finally:
+        stop.set()
+        writer.join()
+    assert load_peft_adapter(path, config).version != version  # the new mtime is a new version
 
 
 def test_non_peft_config_json_types(tmp_path, config):

@@ -103,6 +103,7 @@ class LoraWeights:
     # Per (layer, module), where rank_pattern / alpha_pattern set them; None: every module at rank / scaling.
     module_ranks: Mapping[tuple[int, str], int] | None = field(default=None, repr=False)
     module_scalings: Mapping[tuple[int, str], float] | None = field(default=None, repr=False)
+    version: tuple = ()  # files_version() of the files it was read from
 
     def rank_of(self, layer: int, module: str) -> int:
         return self.rank if self.module_ranks is None else self.module_ranks[(layer, module)]
@@ -139,6 +140,7 @@ def load_peft_adapter(path: str | Path, config: LlamaConfig, max_rank: int = 64,
     where = f"adapter {str(path)!r}"
     if not root.is_dir():
         raise AdapterError(f"{where}: not a directory (expected {CONFIG_FILE} and {WEIGHTS_FILE} inside)")
+    before = files_version(root)
     cfg = _read_config(root, where)
     shape = _check_config(cfg, config, max_rank, where)
     weights = root / WEIGHTS_FILE
@@ -149,11 +151,29 @@ def load_peft_adapter(path: str | Path, config: LlamaConfig, max_rank: int = 64,
                                "pickle files are refused (they can run code), convert the adapter to safetensors")
         raise AdapterError(f"{where}: {WEIGHTS_FILE} is missing")
     values, offsets, data = _read_tensors(weights, config, shape, where, buffer)
+    version = files_version(root)
+    if version != before:
+        raise AdapterError(f"{where}: its files changed while they were read; load it again once they are written")
     return LoraWeights(rank=shape.rank, alpha=shape.alpha, scaling=shape.scaling, target_modules=shape.targets,
                        layers=shape.layers, values=values, offsets=offsets, dims=module_dims(config),
                        use_rslora=shape.rslora, path=str(root),
                        buffer=data if values.untyped_storage().data_ptr() == data.untyped_storage().data_ptr()
-                       else None, module_ranks=shape.ranks, module_scalings=shape.scalings)
+                       else None, module_ranks=shape.ranks, module_scalings=shape.scalings, version=version)
+
+
+def files_version(root: Path) -> tuple:
+    """(inode, size, mtime) of each of the adapter's two files (None where one is missing): what tells
+    one version of them from the next. Writing a file changes its mtime and replacing it its inode;
+    moving the directory changes neither."""
+    version = []
+    for name in (CONFIG_FILE, WEIGHTS_FILE):
+        try:
+            st = (root / name).stat()
+        except OSError:
+            version.append(None)
+        else:
+            version.append((st.st_ino, st.st_size, st.st_mtime_ns))
+    return tuple(version)
 
 
 def _read_config(root: Path, where: str) -> dict:

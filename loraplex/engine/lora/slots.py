@@ -1,8 +1,9 @@
 """Device slots for LoRA adapters of one base model: stacked kernel buffers, a registry, and two LRU tiers.
 
-Tiers: disk (the registered PEFT directory) -> CPU (`max_cpu_loras` parsed LoraWeights, LRU) -> device
-(`max_loras` slots, LRU among slots no running request holds and nobody pinned). The buffers are exactly
-what kernels/lora_ops.py takes, per layer and fused module (r = the buffers' rank, `r_max`):
+Tiers: disk (the registered PEFT directory, as it was when registered) -> CPU (`max_cpu_loras` parsed
+LoraWeights, LRU) -> device (`max_loras` slots, LRU among slots no running request holds and nobody
+pinned). The buffers are exactly what kernels/lora_ops.py takes, per layer and fused module (r = the
+buffers' rank, `r_max`):
 
     qkv      A [max_loras, 3 * r, hidden]   B [max_loras, q_size + 2 * kv_size, r]
     o        A [max_loras, r, q_size]       B [max_loras, hidden, r]
@@ -31,6 +32,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -62,6 +64,12 @@ RANK_STEP = 8
 TABLES_KEPT = 16
 
 _ONE, _SCALED, _ZERO = 0, 1, 2  # a slot block's scale (_slot_blocks): 1, the adapter's scaling, zero fill
+
+
+class _Registration(NamedTuple):
+    path: str  # the PEFT directory
+    number: int  # unique over the slots' life (LoraSlots.registration)
+    version: tuple  # peft.files_version() of the files as registered
 
 
 def slot_buffer_shapes(config: LlamaConfig, max_loras: int, max_lora_rank: int) -> dict[str, tuple[tuple, tuple]]:
@@ -129,9 +137,7 @@ class LoraSlots:
         self.r_max = 0  # the buffers' rank (_grow)
         self._buffers: tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] = ([], [])
         self._grow(1)
-        self._paths: dict[str, str] = {}  # registered adapter -> its PEFT directory
-        # registered adapter -> the number of its registration, unique over this object's life (registration)
-        self._registrations: dict[str, int] = {}
+        self._registered: dict[str, _Registration] = {}
         self._registered_total = 0
         self._cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, least recently used first
         self._owner: list[str | None] = [None] * max_loras  # slot -> adapter
@@ -233,12 +239,11 @@ class LoraSlots:
         if not isinstance(adapter_id, str) or not adapter_id:
             raise AdapterError(f"adapter id must be a non-empty string, got {adapter_id!r}")
         with self._lock:
-            if adapter_id in self._paths:
+            if adapter_id in self._registered:
                 raise AdapterError(f"adapter {adapter_id!r} is already registered; unregister it first")
             lora = self._read(path)
-            self._paths[adapter_id] = str(path)
             self._registered_total += 1
-            self._registrations[adapter_id] = self._registered_total
+            self._registered[adapter_id] = _Registration(str(path), self._registered_total, lora.version)
             self._remember(adapter_id, lora)
 
     def unregister(self, adapter_id: str) -> None:
@@ -257,20 +262,19 @@ class LoraSlots:
             dropped = self._cpu.pop(adapter_id, None)
             if dropped is not None:
                 self._recycle(dropped)
-            del self._paths[adapter_id]
-            del self._registrations[adapter_id]
+            del self._registered[adapter_id]
 
     def registration(self, adapter_id: str) -> int:
         """Which registration of `adapter_id` this is: a number no other registration shares. The prefix
         cache keys KV blocks on it, so an id unregistered and registered again, over other weights, never
         hits the blocks its old weights computed."""
-        return self._registrations[adapter_id]
+        return self._registered[adapter_id].number
 
     def __contains__(self, adapter_id: object) -> bool:
-        return adapter_id in self._paths
+        return adapter_id in self._registered
 
     def adapter_ids(self) -> list[str]:
-        return list(self._paths)
+        return list(self._registered)
 
     def slot_of(self, adapter_id: str) -> int | None:
         """The device slot holding the adapter, or None when it is not loaded."""
@@ -329,7 +333,7 @@ class LoraSlots:
     # --------------------------------------------------------------------------------- internals
 
     def _check_known(self, adapter_id: str) -> None:
-        if adapter_id not in self._paths:
+        if adapter_id not in self._registered:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} is not registered")
 
     def _remember(self, adapter_id: str, lora: LoraWeights) -> None:
@@ -366,8 +370,16 @@ class LoraSlots:
             self.stats.cpu_hits += 1
             self._cpu.move_to_end(adapter_id)
             return lora
-        # Re-read from disk; re-validated, since the directory may have changed since registration.
-        lora = self._read(self._paths[adapter_id])
+        # Re-read from disk and re-validated. A registration serves the files as they were when registered:
+        # once they change, its KV in the prefix cache and the weights in use elsewhere would disagree
+        # with them, so the adapter's requests fail (naming it) until it is registered again.
+        registration = self._registered[adapter_id]
+        lora = self._read(registration.path)
+        if lora.version != registration.version:
+            self._recycle(lora)
+            raise AdapterError(f"adapter {adapter_id!r}: its files in {registration.path!r} changed since it was "
+                               "registered; a new version belongs in a new directory, registered as a new adapter "
+                               "(registering this one again serves the files as they are now)")
         self.stats.disk_loads += 1
         self._remember(adapter_id, lora)
         return lora
