@@ -104,19 +104,19 @@ class EngineCore:
 
     # --- adapters ---------------------------------------------------------------------------
 
-    def add_adapter(self, adapter_id: str, path: str) -> None:
+    def add_adapter(self, adapter_id: str, path: str, version: tuple | None = None) -> tuple:
         """Registers a PEFT adapter directory under `adapter_id`; validates it fully first
         (AdapterError names the bad field or tensor, and nothing changes: a bad first adapter leaves no
-        slot buffers behind)."""
+        slot buffers behind). Returns the files' version; given one, reads nothing now (LoraSlots.register)."""
         if self.lora is not None:
-            self.lora.register(adapter_id, path)
-            return
+            return self.lora.register(adapter_id, path, version)
         cfg, model = self.config, self.runner.model
         lora = LoraSlots(model.config, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, model.dtype, model.device)
-        lora.register(adapter_id, path)
+        version = lora.register(adapter_id, path, version)
         self.lora = self.runner.lora_slots = self.scheduler.adapters = lora
         if cfg.lora_merge_after_steps:
             self.runner.lora_merge = MergedAdapter(model, lora, cfg.lora_merge_after_steps)
+        return version
 
     def remove_adapter(self, adapter_id: str) -> bool:
         """Unregisters an adapter. New requests for it are refused at once; if requests still use

@@ -61,7 +61,8 @@ class ModelEntry:
     host: LoadedModel | None = None
     loading: Future | None = None
     pending: list[Request] = field(default_factory=list)  # requests waiting for the load
-    adapters: dict[str, str] = field(default_factory=dict)  # adapter id -> PEFT directory
+    # adapter id -> (PEFT directory, its files' version when registered): a reload registers them as they were
+    adapters: dict[str, tuple[str, tuple]] = field(default_factory=dict)
     removing: set[str] = field(default_factory=set)
     last_used: float = 0.0  # when a request for it last arrived (LRU order)
     loads: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
@@ -191,10 +192,10 @@ class ModelPool:
                     f"or pinned models fill the model memory budget ({self.budget / 2**20:.0f} MiB); retry when "
                     f"they are idle", "adapter")
             if entry.core is not None:
-                entry.core.add_adapter(adapter_id, path)  # validates
+                version = entry.core.add_adapter(adapter_id, path)  # validates
             else:
-                load_peft_adapter(path, entry.model_config, entry.config.max_lora_rank)  # validates
-            entry.adapters[adapter_id] = path
+                version = load_peft_adapter(path, entry.model_config, entry.config.max_lora_rank).version  # validates
+            entry.adapters[adapter_id] = (path, version)
 
     def remove_adapter(self, model: str, adapter_id: str) -> bool:
         """Refuses new requests for the adapter at once; True once it is gone (else when its
@@ -339,8 +340,10 @@ class ModelPool:
         loaded = host if self.device.type == "cpu" else LoadedModel(
             host.name, host.config, {k: v.to(self.device) for k, v in host.weights.items()}, host.tokenizer)
         core = EngineCore(entry.config, loaded=loaded)
-        for adapter_id, path in entry.adapters.items():
-            core.add_adapter(adapter_id, path)
+        for adapter_id, (path, version) in entry.adapters.items():
+            # read on their first requests: a reload costs the same whatever the fleet, and an adapter whose
+            # files went away fails its own requests, not the model's load
+            core.add_adapter(adapter_id, path, version)
         entry.loads[tier] += 1
         entry.last_load_ms[tier] = (time.perf_counter() - t0) * 1000
         return core

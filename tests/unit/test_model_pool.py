@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import shutil
 import time
 from dataclasses import replace
 
@@ -50,8 +51,16 @@ def req(rid: str, model: str, max_tokens: int = 8, adapter: str | None = None) -
 
 
 def run(pool: ModelPool, reqs: list[GenerateRequest]) -> dict[str, list[int]]:
-    """Submits every request and steps the pool until all finish (loads run on their thread)."""
-    out: dict[str, list[int]] = {r.request_id: [] for r in reqs}
+    """Submits every request and steps the pool until all finish (loads run on their thread); none may fail."""
+    out = run_events(pool, reqs)
+    for events in out.values():
+        assert events[-1].finish_reason != "error", events[-1].error
+    return {rid: [t for e in events for t in e.token_ids] for rid, events in out.items()}
+
+
+def run_events(pool: ModelPool, reqs: list[GenerateRequest]) -> dict[str, list]:
+    """As run(), but returns each request's events, an error ending included."""
+    out: dict[str, list] = {r.request_id: [] for r in reqs}
     for r in reqs:
         pool.submit(*pool.prepare(r))
     pending = set(out)
@@ -62,10 +71,9 @@ def run(pool: ModelPool, reqs: list[GenerateRequest]) -> dict[str, list[int]]:
             time.sleep(0.005)
             continue
         for e in pool.step():
-            assert e.finish_reason != "error", e.error
             if e.request_id not in out:
                 continue  # another test request still in flight
-            out[e.request_id].extend(e.token_ids)
+            out[e.request_id].append(e)
             if e.finished:
                 pending.discard(e.request_id)
     return out
@@ -159,6 +167,33 @@ def test_adapters_belong_to_their_model_and_survive_eviction(tmp_path):
     assert pool.stats()["m1"]["tier"] != "device"
     after = run(pool, [req("a2", "m1", adapter="ad")])["a2"]
     assert after == before != run(pool, [req("a3", "m1")])["a3"]
+
+
+def test_a_model_reloads_without_reading_its_adapters_and_a_broken_one_fails_only_its_requests(tmp_path):
+    """A model coming back from the CPU tier or disk registers its adapters as they were registered,
+    without reading them (its reload does not grow with its fleet; each adapter is read on its first
+    request, and must be the files it was registered as). An adapter whose files went away meanwhile
+    fails only its own requests: it used to fail the model's load, and with it every request waiting
+    on the model, base-model ones included."""
+    pool = make_pool(config=FEW_LORAS)
+    good, gone = tiny_adapter(tmp_path, "good"), make_peft_dir(
+        tmp_path / "gone", _loaded("synthetic:tiny").config, rank=4, alpha=8, targets="all", seed=10)
+    pool.add_adapter("m1", "good", str(good))
+    pool.add_adapter("m1", "gone", str(gone))
+    want = run(pool, [req("a", "m1", adapter="good"), req("g", "m1", adapter="gone"), req("b", "m1")])
+    run(pool, [req("c", "m2")])
+    run(pool, [req("d", "m3")])  # m1 evicted, its adapters' slots and CPU tier with it
+    assert pool.stats()["m1"]["tier"] != "device"
+    shutil.move(gone, tmp_path / "elsewhere")
+    got = run_events(pool, [req("a2", "m1", adapter="good"), req("g2", "m1", adapter="gone"), req("b2", "m1")])
+    assert [t for e in got["a2"] for t in e.token_ids] == want["a"]
+    assert [t for e in got["b2"] for t in e.token_ids] == want["b"]
+    failed = got["g2"][-1]
+    assert failed.finish_reason == "error" and "adapter 'gone'" in failed.error and "not a directory" in failed.error
+    core = pool.models["m1"].core
+    assert core.stats().adapter_disk_loads == 1  # "good", on its request; the reload itself read none
+    shutil.move(tmp_path / "elsewhere", gone)  # the same files back: the adapter serves again
+    assert run(pool, [req("g3", "m1", adapter="gone")])["g3"] == want["g"]
 
 
 def test_async_engine_serves_several_models():

@@ -233,18 +233,24 @@ class LoraSlots:
 
     # --------------------------------------------------------------------------------- registry
 
-    def register(self, adapter_id: str, path: str | Path) -> None:
-        """Parses and validates the adapter now, so a bad one is refused here and nothing changes. The
-        parsed weights stay private to the slots: their memory is recycled once they leave the CPU tier."""
+    def register(self, adapter_id: str, path: str | Path, version: tuple | None = None) -> tuple:
+        """Parses and validates the adapter now, so a bad one is refused here and nothing changes, and
+        returns its files' version. The parsed weights stay private to the slots: their memory is recycled
+        once they leave the CPU tier. With `version` (what registering these files returned before, as for
+        a model the pool loads again), nothing is read now: the first load reads them, and refuses them
+        unless they are still that version."""
         if not isinstance(adapter_id, str) or not adapter_id:
             raise AdapterError(f"adapter id must be a non-empty string, got {adapter_id!r}")
         with self._lock:
             if adapter_id in self._registered:
                 raise AdapterError(f"adapter {adapter_id!r} is already registered; unregister it first")
-            lora = self._read(path)
+            lora = self._read(path) if version is None else None
             self._registered_total += 1
-            self._registered[adapter_id] = _Registration(str(path), self._registered_total, lora.version)
-            self._remember(adapter_id, lora)
+            self._registered[adapter_id] = _Registration(str(path), self._registered_total,
+                                                         lora.version if lora is not None else version)
+            if lora is not None:
+                self._remember(adapter_id, lora)
+            return self._registered[adapter_id].version
 
     def unregister(self, adapter_id: str) -> None:
         """Forgets the adapter and frees its slot; refused while requests hold it (AdapterInUseError)."""
