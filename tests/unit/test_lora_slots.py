@@ -367,12 +367,14 @@ def test_cpu_tier_hits_and_disk_reloads(tmp_path, config):
     assert (slots.stats.disk_loads, slots.stats.cpu_hits) == (1, 1) and slots.cpu_cached() == ["a", "c"]
     slots.release("c")
     assert 0 < slots.stats.last_load_ms / 1000 < slots.stats.load_seconds  # (the total holds both loads)
-    # a disk reload is validated again; a broken file leaves the loaded slot alone
+    # a disk reload serves the files as registered: rewritten (here broken too), they are refused before
+    # any read, and the loaded slot is left alone
     tensors = read_tensors(paths["b"])
     tensors[tensor_key(0, "q", "A")] = torch.zeros(3, config.hidden_size)
     write_tensors(paths["b"], tensors)
-    with pytest.raises(AdapterError, match="shape"):
+    with pytest.raises(AdapterError, match="changed since it was registered"):
         slots.acquire("b")
+    assert slots.stats.disk_loads == 1
     assert slots.slot_of("c") == 0 and slots.stats.evictions == 1 and slots.refcount("b") == 0
 
 

@@ -44,6 +44,7 @@ from loraplex.engine.lora.peft import (
     AdapterInUseError,
     AdapterNotFoundError,
     LoraWeights,
+    files_version,
     fused_rows,
     load_peft_adapter,
     module_dims,
@@ -70,6 +71,12 @@ class _Registration(NamedTuple):
     path: str  # the PEFT directory
     number: int  # unique over the slots' life (LoraSlots.registration)
     version: tuple  # peft.files_version() of the files as registered
+
+
+def _changed(adapter_id: str, registration: _Registration) -> AdapterError:
+    return AdapterError(f"adapter {adapter_id!r}: its files in {registration.path!r} changed since it was registered; "
+                        "a new version belongs in a new directory, registered as a new adapter (registering this "
+                        "one again serves the files as they are now)")
 
 
 def slot_buffer_shapes(config: LlamaConfig, max_loras: int, max_lora_rank: int) -> dict[str, tuple[tuple, tuple]]:
@@ -379,13 +386,16 @@ class LoraSlots:
         # Re-read from disk and re-validated. A registration serves the files as they were when registered:
         # once they change, its KV in the prefix cache and the weights in use elsewhere would disagree
         # with them, so the adapter's requests fail (naming it) until it is registered again.
+        # The version is checked before the read too, so that each request for a changed adapter costs two
+        # stats, not a read of the whole file, on the step's path (a missing file: the read says which).
         registration = self._registered[adapter_id]
+        now = files_version(Path(registration.path))
+        if None not in now and now != registration.version:
+            raise _changed(adapter_id, registration)
         lora = self._read(registration.path)
         if lora.version != registration.version:
             self._recycle(lora)
-            raise AdapterError(f"adapter {adapter_id!r}: its files in {registration.path!r} changed since it was "
-                               "registered; a new version belongs in a new directory, registered as a new adapter "
-                               "(registering this one again serves the files as they are now)")
+            raise _changed(adapter_id, registration)
         self.stats.disk_loads += 1
         self._remember(adapter_id, lora)
         return lora
