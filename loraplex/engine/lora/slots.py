@@ -251,13 +251,15 @@ class LoraSlots:
         with self._lock:
             if adapter_id in self._registered:
                 raise AdapterError(f"adapter {adapter_id!r} is already registered; unregister it first")
-            lora = self._read(path) if version is None else None
+            lora = None
+            if version is None:
+                lora = self._read(path)
+                version = lora.version
             self._registered_total += 1
-            self._registered[adapter_id] = _Registration(str(path), self._registered_total,
-                                                         lora.version if lora is not None else version)
+            self._registered[adapter_id] = _Registration(str(path), self._registered_total, version)
             if lora is not None:
                 self._remember(adapter_id, lora)
-            return self._registered[adapter_id].version
+            return version
 
     def unregister(self, adapter_id: str) -> None:
         """Forgets the adapter and frees its slot; refused while requests hold it (AdapterInUseError)."""
@@ -385,9 +387,9 @@ class LoraSlots:
             return lora
         # Re-read from disk and re-validated. A registration serves the files as they were when registered:
         # once they change, its KV in the prefix cache and the weights in use elsewhere would disagree
-        # with them, so the adapter's requests fail (naming it) until it is registered again.
-        # The version is checked before the read too, so that each request for a changed adapter costs two
-        # stats, not a read of the whole file, on the step's path (a missing file: the read says which).
+        # with them, so the adapter's requests fail (naming it) until it is registered again. Checked before
+        # the read (a request for a changed adapter then costs two stats on the step's path, not a read;
+        # a missing file: the read says which) and after it (a change in between).
         registration = self._registered[adapter_id]
         now = files_version(Path(registration.path))
         if None not in now and now != registration.version:
