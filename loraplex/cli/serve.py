@@ -1,4 +1,5 @@
-"""`loraplex serve`: migrate, load the model, make a demo key, serve the API with uvicorn.
+"""`loraplex serve`: migrate, load the model (or several, multiplexed), make a demo key, serve the
+API with uvicorn.
 
 With no configuration everything is embedded: a SQLite file under ./.loraplex/, in-process rate
 limit counters, the default model. LORAPLEX_DATABASE_URL / LORAPLEX_REDIS_URL switch to Postgres
@@ -19,11 +20,17 @@ from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy import keys, tenants
 
 DEMO_TENANT = "demo"
+DEFAULT_MODEL = "smollm2-135m"
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API (embedded SQLite by default)")
-    p.add_argument("--model", default="smollm2-135m", help="the base model to serve (default smollm2-135m)")
+    p.add_argument("--model", action="append", metavar="MODEL",
+                   help=f"a base model to serve; repeat it to serve several, multiplexed under --memory-budget-mb, "
+                        f"the first loaded at start and the default (default {DEFAULT_MODEL})")
+    p.add_argument("--memory-budget-mb", type=int,
+                   help="with several models: device memory for their weights, KV caches and adapter slots together "
+                        "(default 80%% of the device's); idle models are evicted, least recently used first")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--device", default="auto")
@@ -64,19 +71,44 @@ def run(args: argparse.Namespace) -> int:
     settings = Settings.from_env()
     from loraplex.engine.config import EngineConfig
 
-    config = EngineConfig(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+    args.model = args.model or [DEFAULT_MODEL]
+    if len(set(args.model)) != len(args.model):
+        raise ValueError(f"--model names a model twice: {', '.join(args.model)}")
+    if args.memory_budget_mb is not None and args.memory_budget_mb <= 0:
+        raise ValueError(f"--memory-budget-mb must be positive, got {args.memory_budget_mb}")
+    config = EngineConfig(model=args.model[0], device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                           kv_cache_bytes=args.kv_cache_mb * 1024 * 1024)
     _check_port(args.host, args.port)
     run_db(upgrade, settings)
-    from loraplex.engine.async_engine import AsyncEngine
     from loraplex.engine.models.loader import resolve_model
 
-    resolve_model(args.model)  # an unknown model name fails here, in one line
-    engine = AsyncEngine.from_config(config)
+    for name in args.model:
+        resolve_model(name)  # an unknown model name fails here, in one line
+    engine = _engine(args, config)
     try:
         return _serve(args, settings, engine)
     finally:
         engine.shutdown()
+
+
+def _engine(args: argparse.Namespace, config):
+    """One model: its engine, loaded now. Several: a pool that multiplexes them under the memory
+    budget, the first one loaded now and the others on their first request."""
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.pool import ModelPool
+
+    if len(args.model) == 1 and args.memory_budget_mb is None:
+        return AsyncEngine.from_config(config)
+    budget = args.memory_budget_mb * 2**20 if args.memory_budget_mb is not None else 0.8
+    pool = ModelPool(memory_budget=budget, device=args.device)
+    try:
+        for name in args.model:
+            pool.register_model(name, config=config)
+        pool.load(args.model[0])
+    except BaseException:
+        pool.shutdown()
+        raise
+    return AsyncEngine(pool)
 
 
 def _serve(args: argparse.Namespace, settings: Settings, engine) -> int:
@@ -87,7 +119,8 @@ def _serve(args: argparse.Namespace, settings: Settings, engine) -> int:
     app = create_app(settings, engine)
     if not args.no_demo:
         print(f"demo api key: {run_db(_demo_key, settings)}", flush=True)
-    print(f"loraplex: serving {args.model} on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    print(f"loraplex: serving {', '.join(args.model)} on http://{args.host}:{args.port}/v1", file=sys.stderr,
+          flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=args.access_log, lifespan="on"))
     server.run()

@@ -10,7 +10,7 @@ import hmac
 from datetime import timedelta
 
 import msgspec
-from litestar import Router, get, patch, post
+from litestar import Router, delete, get, patch, post
 from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
@@ -135,7 +135,7 @@ async def register_adapter(platform: PlatformDep, name: FromPath[str], data: JSO
 
     async def validate(row: Adapter) -> None:
         try:
-            await platform.adapters.add(row.engine_id, row.path)
+            await platform.adapters.add(row.engine_id, row.path, row.base_model.name, uncommitted=True)
         except EngineError as exc:
             raise PlatformError(400, f"adapter rejected by the engine: {from_engine_error(exc).message}",
                                 code="invalid_adapter", param="path") from None
@@ -148,18 +148,31 @@ async def register_adapter(platform: PlatformDep, name: FromPath[str], data: JSO
         for engine_id in added:
             await platform.adapters.remove(engine_id)
         raise
+    platform.adapters.committed(row.engine_id)
     platform.catalog_changed()
     return a.adapter_out(row, name)
+
+
+@delete("/tenants/{name:str}/adapters/{adapter:str}", status_code=204)
+async def delete_adapter(platform: PlatformDep, name: FromPath[str], adapter: FromPath[str]) -> None:
+    """New requests for it answer 404 at once (on other instances within the catalog cache's
+    lifetime); its running requests finish, then the engine drops it."""
+    async with platform.sessions() as session:
+        row = await catalog.delete_adapter(session, name, adapter)
+    platform.catalog_changed()
+    platform.adapters.retire(row.engine_id)
 
 
 @get("/engine/stats")
 async def engine_stats(platform: PlatformDep) -> a.EngineStatsOut:
     s = platform.engine.stats()
     return a.EngineStatsOut(s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_used, s.kv_blocks_free,
-                            s.num_steps, s.generated_tokens, s.prompt_tokens_computed)
+                            s.num_steps, s.generated_tokens, s.prompt_tokens_computed, s.adapters_loaded,
+                            s.adapter_loads, s.models_resident, s.model_loads, s.model_evictions)
 
 
 admin_router = Router(
     path="/admin/api", guards=[admin_guard], tags=["admin"],
     route_handlers=[create_tenant, list_tenants, get_tenant, update_tenant, disable_tenant, enable_tenant, create_key,
-                    list_keys, revoke_key, list_models, register_model, list_adapters, register_adapter, engine_stats])
+                    list_keys, revoke_key, list_models, register_model, list_adapters, register_adapter, delete_adapter,
+                    engine_stats])

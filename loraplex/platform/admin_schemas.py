@@ -95,6 +95,11 @@ class EngineStatsOut(Struct):
     num_steps: int
     generated_tokens: int
     prompt_tokens_computed: int
+    adapters_loaded: int  # in device slots now
+    adapter_loads: int
+    models_resident: int  # base models on the device now
+    model_loads: int
+    model_evictions: int
 
 
 def tenant_out(t: Tenant) -> TenantOut:

@@ -43,6 +43,7 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
 
     async def startup() -> None:
         platform.start_billing()
+        platform.start_adapter_sweeps()
         platform.not_ready = await _start(platform)
         _freeze_heap()
 

@@ -26,6 +26,7 @@ from loraplex.platform import openai_format as fmt
 from loraplex.platform import schemas as s
 from loraplex.platform.admission import effective_priority
 from loraplex.platform.auth import CALLER_KEY, Caller, Principal, caller_of
+from loraplex.platform.db.tables import as_utc
 from loraplex.platform.errors import invalid, model_not_found
 from loraplex.platform.generation import GenerationRun
 from loraplex.platform.middleware import request_hex
@@ -56,7 +57,7 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
     target = await platform.router.resolve(principal, data.model)
     priority = effective_priority(principal.max_priority, request.headers.get("x-priority"))
     if target.adapter is not None:
-        await platform.adapters.ensure(target.adapter)
+        await platform.adapters.ensure(target.adapter, target.requested)
     rid = request_hex(request.scope)
     gen = GenerateRequest(
         request_id=f"req_{rid}", model=target.base_model, adapter=target.adapter.engine_id if target.adapter else None,
@@ -112,9 +113,9 @@ async def _cards(platform: Platform, principal: Principal) -> list[s.ModelCard]:
         models = await list_models(session)
         adapters = await list_adapters(session, principal.tenant_id)
     allowed_models = principal.allowed_models
-    cards = [s.ModelCard(m.name, int(m.created_at.timestamp()), "loraplex") for m in models
+    cards = [s.ModelCard(m.name, int(as_utc(m.created_at).timestamp()), "loraplex") for m in models
              if allowed_models is None or m.name in allowed_models]
-    cards += [s.ModelCard(a.name, int(a.created_at.timestamp()), principal.tenant) for a in adapters
+    cards += [s.ModelCard(a.name, int(as_utc(a.created_at).timestamp()), principal.tenant) for a in adapters
               if (allowed_models is None or a.base_model.name in allowed_models)
               and (principal.allowed_adapters is None or a.name in principal.allowed_adapters)]
     return cards

@@ -16,11 +16,12 @@ from dataclasses import dataclass
 import anyio
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
-from loraplex.engine.api import EngineClient, EngineError
+from loraplex.engine.api import EngineClient, EngineError, ModelNotFoundError
 from loraplex.platform.auth import Principal
+from loraplex.platform.background import Background
 from loraplex.platform.cache import RefreshingCache
 from loraplex.platform.errors import PlatformError, model_not_found
-from loraplex.platform.tenancy.catalog import find_adapter, list_models
+from loraplex.platform.tenancy.catalog import existing_engine_ids, find_adapter, list_models
 
 log = logging.getLogger("loraplex.platform")
 
@@ -96,35 +97,86 @@ def _adapter_allowed(principal: Principal, ref: AdapterRef) -> bool:
 
 
 class EngineAdapters:
-    """Registers adapters with the engine the first time this instance needs them, so an adapter
-    registered through another instance (or before a restart) loads on demand."""
+    """Registers adapters with the engine, on their base model, the first time this instance needs
+    them, so an adapter registered through another instance (or before a restart) loads on demand;
+    takes deleted ones out of it.
+
+    Engine ids are never reused (a row's id and creation time), so an id once retired here is
+    refused for good: a request that resolved the adapter just before its deletion cannot register
+    it again behind the deletion's back."""
 
     def __init__(self, engine: EngineClient):
         self._engine = engine
-        self._loaded: set[str] = set()
+        self._loaded: dict[str, str] = {}  # engine id -> its base model, as registered in this engine
+        self._uncommitted: set[str] = set()  # registered for a row not yet committed
+        self._retired: set[str] = set()
+        self._removals = Background()
         self._lock = asyncio.Lock()
 
-    def mark_loaded(self, engine_id: str) -> None:
-        self._loaded.add(engine_id)
-
-    async def add(self, engine_id: str, path: str) -> None:
-        """Validates and registers (raises EngineError); parsing runs off the event loop."""
+    async def add(self, engine_id: str, path: str, base_model: str, *, uncommitted: bool = False) -> None:
+        """Validates and registers (raises EngineError); parsing runs off the event loop.
+        `uncommitted`: for a row being written, which `committed` then confirms (until then a
+        sweep leaves it alone)."""
         async with self._lock:
+            if engine_id in self._retired:
+                raise ModelNotFoundError(f"adapter {engine_id!r} was deleted", "adapter")
             if engine_id not in self._loaded:
-                await anyio.to_thread.run_sync(self._engine.add_adapter, engine_id, path)
-                self._loaded.add(engine_id)
+                await anyio.to_thread.run_sync(self._engine.add_adapter, engine_id, path, base_model)
+                self._loaded[engine_id] = base_model
+            if uncommitted:
+                self._uncommitted.add(engine_id)
+
+    def committed(self, engine_id: str) -> None:
+        self._uncommitted.discard(engine_id)
 
     async def remove(self, engine_id: str) -> None:
+        """Returns once the engine has dropped it (its running requests finish first)."""
         async with self._lock:
-            if engine_id in self._loaded:
-                self._loaded.discard(engine_id)
-                await self._engine.remove_adapter(engine_id)
+            base_model = self._loaded.pop(engine_id, None)
+            self._uncommitted.discard(engine_id)
+        if base_model is not None:
+            await self._engine.remove_adapter(engine_id, base_model)
 
-    async def ensure(self, ref: AdapterRef) -> None:
-        if ref.engine_id in self._loaded:
+    def retire(self, engine_id: str) -> None:
+        """For a deleted adapter: refused from now on; the engine drops it once its running
+        requests finish, in the background."""
+        self._retired.add(engine_id)
+        self._removals.spawn(self.remove(engine_id), name=f"remove-adapter-{engine_id}")
+
+    async def drain(self) -> None:
+        await self._removals.drain()
+
+    async def sweep(self, sessions: async_sessionmaker[AsyncSession]) -> list[str]:
+        """Retires what this engine holds for adapters deleted through another instance (their
+        rows are gone); returns their engine ids."""
+        held = [e for e in self._loaded if e not in self._retired and e not in self._uncommitted]
+        if not held:
+            return []
+        async with sessions() as session:
+            alive = await existing_engine_ids(session, held)
+        gone = [e for e in held if e not in alive and e not in self._uncommitted]
+        for engine_id in gone:
+            self.retire(engine_id)
+        return gone
+
+    async def run_sweeps(self, sessions: async_sessionmaker[AsyncSession], interval_s: float) -> None:
+        while True:
+            await asyncio.sleep(interval_s)
+            try:
+                if gone := await self.sweep(sessions):
+                    log.info("dropping %d adapters deleted elsewhere: %s", len(gone), ", ".join(gone))
+            except Exception as exc:  # the database is down, say: the next sweep tries again
+                log.warning("adapter sweep failed: %s", type(exc).__name__)
+
+    async def ensure(self, ref: AdapterRef, requested: str) -> None:
+        """`requested`: the model as the client named it, for the 404 of an adapter deleted since
+        it was resolved."""
+        if ref.engine_id in self._loaded and ref.engine_id not in self._retired:
             return
         try:
-            await self.add(ref.engine_id, ref.path)
+            await self.add(ref.engine_id, ref.path, ref.base_model)
+        except ModelNotFoundError:
+            raise model_not_found(requested) from None
         except EngineError as exc:
             log.error("adapter %s (%s) failed to load: %s", ref.name, ref.engine_id, exc.message)
             raise PlatformError(503, f"Adapter `{ref.name}` could not be loaded; ask the operator to check it.",

@@ -57,6 +57,9 @@ class Settings:
     # How long the model and adapter catalog is cached; registrations made on this instance are
     # seen at once, those made elsewhere within this time.
     catalog_cache_ttl_s: float = 2.0
+    # How often this instance drops from its engine the adapters deleted through another instance
+    # (this one's deletions it drops at once; 0: never).
+    adapter_sweep_interval_s: float = 30.0
     rate_limit_fail_open: bool = False
     redis_timeout_s: float = 0.5
     # The usage ledger: batches of at most this many rows, written at least this often; events
@@ -89,6 +92,7 @@ class Settings:
             admin_token=env.get("LORAPLEX_ADMIN_TOKEN") or None,
             auth_cache_ttl_s=_number(env, "LORAPLEX_AUTH_CACHE_TTL", 0.5, 0.0),
             catalog_cache_ttl_s=_number(env, "LORAPLEX_CATALOG_CACHE_TTL", 2.0, 0.0),
+            adapter_sweep_interval_s=_number(env, "LORAPLEX_ADAPTER_SWEEP_INTERVAL", 30.0, 0.0),
             rate_limit_fail_open=_flag(env, "LORAPLEX_RATE_LIMIT_FAIL_OPEN", False),
             redis_timeout_s=_number(env, "LORAPLEX_REDIS_TIMEOUT", 0.5, 0.01),
             ledger_batch_size=_integer(env, "LORAPLEX_LEDGER_BATCH_SIZE", 200, 1),

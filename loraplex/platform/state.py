@@ -45,6 +45,7 @@ class Platform:
     runs: RunContext
     not_ready: str | None = "starting"  # why /ready says no; None once started
     _reconciler: asyncio.Task | None = None
+    _sweeper: asyncio.Task | None = None
 
     @classmethod
     def build(cls, settings: Settings, engine: EngineClient, usage: UsageSink | None = None) -> Platform:
@@ -81,6 +82,11 @@ class Platform:
         self._reconciler = asyncio.create_task(self.quota.run(self.settings.reconcile_interval_s),
                                                name="budget-reconciler")
 
+    def start_adapter_sweeps(self) -> None:
+        if self.settings.adapter_sweep_interval_s > 0:
+            self._sweeper = asyncio.create_task(
+                self.adapters.run_sweeps(self.sessions, self.settings.adapter_sweep_interval_s), name="adapter-sweeper")
+
     async def flush_usage(self) -> None:
         """Settles what the requests that ended still owe, then writes the ledger's queue."""
         await self.runs.background.drain()
@@ -88,10 +94,12 @@ class Platform:
 
     async def close(self) -> None:
         await self.runs.background.drain()  # settlements and usage of the last requests
-        if self._reconciler is not None:
-            self._reconciler.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reconciler
+        for task in (self._reconciler, self._sweeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        await self.adapters.drain()  # deleted adapters the engine was still finishing requests of
         await self.ledger.close()
         await self.quota.close()
         await self.db.dispose()

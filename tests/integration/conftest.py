@@ -98,11 +98,14 @@ class RecordingEngine:
     async def abort(self, request_id):
         await self.inner.abort(request_id)
 
-    def add_adapter(self, adapter_id, path):
-        self.inner.add_adapter(adapter_id, path)
+    def add_adapter(self, adapter_id, path, base_model=None):
+        self.inner.add_adapter(adapter_id, path, base_model)
 
-    async def remove_adapter(self, adapter_id):
-        await self.inner.remove_adapter(adapter_id)
+    def has_adapter(self, adapter_id, base_model=None):
+        return self.inner.has_adapter(adapter_id, base_model)
+
+    async def remove_adapter(self, adapter_id, base_model=None):
+        await self.inner.remove_adapter(adapter_id, base_model)
 
     def stats(self):
         return self.inner.stats()

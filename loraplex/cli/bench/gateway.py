@@ -56,10 +56,13 @@ class FixedEngine:
     async def abort(self, request_id: str) -> None:
         return None
 
-    def add_adapter(self, adapter_id: str, path: str) -> None:
+    def add_adapter(self, adapter_id: str, path: str, base_model: str | None = None) -> None:
         return None
 
-    async def remove_adapter(self, adapter_id: str) -> None:
+    def has_adapter(self, adapter_id: str, base_model: str | None = None) -> bool:
+        return False
+
+    async def remove_adapter(self, adapter_id: str, base_model: str | None = None) -> None:
         return None
 
     def stats(self) -> EngineStats:

@@ -4,7 +4,7 @@ these classes, and billing's tables (`METADATA` has both), must match them
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import (
     JSON,
@@ -34,6 +34,10 @@ NAMING = {
 
 def utcnow() -> datetime:
     return datetime.now(UTC)
+
+
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_MICROSECOND = timedelta(microseconds=1)
 
 
 def as_utc(value: datetime | None) -> datetime | None:
@@ -112,8 +116,17 @@ class Adapter(Base):
 
     @property
     def engine_id(self) -> str:
-        """The engine's adapter id: unique across tenants because it is the row's id."""
-        return f"adapter-{self.id}"
+        """The engine's adapter id: the row's id, unique across tenants, and its creation time in
+        microseconds, so an id SQLite hands out again after a deletion never names the old adapter
+        (an engine, or another instance's, may still hold that one)."""
+        return f"adapter-{self.id}-{(as_utc(self.created_at) - _EPOCH) // _MICROSECOND}"
+
+    @staticmethod
+    def row_id_of(engine_id: str) -> int | None:
+        """The row id an engine id names (None for anything else)."""
+        prefix, _, rest = engine_id.partition("-")
+        row_id = rest.partition("-")[0]
+        return int(row_id) if prefix == "adapter" and row_id.isdigit() else None
 
 
 class Budget(Base):

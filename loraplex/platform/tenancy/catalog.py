@@ -78,6 +78,27 @@ async def find_adapter(session: AsyncSession, tenant_id: int, name: str) -> Adap
     return (await session.execute(query)).scalar_one_or_none()
 
 
+async def delete_adapter(session: AsyncSession, tenant_name: str, name: str) -> Adapter:
+    """Deletes the tenant's adapter row and returns it (404 when there is none). Usage rows name
+    the model as it was requested, so the ledger keeps its history."""
+    tenant = await get_tenant(session, tenant_name)
+    row = await find_adapter(session, tenant.id, name)
+    if row is None:
+        raise not_found(f"adapter {name!r} not found for tenant {tenant_name!r}", "name")
+    await session.delete(row)
+    await session.commit()
+    return row
+
+
+async def existing_engine_ids(session: AsyncSession, engine_ids: list[str]) -> set[str]:
+    """Those of `engine_ids` whose adapter rows still exist."""
+    row_ids = {i for i in map(Adapter.row_id_of, engine_ids) if i is not None}
+    if not row_ids:
+        return set()
+    rows = (await session.execute(select(Adapter).where(Adapter.id.in_(row_ids)))).scalars()
+    return {row.engine_id for row in rows} & set(engine_ids)
+
+
 async def list_adapters(session: AsyncSession, tenant_id: int) -> list[Adapter]:
     query = select(Adapter).where(Adapter.tenant_id == tenant_id).order_by(Adapter.id)
     return list((await session.execute(query)).scalars())
