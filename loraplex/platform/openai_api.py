@@ -108,15 +108,23 @@ async def completions(request: Request, platform: PlatformDep, data: JSONBody[s.
                            fmt.TextFormat, "/v1/completions")
 
 
+def _served(platform: Platform) -> set[str]:
+    """The base models this instance's engine serves: a catalog row alone (another instance's
+    model, or one registered but never served) is not listed, and answers 404 when asked for."""
+    return {m.name for m in platform.engine.models()}
+
+
 async def _cards(platform: Platform, principal: Principal) -> list[s.ModelCard]:
     async with platform.sessions() as session:
         models = await list_models(session)
         adapters = await list_adapters(session, principal.tenant_id)
-    allowed_models = principal.allowed_models
+    usable = _served(platform)
+    if principal.allowed_models is not None:
+        usable &= set(principal.allowed_models)
     cards = [s.ModelCard(m.name, int(as_utc(m.created_at).timestamp()), "loraplex") for m in models
-             if allowed_models is None or m.name in allowed_models]
+             if m.name in usable]
     cards += [s.ModelCard(a.name, int(as_utc(a.created_at).timestamp()), principal.tenant) for a in adapters
-              if (allowed_models is None or a.base_model.name in allowed_models)
+              if a.base_model.name in usable
               and (principal.allowed_adapters is None or a.name in principal.allowed_adapters)]
     return cards
 
@@ -130,7 +138,9 @@ async def models(request: Request, platform: PlatformDep) -> s.ModelList:
 async def model(request: Request, platform: PlatformDep, model_id: FromPath[str]) -> s.ModelCard:
     principal = _principal(request)
     name = model_id.lstrip("/")
-    await platform.router.resolve(principal, name)  # 404 exactly as for a generation
+    target = await platform.router.resolve(principal, name)  # 404 exactly as for a generation
+    if target.base_model not in _served(platform):
+        raise model_not_found(name)
     card = next((c for c in await _cards(platform, principal) if c.id == name), None)
     return card or s.ModelCard(name, 0, principal.tenant)
 

@@ -137,6 +137,20 @@ def test_models_lists_bases_and_only_own_adapters(api, peft_dirs):
     assert {"synthetic:tiny", "helper"} <= ids and "secret" not in ids
 
 
+def test_a_catalog_model_the_engine_does_not_serve_is_not_listed_and_answers_404(api, peft_dirs):
+    tenant = api.tenant()
+    ghost = f"ghost-{tenant}"
+    assert api.client.post("/admin/api/models", json={"name": ghost}, headers=api.admin).status_code == 201
+    assert api.adapter(tenant, "haunt", peft_dirs[0], base_model=ghost).status_code == 400  # nothing to check it on
+    key = api.key(tenant)
+    auth = {"authorization": f"Bearer {key}"}
+    ids = {m["id"] for m in api.client.get("/v1/models", headers=auth).json()["data"]}
+    assert "synthetic:tiny" in ids and ghost not in ids
+    _error(api.client.get(f"/v1/models/{ghost}", headers=auth), 404, "model_not_found", "model")
+    _error(api.chat(key, model=ghost), 404, "model_not_found", "model")
+    assert api.client.get("/v1/models/synthetic:tiny", headers=auth).json()["id"] == "synthetic:tiny"
+
+
 def test_adapter_resolution_in_the_callers_tenant_only(api, peft_dirs):
     mine, other = api.tenant("mine"), api.tenant("other")
     assert api.adapter(mine, "tuned", peft_dirs[0]).status_code == 201
