@@ -206,6 +206,9 @@ class _Shape(NamedTuple):
     ranks: Mapping[tuple[int, str], int] | None
     scalings: Mapping[tuple[int, str], float] | None
 
+    def rank_of(self, layer: int, module: str) -> int:
+        return self.rank if self.ranks is None else self.ranks[(layer, module)]
+
 
 def _check_config(cfg: dict, config: LlamaConfig, max_rank: int, where: str) -> _Shape:
     """The adapter's shape, or raises naming the field."""
@@ -404,9 +407,7 @@ _RankTable = tuple[tuple[tuple[int, str], int], ...]
 
 
 def _rank_table(shape: _Shape) -> _RankTable:
-    ranks = shape.ranks
-    return tuple(((layer, m), shape.rank if ranks is None else ranks[(layer, m)])
-                 for layer in shape.layers for m in shape.targets)
+    return tuple(((layer, m), shape.rank_of(layer, m)) for layer in shape.layers for m in shape.targets)
 
 
 # Adapters of one shape have byte-identical headers, which st_reader parses into one shared entries
@@ -522,7 +523,7 @@ def _read_checked(entries: Mapping[str, Entry], where: str, config: LlamaConfig,
             raise AdapterError(f"{where}: tensor {key!r} names adapter {adapter_name!r} but other tensors do not "
                                "(one adapter per file)")
         in_f, out_f = dims[module]
-        rank = shape.rank if shape.ranks is None else shape.ranks[(layer, module)]
+        rank = shape.rank_of(layer, module)
         expected = (rank, in_f) if ab == "A" else (out_f, rank)
         entry = entries[key]
         if entry.shape != expected:
