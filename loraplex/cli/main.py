@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from loraplex.cli import bench_cmd, billing, budgets, db, generate, keys, models, prices, serve, tenants
+from loraplex.cli import adapters, bench_cmd, billing, budgets, db, generate, keys, models, prices, serve, tenants
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     tenants.add_parser(sub)
     keys.add_parser(sub)
     models.add_parser(sub)
+    adapters.add_parser(sub)
     budgets.add_parser(sub)
     prices.add_parser(sub)
     billing.add_parser(sub)
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as exc:  # one clear line, no traceback, for errors the user can fix
         from loraplex.engine.api import EngineError
 
-        if isinstance(exc, EngineError | ValueError | FileNotFoundError):
+        if isinstance(exc, EngineError | ValueError | OSError):
             print(f"loraplex: error: {exc}", file=sys.stderr)
             return 2
         raise

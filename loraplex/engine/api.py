@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol
 
 PriorityClass = Literal["realtime", "standard", "batch"]
@@ -39,6 +40,24 @@ class ContextLengthExceededError(InvalidRequestError):
 
 class ModelNotFoundError(EngineError):
     code = "model_not_found"
+
+
+# What `add_adapter` reads: a PEFT LoRA directory with exactly these two files. Pickled weights are
+# never read (unpickling runs code), so a directory that holds only those is refused.
+PEFT_CONFIG_FILE = "adapter_config.json"
+PEFT_WEIGHTS_FILE = "adapter_model.safetensors"
+PEFT_FILES = (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE)
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+
+
+def missing_weights_reason(directory: Path) -> str:
+    """Why a directory without `PEFT_WEIGHTS_FILE` cannot be an adapter: it is missing, or the
+    directory holds only pickled weights, which must be converted to safetensors."""
+    pickles = sorted(p.name for p in directory.iterdir() if p.suffix.lower() in PICKLE_SUFFIXES)
+    if pickles:
+        return (f"only pickled weights ({', '.join(pickles)}) and no {PEFT_WEIGHTS_FILE}; pickle files are "
+                "refused (they can run code), convert the adapter to safetensors")
+    return f"{PEFT_WEIGHTS_FILE} is missing"
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from litestar.params import FromPath, JSONBody
 
 from loraplex.engine.api import EngineError
 from loraplex.platform import admin_schemas as a
+from loraplex.platform.adapter_store_api import adapter_path, adapter_store_handlers
 from loraplex.platform.billing_schemas import TenantPatch
 from loraplex.platform.db.tables import Adapter, utcnow
 from loraplex.platform.errors import PlatformError, from_engine_error
@@ -131,6 +132,7 @@ async def list_adapters(platform: PlatformDep, name: FromPath[str]) -> list[a.Ad
 async def register_adapter(platform: PlatformDep, name: FromPath[str], data: JSONBody[a.AdapterIn]) -> a.AdapterOut:
     """The engine validates the PEFT directory before the row is committed; a bad one leaves nothing
     (and an adapter the engine took for a row that then failed to commit is taken back)."""
+    path = await adapter_path(platform, data)
     added: list[str] = []
 
     async def validate(row: Adapter) -> None:
@@ -138,12 +140,12 @@ async def register_adapter(platform: PlatformDep, name: FromPath[str], data: JSO
             await platform.adapters.add(row.engine_id, row.path, row.base_model.name, uncommitted=True)
         except EngineError as exc:
             raise PlatformError(400, f"adapter rejected by the engine: {from_engine_error(exc).message}",
-                                code="invalid_adapter", param="path") from None
+                                code="invalid_adapter", param="path" if data.files is None else "files") from None
         added.append(row.engine_id)
 
     try:
         async with platform.sessions() as session:
-            row = await catalog.register_adapter(session, name, data.name, data.base_model, data.path, validate)
+            row = await catalog.register_adapter(session, name, data.name, data.base_model, path, validate)
     except BaseException:
         for engine_id in added:
             await platform.adapters.remove(engine_id)
@@ -175,4 +177,4 @@ admin_router = Router(
     path="/admin/api", guards=[admin_guard], tags=["admin"],
     route_handlers=[create_tenant, list_tenants, get_tenant, update_tenant, disable_tenant, enable_tenant, create_key,
                     list_keys, revoke_key, list_models, register_model, list_adapters, register_adapter, delete_adapter,
-                    engine_stats])
+                    engine_stats, *adapter_store_handlers])

@@ -71,9 +71,13 @@ class ModelOut(Struct):
 
 
 class AdapterIn(Struct, kw_only=True):
+    """One of `path` (a PEFT directory the engine can read) or `files` (each PEFT file name mapped to
+    the digest of a blob uploaded to the store: "sha256:<hex>")."""
+
     name: str
     base_model: str
-    path: str  # a PEFT directory readable by the engine
+    path: str | None = None
+    files: dict[str, str] | None = None
 
 
 class AdapterOut(Struct):
@@ -84,6 +88,11 @@ class AdapterOut(Struct):
     path: str
     engine_id: str
     created_at: datetime
+
+
+class BlobOut(Struct):
+    digest: str  # sha256:<hex>
+    size: int
 
 
 class EngineStatsOut(Struct):

@@ -60,6 +60,10 @@ class Settings:
     # How often this instance drops from its engine the adapters deleted through another instance
     # (this one's deletions it drops at once; 0: never).
     adapter_sweep_interval_s: float = 30.0
+    # Where uploaded adapters are kept (None: data_dir/adapter-store); instances that share their
+    # database must share it too, mounted at the same path. Uploads beyond the byte limit are refused.
+    adapter_store_dir: Path | None = None
+    adapter_max_bytes: int = 4 << 30
     rate_limit_fail_open: bool = False
     redis_timeout_s: float = 0.5
     # The usage ledger: batches of at most this many rows, written at least this often; events
@@ -93,6 +97,8 @@ class Settings:
             auth_cache_ttl_s=_number(env, "LORAPLEX_AUTH_CACHE_TTL", 0.5, 0.0),
             catalog_cache_ttl_s=_number(env, "LORAPLEX_CATALOG_CACHE_TTL", 2.0, 0.0),
             adapter_sweep_interval_s=_number(env, "LORAPLEX_ADAPTER_SWEEP_INTERVAL", 30.0, 0.0),
+            adapter_store_dir=Path(env["LORAPLEX_ADAPTER_STORE"]) if env.get("LORAPLEX_ADAPTER_STORE") else None,
+            adapter_max_bytes=_integer(env, "LORAPLEX_ADAPTER_MAX_BYTES", 4 << 30, 1),
             rate_limit_fail_open=_flag(env, "LORAPLEX_RATE_LIMIT_FAIL_OPEN", False),
             redis_timeout_s=_number(env, "LORAPLEX_REDIS_TIMEOUT", 0.5, 0.01),
             ledger_batch_size=_integer(env, "LORAPLEX_LEDGER_BATCH_SIZE", 200, 1),
@@ -109,6 +115,10 @@ class Settings:
     @property
     def spool_dir(self) -> Path:
         return self.data_dir / "spool"
+
+    @property
+    def adapter_store_root(self) -> Path:
+        return (self.adapter_store_dir or self.data_dir / "adapter-store").absolute()
 
     @property
     def effective_database_url(self) -> str:

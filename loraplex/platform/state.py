@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from litestar.di import NamedDependency
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 
+from loraplex.adapters.store import AdapterStore
 from loraplex.billing.counters import CounterStore, MemoryCounters
 from loraplex.billing.ledger import LedgerWriter
 from loraplex.billing.quota import Quota
@@ -41,6 +42,7 @@ class Platform:
     auth: AuthCache
     router: ModelRouter
     adapters: EngineAdapters
+    store: AdapterStore  # uploaded adapters' files
     admission: Admission
     runs: RunContext
     not_ready: str | None = "starting"  # why /ready says no; None once started
@@ -69,6 +71,7 @@ class Platform:
             auth=AuthCache(sessions, settings.auth_cache_ttl_s, outage_grace_s=settings.db_outage_grace_s),
             router=ModelRouter(sessions, settings.catalog_cache_ttl_s, outage_grace_s=settings.db_outage_grace_s),
             adapters=EngineAdapters(engine), admission=admission,
+            store=AdapterStore(settings.adapter_store_root, settings.adapter_max_bytes),
             runs=RunContext(engine, admission, metrics, sink, Background(), settings.request_timeout_s))
 
     def catalog_changed(self) -> None:

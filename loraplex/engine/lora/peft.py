@@ -23,13 +23,11 @@ from typing import NamedTuple
 
 import torch
 
-from loraplex.engine.api import InvalidRequestError
+from loraplex.engine.api import PEFT_CONFIG_FILE as CONFIG_FILE
+from loraplex.engine.api import PEFT_WEIGHTS_FILE as WEIGHTS_FILE
+from loraplex.engine.api import InvalidRequestError, missing_weights_reason
 from loraplex.engine.lora.st_reader import Entry, flat_view, parse_safetensors, read_file, view
 from loraplex.engine.models.llama import LlamaConfig
-
-CONFIG_FILE = "adapter_config.json"
-WEIGHTS_FILE = "adapter_model.safetensors"
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
 
 # Short names (internal) in canonical order, with PEFT's module names and their parent block.
 MODULES = ("q", "k", "v", "o", "gate", "up", "down")
@@ -145,11 +143,7 @@ def load_peft_adapter(path: str | Path, config: LlamaConfig, max_rank: int = 64,
     shape = _check_config(cfg, config, max_rank, where)
     weights = root / WEIGHTS_FILE
     if not weights.is_file():
-        pickles = sorted(p.name for p in root.iterdir() if p.suffix.lower() in _PICKLE_SUFFIXES)
-        if pickles:
-            raise AdapterError(f"{where}: only pickled weights ({', '.join(pickles)}) and no {WEIGHTS_FILE}; "
-                               "pickle files are refused (they can run code), convert the adapter to safetensors")
-        raise AdapterError(f"{where}: {WEIGHTS_FILE} is missing")
+        raise AdapterError(f"{where}: {missing_weights_reason(root)}")
     values, offsets, data = _read_tensors(weights, config, shape, where, buffer)
     version = files_version(root)
     if version != before:

@@ -1,0 +1,125 @@
+"""`loraplex adapters upload|list|delete|gc` against the real `loraplex serve` (embedded SQLite),
+with the uploaded adapter then served to the `openai` client; bad input is one `loraplex: error:` line."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import httpx
+import openai
+import pytest
+
+from loraplex.engine.api import PEFT_FILES
+from tests.e2e.server import free_port, start
+from tests.e2e.test_cli_platform import EMBEDDED, loraplex, one_line_error
+
+ADMIN = "e2e-adapters-admin-token"
+MODEL = "synthetic:tiny"
+
+
+@pytest.fixture(scope="module")
+def data_env(tmp_path_factory):
+    return {**EMBEDDED, "LORAPLEX_DATA_DIR": str(tmp_path_factory.mktemp("data")), "LORAPLEX_ADMIN_TOKEN": ADMIN}
+
+
+LIMIT = 2_000_000  # bytes an upload may send: more than the tiny model's rank-8 adapter
+
+
+@pytest.fixture(scope="module")
+def server(data_env):
+    srv = start({**data_env, "LORAPLEX_ADAPTER_MAX_BYTES": str(LIMIT)}, "--no-demo")
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def cli_env(data_env, server):
+    return {**data_env, "LORAPLEX_SERVER_URL": server.base_url}
+
+
+@pytest.fixture(scope="module")
+def tenant(server):
+    headers = {"authorization": f"Bearer {ADMIN}"}
+    assert httpx.post(f"{server.base_url}/admin/api/tenants", json={"name": "acme"}, headers=headers).is_success
+    key = httpx.post(f"{server.base_url}/admin/api/tenants/acme/keys", json={}, headers=headers).json()["key"]
+    return openai.OpenAI(api_key=key, base_url=f"{server.base_url}/v1", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def peft_dir(tmp_path_factory):
+    from loraplex.engine.models.loader import load_model, resolve_model
+    from tests.lora_factory import make_peft_dir
+
+    config = load_model(resolve_model(MODEL)).config
+    return make_peft_dir(tmp_path_factory.mktemp("peft") / "tuned", config, rank=8, alpha=16, targets="all", seed=5)
+
+
+def ask(client: openai.OpenAI, model: str) -> str:
+    answer = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hello"}],
+                                            max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    return answer.choices[0].message.content
+
+
+def ok(out) -> str:
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def test_upload_serve_delete_and_collect(cli_env, tenant, peft_dir):
+    first = ok(loraplex(cli_env, "adapters", "upload", str(peft_dir), "--tenant", "acme", "--name", "tuned",
+                        "--base-model", MODEL))
+    assert first.count(": uploaded ") == 2 and "registered adapter tuned for tenant acme" in first
+    tuned = ask(tenant, "tuned")
+    assert tuned != ask(tenant, MODEL) and tuned == ask(tenant, f"{MODEL}:tuned")
+
+    again = ok(loraplex(cli_env, "adapters", "upload", str(peft_dir), "--tenant", "acme", "--name", "again",
+                        "--base-model", MODEL))
+    assert again.count("already on the server") == 2 and ask(tenant, "again") == tuned
+    listed = dict(line.split("\t")[0::2] for line in ok(loraplex(cli_env, "adapters", "list", "--tenant",
+                                                                  "acme")).splitlines())
+    assert listed.keys() == {"tuned", "again"} and listed["tuned"] == listed["again"]  # one stored copy
+
+    assert "deleted adapter tuned" in ok(loraplex(cli_env, "adapters", "delete", "tuned", "--tenant", "acme"))
+    with pytest.raises(openai.NotFoundError):
+        ask(tenant, "tuned")
+    kept = ok(loraplex(cli_env, "adapters", "gc", "--min-age-hours", "0"))
+    assert "removed 0 adapter directories and 0 blobs" in kept  # "again" still names the files
+    assert ask(tenant, "again") == tuned
+    ok(loraplex(cli_env, "adapters", "delete", "again", "--tenant", "acme"))
+    freed = ok(loraplex(cli_env, "adapters", "gc", "--min-age-hours", "0"))
+    size = sum((peft_dir / name).stat().st_size for name in PEFT_FILES)
+    assert f"removed 1 adapter directories and 2 blobs ({size} bytes freed)" in freed
+    one_line_error(loraplex(cli_env, "adapters", "delete", "again", "--tenant", "acme"), "answered 404")
+
+
+def test_bad_uploads_are_one_line_and_register_nothing(cli_env, server, peft_dir, tmp_path):
+    def upload(directory, env=cli_env, *extra):
+        return loraplex(env, "adapters", "upload", str(directory), "--tenant", "acme", "--name", "bad",
+                        "--base-model", MODEL, *extra)
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(peft_dir / "adapter_config.json", pickled)
+    (pickled / "adapter_model.bin").write_bytes(b"not unpickled")
+    one_line_error(upload(pickled), "pickle files are refused")
+    one_line_error(upload(tmp_path / "nowhere"), "not a directory")
+    one_line_error(upload(peft_dir, {**cli_env, "LORAPLEX_ADMIN_TOKEN": ""}), "LORAPLEX_ADMIN_TOKEN")
+    one_line_error(upload(peft_dir, {**cli_env, "LORAPLEX_ADMIN_TOKEN": "wrong"}), "answered 401")
+    one_line_error(upload(peft_dir, cli_env, "--server", f"http://127.0.0.1:{free_port()}"), "cannot reach")
+
+    huge = tmp_path / "huge"
+    huge.mkdir()
+    shutil.copy(peft_dir / "adapter_config.json", huge)
+    (huge / "adapter_model.safetensors").write_bytes(b"\0" * (LIMIT + 1))
+    one_line_error(upload(huge), "LORAPLEX_ADAPTER_MAX_BYTES")
+
+    mismatched = tmp_path / "mismatched"
+    shutil.copytree(peft_dir, mismatched)
+    config = json.loads((mismatched / "adapter_config.json").read_text())
+    (mismatched / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))
+    one_line_error(upload(mismatched), "answered 400: adapter rejected by the engine")
+    listed = ok(loraplex(cli_env, "adapters", "list", "--tenant", "acme"))
+    assert "bad" not in [line.split("\t")[0] for line in listed.splitlines()]
