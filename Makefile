@@ -27,7 +27,15 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/lint-imports
 
-test: lint
+# The admin UI's tests drive Debian's Chromium through Playwright (browser downloads do not work here).
+CHROMIUM := /usr/bin/chromium
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+APT := $(SUDO) env DEBIAN_FRONTEND=noninteractive apt-get
+$(CHROMIUM):
+	$(APT) install -y -qq --no-install-recommends chromium || \
+		($(APT) update -qq && $(APT) install -y -qq --no-install-recommends chromium)
+
+test: lint $(CHROMIUM)
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
 
 bench: $(STAMP)

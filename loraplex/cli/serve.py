@@ -114,13 +114,15 @@ def _engine(args: argparse.Namespace, config):
 def _serve(args: argparse.Namespace, settings: Settings, engine) -> int:
     import uvicorn
 
+    from loraplex.admin_ui import AdminUI
     from loraplex.platform.app import create_app
 
-    app = create_app(settings, engine)
+    app = create_app(settings, engine, plugins=[AdminUI()])
     if not args.no_demo:
         print(f"demo api key: {run_db(_demo_key, settings)}", flush=True)
-    print(f"loraplex: serving {', '.join(args.model)} on http://{args.host}:{args.port}/v1", file=sys.stderr,
-          flush=True)
+    print(f"loraplex: serving {', '.join(args.model)} on http://{args.host}:{args.port}/v1 "
+          f"(admin UI: /admin{'' if settings.admin_token else ', off until LORAPLEX_ADMIN_TOKEN is set'})",
+          file=sys.stderr, flush=True)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=args.access_log, lifespan="on"))
     server.run()

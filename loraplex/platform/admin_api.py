@@ -21,7 +21,7 @@ from loraplex.platform.adapter_store_api import adapter_path, adapter_store_hand
 from loraplex.platform.billing_schemas import TenantPatch
 from loraplex.platform.db.tables import Adapter, utcnow
 from loraplex.platform.errors import PlatformError, from_engine_error
-from loraplex.platform.state import Platform, PlatformDep
+from loraplex.platform.state import PlatformDep
 from loraplex.platform.tenancy import catalog, keys, tenants
 
 
@@ -61,21 +61,14 @@ async def update_tenant(platform: PlatformDep, name: FromPath[str], data: JSONBo
     return a.tenant_out(tenant)
 
 
-async def _set_status(platform: Platform, name: str, status: str) -> a.TenantOut:
-    async with platform.sessions() as session:
-        tenant = await tenants.set_status(session, name, status)
-    platform.catalog_changed()
-    return a.tenant_out(tenant)
-
-
 @post("/tenants/{name:str}/disable", status_code=200)
 async def disable_tenant(platform: PlatformDep, name: FromPath[str]) -> a.TenantOut:
-    return await _set_status(platform, name, "disabled")
+    return a.tenant_out(await platform.set_tenant_status(name, "disabled"))
 
 
 @post("/tenants/{name:str}/enable", status_code=200)
 async def enable_tenant(platform: PlatformDep, name: FromPath[str]) -> a.TenantOut:
-    return await _set_status(platform, name, "active")
+    return a.tenant_out(await platform.set_tenant_status(name, "active"))
 
 
 @post("/tenants/{name:str}/keys", status_code=201)
@@ -101,10 +94,7 @@ async def list_keys(platform: PlatformDep, name: FromPath[str]) -> list[a.KeyOut
 
 @post("/keys/{prefix:str}/revoke", status_code=200)
 async def revoke_key(platform: PlatformDep, prefix: FromPath[str]) -> a.KeyOut:
-    async with platform.sessions() as session:
-        row = await keys.revoke_key(session, prefix)
-    platform.catalog_changed()
-    return a.key_out(row)
+    return a.key_out(await platform.revoke_key(prefix))
 
 
 @get("/models")
@@ -159,10 +149,7 @@ async def register_adapter(platform: PlatformDep, name: FromPath[str], data: JSO
 async def delete_adapter(platform: PlatformDep, name: FromPath[str], adapter: FromPath[str]) -> None:
     """New requests for it answer 404 at once (on other instances within the catalog cache's
     lifetime); its running requests finish, then the engine drops it."""
-    async with platform.sessions() as session:
-        row = await catalog.delete_adapter(session, name, adapter)
-    platform.catalog_changed()
-    platform.adapters.retire(row.engine_id)
+    await platform.delete_adapter(name, adapter)
 
 
 @get("/engine/stats")

@@ -9,11 +9,13 @@ from __future__ import annotations
 import contextlib
 import gc
 import logging
+from collections.abc import Sequence
 
 from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
+from litestar.plugins import PluginProtocol
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from loraplex.billing.usage import UsageSink
@@ -33,9 +35,10 @@ log = logging.getLogger("loraplex.platform")
 
 
 def create_app(settings: Settings | None = None, engine: EngineClient | None = None, *,
-               usage_sink: UsageSink | None = None) -> Litestar:
+               usage_sink: UsageSink | None = None, plugins: Sequence[PluginProtocol] = ()) -> Litestar:
     """settings None: read LORAPLEX_* from the environment now. The engine is required. Usage
-    goes to the ledger; `usage_sink` also gets every event (tests, benchmarks)."""
+    goes to the ledger; `usage_sink` also gets every event (tests, benchmarks). `plugins`: what is
+    mounted beside the APIs, such as the admin UI (which imports the platform, so it is handed in)."""
     if engine is None:
         raise ValueError("create_app needs an engine (an EngineClient); `loraplex serve` builds one")
     settings = settings or Settings.from_env()
@@ -58,6 +61,7 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         exception_handlers={Exception: handle_exception},
         before_send=[response_hook(platform.metrics)],
         on_startup=[startup], on_shutdown=[shutdown],
+        plugins=list(plugins),
         openapi_config=OpenAPIConfig(title="loraplex", version="0.1.0", path="/schema",
                                      description="OpenAI-compatible tenant API and admin API"),
     )

@@ -24,10 +24,12 @@ from loraplex.platform.admission import Admission
 from loraplex.platform.auth import AuthCache
 from loraplex.platform.background import Background
 from loraplex.platform.db.database import make_engine, session_factory
+from loraplex.platform.db.tables import Adapter, ApiKey, Tenant
 from loraplex.platform.generation import RunContext
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.routing import EngineAdapters, ModelRouter
 from loraplex.platform.settings import Settings
+from loraplex.platform.tenancy import catalog, keys, tenants
 
 
 @dataclass
@@ -78,6 +80,29 @@ class Platform:
         """Called after a write through this instance, so it sees the change at once."""
         self.auth.invalidate()
         self.router.invalidate()
+
+    # Writes that more than the catalog's rows must follow, shared by the admin API and the admin UI.
+
+    async def set_tenant_status(self, name: str, status: str) -> Tenant:
+        async with self.sessions() as session:
+            tenant = await tenants.set_status(session, name, status)
+        self.catalog_changed()
+        return tenant
+
+    async def revoke_key(self, prefix: str) -> ApiKey:
+        async with self.sessions() as session:
+            row = await keys.revoke_key(session, prefix)
+        self.catalog_changed()
+        return row
+
+    async def delete_adapter(self, tenant: str, name: str) -> Adapter:
+        """New requests for it answer 404 at once (on other instances within the catalog cache's
+        lifetime); its running requests finish, then the engine drops it."""
+        async with self.sessions() as session:
+            row = await catalog.delete_adapter(session, tenant, name)
+        self.catalog_changed()
+        self.adapters.retire(row.engine_id)
+        return row
 
     def start_billing(self) -> None:
         """The ledger writer (with what stopped processes left in the spool) and the reconciler."""

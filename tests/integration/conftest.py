@@ -126,8 +126,8 @@ class Backend:
     settings: Settings
     engine: RecordingEngine
 
-    def app(self, usage_sink=None, **overrides):
-        return create_app(replace(self.settings, **overrides), self.engine, usage_sink=usage_sink)
+    def app(self, usage_sink=None, plugins=(), **overrides):
+        return create_app(replace(self.settings, **overrides), self.engine, usage_sink=usage_sink, plugins=plugins)
 
 
 @pytest.fixture(scope="session")

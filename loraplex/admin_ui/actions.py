@@ -1,0 +1,103 @@
+"""The admin UI's forms: log in and out, create tenants and keys, enable and disable tenants,
+revoke keys, delete adapters. Each goes through the same platform functions as the admin API, and
+answers with a redirect to the page that shows the result (a new key is shown once, on its own page)."""
+
+from __future__ import annotations
+
+import time
+from datetime import timedelta
+
+from litestar import Request, post
+from litestar.datastructures import Cookie
+from litestar.params import FromPath
+from litestar.response import Redirect, Template
+
+from loraplex.admin_ui import session
+from loraplex.admin_ui.web import checked_form, local_page, page, platform_of, to
+from loraplex.platform.db.tables import utcnow
+from loraplex.platform.errors import invalid
+from loraplex.platform.state import PlatformDep
+from loraplex.platform.tenancy import keys, tenants
+
+
+@post("/login", opt={"public": True})
+async def login(request: Request) -> Template | Redirect:
+    form = await request.form()
+    token = platform_of(request).settings.admin_token
+    given, next_page = str(form.get("token") or ""), str(form.get("next") or "/admin")
+    if not session.token_ok(token, given):
+        return page(request, "login.html.j2", status=401, next=next_page, error="That is not the admin token.")
+    redirect = to(local_page(next_page))
+    redirect.cookies.append(Cookie(key=session.COOKIE, value=session.issue(token, time.time()), path="/admin",
+                                   max_age=session.SESSION_S, httponly=True, samesite="strict",
+                                   secure=request.url.scheme == "https"))
+    return redirect
+
+
+@post("/logout")
+async def logout(request: Request) -> Redirect:
+    await checked_form(request)
+    redirect = to("/admin/login")
+    redirect.cookies.append(Cookie(key=session.COOKIE, value="", path="/admin", max_age=0, httponly=True,
+                                   samesite="strict"))
+    return redirect
+
+
+@post("/tenants")
+async def create_tenant(request: Request, platform: PlatformDep) -> Redirect:
+    form = await checked_form(request)
+    name, tier = form.get("name", "").strip(), form.get("tier", "").strip() or "standard"
+    async with platform.sessions() as s:
+        tenant = await tenants.create_tenant(s, name, tier)
+    return to(f"/admin/tenants/{tenant.name}")
+
+
+@post("/tenants/{name:str}/status")
+async def set_status(request: Request, platform: PlatformDep, name: FromPath[str]) -> Redirect:
+    form = await checked_form(request)
+    await platform.set_tenant_status(name, form.get("status", ""))
+    return to(f"/admin/tenants/{name}")
+
+
+def _positive(form: dict[str, str], field: str, kind=int):
+    raw = form.get(field, "").strip()
+    if not raw:
+        return None
+    try:
+        value = kind(raw)
+    except ValueError:
+        raise invalid(f"{field.replace('_', ' ')} must be a positive number, got {raw!r}", field) from None
+    if value <= 0:
+        raise invalid(f"{field.replace('_', ' ')} must be a positive number, got {raw!r}", field)
+    return value
+
+
+@post("/tenants/{name:str}/keys")
+async def create_key(request: Request, platform: PlatformDep, name: FromPath[str]) -> Template:
+    form = await checked_form(request)
+    days = _positive(form, "expires_in_days", float)
+    spec = keys.KeySpec(name=form.get("key_name", "").strip() or None,
+                        expires_at=utcnow() + timedelta(days=days) if days else None,
+                        max_priority=form.get("max_priority", "standard"),
+                        rpm_limit=_positive(form, "rpm_limit"), tpm_limit=_positive(form, "tpm_limit"))
+    async with platform.sessions() as s:
+        row, secret = await keys.create_key(s, name, spec)
+    return page(request, "key_created.html.j2", status=201, tenant=name, prefix=row.prefix, key=secret)
+
+
+@post("/keys/{prefix:str}/revoke")
+async def revoke_key(request: Request, platform: PlatformDep, prefix: FromPath[str]) -> Redirect:
+    await checked_form(request)
+    row = await platform.revoke_key(prefix)
+    return to(f"/admin/tenants/{row.tenant.name}")
+
+
+@post("/tenants/{name:str}/adapters/{adapter:str}/delete")
+async def delete_adapter(request: Request, platform: PlatformDep, name: FromPath[str],
+                         adapter: FromPath[str]) -> Redirect:
+    await checked_form(request)
+    await platform.delete_adapter(name, adapter)
+    return to(f"/admin/tenants/{name}")
+
+
+action_handlers = [login, logout, create_tenant, set_status, create_key, revoke_key, delete_adapter]

@@ -1,0 +1,129 @@
+"""The admin UI's pages: the overview (engine, models, usage), the tenants, and one tenant (keys,
+adapters, budgets, usage). They read through the same tenancy and billing functions as the admin API."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+
+from litestar import Request, get
+from litestar.params import FromPath, FromQuery
+from litestar.response import Redirect, Template
+
+from loraplex.admin_ui.charts import Series, stacked_bars
+from loraplex.admin_ui.web import local_page, logged_in, page, to, when
+from loraplex.billing.daily import daily_totals
+from loraplex.billing.exports import Directory, invoice_lines
+from loraplex.billing.periods import current_month
+from loraplex.billing.rebuild import tenant_usage
+from loraplex.platform.db.tables import ApiKey, as_utc, utcnow
+from loraplex.platform.state import Platform, PlatformDep
+from loraplex.platform.tenancy import budgets, catalog, keys, tenants
+from loraplex.platform.tenancy.billing import load_directory
+
+DAYS = 30  # the usage charts' span
+
+
+@dataclass(frozen=True)
+class Usage:
+    chart: object  # the SVG
+    requests: int  # over the chart's days
+    records: list[dict]  # this month's invoice records (lines, tenant totals, totals)
+    month: str
+
+    def of(self, kind: str) -> list[dict]:
+        return [r for r in self.records if r["record"] == kind]
+
+
+async def _usage(platform: Platform, names: Directory, tenant_id: int | None = None) -> Usage:
+    now = utcnow()
+    last = now.date()
+    month = current_month(now)
+    async with platform.db.connect() as conn:
+        days = await daily_totals(conn, last - timedelta(days=DAYS - 1), last, tenant_id)
+        records = await invoice_lines(conn, month, names, tenant_id)
+    chart = stacked_bars([d.day.isoformat() for d in days],
+                         [Series("input tokens", "input", [d.prompt_tokens for d in days]),
+                          Series("output tokens", "output", [d.completion_tokens for d in days])],
+                         f"Tokens per UTC day, last {DAYS} days")
+    return Usage(chart, sum(d.requests for d in days), records, month.start.strftime("%Y-%m"))
+
+
+@get("/login", opt={"public": True})
+async def login_page(request: Request, next: FromQuery[str] = "/admin") -> Template | Redirect:  # noqa: A002
+    if logged_in(request):
+        return to(local_page(next))
+    return page(request, "login.html.j2", next=next)
+
+
+@get("/")
+async def overview(request: Request, platform: PlatformDep) -> Template:
+    served = {m.name for m in platform.engine.models()}
+    async with platform.sessions() as session:
+        models = await catalog.list_models(session)
+        tenant_count = len(await tenants.list_tenants(session))
+        names = await load_directory(session)
+    return page(request, "overview.html.j2", stats=platform.engine.stats(), tenant_count=tenant_count,
+                models=[(m, m.name in served) for m in models], usage=await _usage(platform, names))
+
+
+@get("/tenants")
+async def tenant_list(request: Request, platform: PlatformDep) -> Template:
+    async with platform.sessions() as session:
+        rows = await tenants.list_tenants(session)
+    return page(request, "tenants.html.j2", tenants=rows, when=when)
+
+
+@dataclass(frozen=True)
+class KeyView:
+    prefix: str
+    name: str
+    created: str
+    expires: str
+    state: str  # active, expired or revoked
+    max_priority: str
+    limits: str
+    scope: str
+
+
+def _key_view(k: ApiKey, now: datetime) -> KeyView:
+    state = ("revoked" if k.revoked_at else "expired" if k.expires_at and as_utc(k.expires_at) <= now
+             else "active")
+    limits = ", ".join(f"{v} {unit}" for v, unit in ((k.rpm_limit, "RPM"), (k.tpm_limit, "TPM")) if v) or "none"
+    scope = "; ".join(f"{what}: {', '.join(names)}" for what, names in
+                      (("models", k.allowed_models), ("adapters", k.allowed_adapters)) if names is not None)
+    return KeyView(k.prefix, k.name or "", when(k.created_at), when(k.expires_at), state, k.max_priority, limits,
+                   scope or "every model and adapter")
+
+
+@dataclass(frozen=True)
+class BudgetView:
+    key: str  # the key's prefix, or "" for the tenant's own budget
+    period: str
+    limit_tokens: int
+    soft_limit_tokens: int | None
+    used_tokens: int  # in the period now running
+
+    @property
+    def used_share(self) -> float:
+        return min(self.used_tokens / self.limit_tokens, 1.0)
+
+
+@get("/tenants/{name:str}")
+async def tenant_page(request: Request, platform: PlatformDep, name: FromPath[str]) -> Template:
+    async with platform.sessions() as session:
+        tenant = await tenants.get_tenant(session, name)
+        key_rows = await keys.list_keys(session, name)
+        adapters = await catalog.list_adapters(session, tenant.id)
+        budget_rows = await budgets.list_budgets(session, name)
+        names = await load_directory(session)
+    now = utcnow()
+    _, used = await tenant_usage(platform.db, tenant.id, now, fenced=False)
+    budget_views = [BudgetView(names.key(b.key_id) if b.key_id else "", b.period, b.limit_tokens,
+                               b.soft_limit_tokens, used.get(budgets.rule_of(b).counter(b.key_id or 0, now), 0))
+                    for b in budget_rows]
+    return page(request, "tenant.html.j2", tenant=tenant, keys=[_key_view(k, now) for k in key_rows],
+                adapters=adapters, budgets=budget_views, usage=await _usage(platform, names, tenant.id), when=when)
+
+
+page_handlers = [login_page, overview, tenant_list, tenant_page]

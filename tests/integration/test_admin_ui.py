@@ -1,0 +1,155 @@
+"""The admin UI over HTTP on a real app (Postgres + Redis, and embedded SQLite): the login, its
+cookie and CSRF checks, the headers its pages send, what its pages show of the platform's state,
+and its forms reaching the tenant API (revoked keys, deleted adapters, disabled tenants).
+tests/e2e/test_admin_ui_browser.py drives the same pages in Chromium."""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+
+import pytest
+from litestar.testing import TestClient
+
+from loraplex.admin_ui import AdminUI
+from loraplex.admin_ui.session import COOKIE
+from tests.integration.conftest import ADMIN_TOKEN
+
+ADMIN = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture(scope="module")
+def ui(backend):
+    with TestClient(backend.app(plugins=[AdminUI()]), timeout=60) as client:
+        yield client
+
+
+def login(client: TestClient, token: str = ADMIN_TOKEN, next_page: str = "/admin"):
+    client.cookies.clear()
+    return client.post("/admin/login", data={"token": token, "next": next_page}, follow_redirects=False)
+
+
+def csrf_of(client: TestClient, path: str = "/admin/tenants") -> str:
+    r = client.get(path)
+    assert r.status_code == 200, r.text
+    return re.search(r'name="csrf" value="([0-9a-f]+)"', r.text).group(1)
+
+
+def make_tenant(client: TestClient) -> tuple[str, str]:
+    name = f"ui-{secrets.token_hex(3)}"
+    assert client.post("/admin/api/tenants", json={"name": name}, headers=ADMIN).status_code == 201
+    key = client.post(f"/admin/api/tenants/{name}/keys", json={"rpm_limit": 100}, headers=ADMIN).json()["key"]
+    return name, key
+
+
+def ask(client: TestClient, key: str, model: str = "synthetic:tiny"):
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    return client.post("/v1/chat/completions", json=body, headers={"authorization": f"Bearer {key}"})
+
+
+def chat(client: TestClient, key: str, model: str = "synthetic:tiny") -> int:
+    return ask(client, key, model).status_code
+
+
+def test_pages_need_a_login_with_the_admin_token(ui):
+    ui.cookies.clear()
+    r = ui.get("/admin/tenants", follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/admin/login?next=/admin/tenants"
+    r = login(ui, token="not-it")
+    assert r.status_code == 401 and "not the admin token" in r.text and COOKIE not in ui.cookies
+    r = login(ui, next_page="/admin/tenants")
+    assert r.status_code == 303 and r.headers["location"] == "/admin/tenants"
+    cookie = r.headers["set-cookie"]
+    assert "HttpOnly" in cookie and "SameSite=strict" in cookie and "Path=/admin" in cookie
+    assert ui.get("/admin/tenants").status_code == 200
+    assert login(ui, next_page="//elsewhere.example/admin").headers["location"] == "/admin"  # no open redirect
+
+    issued, nonce, mac = ui.cookies[COOKIE].split(".")
+    ui.cookies.set(COOKIE, f"{int(issued) - 1}.{nonce}.{mac}", path="/admin")  # tampered
+    assert ui.get("/admin", follow_redirects=False).status_code == 303
+
+
+def test_the_ui_is_off_without_an_admin_token(backend):
+    with TestClient(backend.app(plugins=[AdminUI()], admin_token=None), timeout=60) as client:
+        for r in (client.get("/admin/login"), login(client, token="")):
+            assert r.status_code == 403 and "LORAPLEX_ADMIN_TOKEN" in r.text
+
+
+def test_pages_are_not_cached_framed_or_open_to_other_scripts(ui):
+    login(ui)
+    for r in (ui.get("/admin"), ui.get("/admin/tenants/no-such-tenant"), ui.get("/admin/login")):
+        assert r.headers["cache-control"] == "no-store" and r.headers["x-frame-options"] == "DENY"
+        assert "default-src 'self'" in r.headers["content-security-policy"]
+    assert ui.get("/admin/tenants/no-such-tenant").status_code == 404
+
+
+def test_a_form_without_this_sessions_csrf_token_changes_nothing(ui):
+    login(ui)
+    stale = csrf_of(ui)
+    login(ui)  # a new session, whose forms carry another token
+    assert csrf_of(ui) != stale
+    for token in ("", "0" * 64, stale):
+        r = ui.post("/admin/tenants", data={"csrf": token, "name": "forged"})
+        assert r.status_code == 403 and "reload the page" in r.text
+    assert ui.get("/admin/api/tenants/forged", headers=ADMIN).status_code == 404
+    assert ui.post("/admin/logout", data={"csrf": stale}).status_code == 403
+
+
+def test_a_tenant_page_shows_its_keys_adapters_budgets_and_usage(ui, peft_dirs):
+    login(ui)
+    name, key = make_tenant(ui)
+    prefix = key[:12]
+    assert ui.post(f"/admin/api/tenants/{name}/adapters", headers=ADMIN, json={
+        "name": "tuned", "base_model": "synthetic:tiny", "path": str(peft_dirs[0])}).status_code == 201
+    assert ui.post("/admin/api/budgets", headers=ADMIN,
+                   json={"tenant": name, "period": "month", "limit_tokens": 123456}).status_code == 200
+    answers = [ask(ui, key), ask(ui, key, "tuned")]
+    assert [r.status_code for r in answers] == [200, 200]
+
+    deadline = time.monotonic() + 30
+    while "2 requests in the last 30 days" not in (page := ui.get(f"/admin/tenants/{name}").text):
+        assert time.monotonic() < deadline, "usage never reached the page"  # the ledger writes in batches
+        time.sleep(0.1)
+    keys_row = re.search(rf'<tr data-prefix="{prefix}">(.*?)</tr>', page, re.S).group(1)
+    assert 'class="badge active"' in keys_row and "100 RPM" in keys_row
+    assert 'data-adapter="tuned"' in page
+    budget = re.search(r'<tr data-budget="tenant-month">(.*?)</tr>', page, re.S).group(1)
+    used = int(re.search(r'<td class="num used">([\d,]+)</td>', budget).group(1).replace(",", ""))
+    assert "123,456" in budget and used == sum(r.json()["usage"]["total_tokens"] for r in answers)
+    today = re.findall(r'<g class="bar" data-label="([^"]+)" data-input="(\d+)" data-output="(\d+)"', page)[-1]
+    assert int(today[1]) > 0 and int(today[2]) > 0  # the last bar is today (UTC)
+    assert re.search(r"<td>synthetic:tiny</td><td>tuned</td>", page) and "<td>(base)</td>" in page
+    assert re.search(rf'<a href="/admin/tenants/{name}">{name}</a>', ui.get("/admin").text)  # this month's totals
+
+
+def test_forms_revoke_keys_delete_adapters_and_disable_tenants(ui, peft_dirs):
+    login(ui)
+    name, key = make_tenant(ui)
+    _, other = make_tenant(ui)
+    assert ui.post(f"/admin/api/tenants/{name}/adapters", headers=ADMIN, json={
+        "name": "gone", "base_model": "synthetic:tiny", "path": str(peft_dirs[1])}).status_code == 201
+    second = ui.post(f"/admin/api/tenants/{name}/keys", json={}, headers=ADMIN).json()["key"]
+    csrf = csrf_of(ui, f"/admin/tenants/{name}")
+    assert chat(ui, second, "gone") == 200
+
+    r = ui.post(f"/admin/tenants/{name}/adapters/gone/delete", data={"csrf": csrf}, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == f"/admin/tenants/{name}"
+    assert chat(ui, second, "gone") == 404 and 'data-adapter="gone"' not in ui.get(r.headers["location"]).text
+
+    assert ui.post(f"/admin/keys/{key[:12]}/revoke", data={"csrf": csrf}).status_code == 200
+    assert chat(ui, key) == 401 and chat(ui, second) == 200
+
+    assert ui.post(f"/admin/tenants/{name}/status", data={"csrf": csrf, "status": "disabled"}).status_code == 200
+    assert chat(ui, second) in (401, 403) and chat(ui, other) == 200
+    page = ui.post(f"/admin/tenants/{name}/status", data={"csrf": csrf, "status": "active"}).text
+    assert 'id="tenant-status">active' in page and chat(ui, second) == 200
+
+    r = ui.post(f"/admin/tenants/{name}/keys", data={"csrf": csrf, "key_name": "made-in-ui", "rpm_limit": "7"})
+    new_key = re.search(r'id="new-key">(lpx-[^<]+)<', r.text).group(1)
+    assert r.status_code == 201 and chat(ui, new_key) == 200
+    r = ui.post(f"/admin/tenants/{name}/keys", data={"csrf": csrf, "rpm_limit": "-1"})
+    assert r.status_code == 400 and "rpm limit must be a positive number" in r.text
+
+    assert ui.post("/admin/logout", data={"csrf": csrf}, follow_redirects=False).status_code == 303
+    assert ui.get("/admin", follow_redirects=False).status_code == 303
