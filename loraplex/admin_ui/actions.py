@@ -4,6 +4,7 @@ answers with a redirect to the page that shows the result (a new key is shown on
 
 from __future__ import annotations
 
+import math
 import time
 from datetime import timedelta
 
@@ -66,8 +67,8 @@ def _positive(form: dict[str, str], field: str, kind=int):
     try:
         value = kind(raw)
     except ValueError:
-        raise invalid(f"{field.replace('_', ' ')} must be a positive number, got {raw!r}", field) from None
-    if value <= 0:
+        value = None
+    if value is None or not 0 < value < math.inf:  # also refuses nan and inf
         raise invalid(f"{field.replace('_', ' ')} must be a positive number, got {raw!r}", field)
     return value
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from litestar import Request, Response
 from litestar.connection import ASGIConnection
+from litestar.exceptions import HTTPException
 from litestar.handlers import BaseRouteHandler
 from litestar.response import Redirect, Template
 
@@ -87,8 +88,10 @@ def handle_login_required(request: Request, _: LoginRequired) -> Response:
 def handle_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, PlatformError):
         status, message = exc.status, exc.message
-    elif getattr(exc, "status_code", None) in (404, 405):
+    elif isinstance(exc, HTTPException) and exc.status_code in (404, 405):
         status, message = exc.status_code, "There is no such page."
+    elif isinstance(exc, HTTPException) and exc.status_code < 500:
+        status, message = exc.status_code, f"The request was not understood: {exc.detail}"
     else:
         log.exception("admin UI error on %s %s", request.method, request.url.path)
         status, message = 500, "Internal error; the server log has the details."

@@ -4,6 +4,7 @@ registrations are refused with clear errors and leave no blob and no row."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
@@ -116,6 +117,13 @@ def test_an_upload_over_the_byte_limit_is_413_and_kept_nowhere(backend, peft_dir
         body = error(put_blob(client, weights.read_bytes(), file_digest(weights)), 413, "too_large")
         assert "4096" in body["message"]
         assert sorted(p for p in root.rglob("*") if p.is_file()) == []
+
+
+def test_an_upload_beyond_litestars_own_body_limit_streams_to_the_store(api):
+    data = bytes(range(256)) * (48 << 10)  # 12 MiB: Litestar refuses bodies over 10 MB unless told not to
+    digest = f"sha256:{hashlib.sha256(data).hexdigest()}"
+    r = put_blob(api.client, data, digest)
+    assert r.status_code == 201 and r.json() == {"digest": digest, "size": len(data)}, r.text
 
 
 @pytest.mark.parametrize("method", ["GET", "PUT"])

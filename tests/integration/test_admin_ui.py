@@ -148,8 +148,9 @@ def test_forms_revoke_keys_delete_adapters_and_disable_tenants(ui, peft_dirs):
     r = ui.post(f"/admin/tenants/{name}/keys", data={"csrf": csrf, "key_name": "made-in-ui", "rpm_limit": "7"})
     new_key = re.search(r'id="new-key">(lpx-[^<]+)<', r.text).group(1)
     assert r.status_code == 201 and chat(ui, new_key) == 200
-    r = ui.post(f"/admin/tenants/{name}/keys", data={"csrf": csrf, "rpm_limit": "-1"})
-    assert r.status_code == 400 and "rpm limit must be a positive number" in r.text
+    for field, bad in (("rpm_limit", "-1"), ("tpm_limit", "lots"), ("expires_in_days", "nan")):
+        r = ui.post(f"/admin/tenants/{name}/keys", data={"csrf": csrf, field: bad})
+        assert r.status_code == 400 and f"{field.replace('_', ' ')} must be a positive number" in r.text
 
     assert ui.post("/admin/logout", data={"csrf": csrf}, follow_redirects=False).status_code == 303
     assert ui.get("/admin", follow_redirects=False).status_code == 303
