@@ -73,6 +73,12 @@ def _positive(form: dict[str, str], field: str, kind=int):
     return value
 
 
+def _names(form: dict[str, str], field: str) -> tuple[str, ...] | None:
+    """A comma-separated list; blank means no restriction."""
+    names = tuple(n.strip() for n in form.get(field, "").split(",") if n.strip())
+    return names or None
+
+
 @post("/tenants/{name:str}/keys")
 async def create_key(request: Request, platform: PlatformDep, name: FromPath[str]) -> Template:
     form = await checked_form(request)
@@ -80,10 +86,30 @@ async def create_key(request: Request, platform: PlatformDep, name: FromPath[str
     spec = keys.KeySpec(name=form.get("key_name", "").strip() or None,
                         expires_at=utcnow() + timedelta(days=days) if days else None,
                         max_priority=form.get("max_priority", "standard"),
-                        rpm_limit=_positive(form, "rpm_limit"), tpm_limit=_positive(form, "tpm_limit"))
+                        rpm_limit=_positive(form, "rpm_limit"), tpm_limit=_positive(form, "tpm_limit"),
+                        allowed_models=_names(form, "allowed_models"),
+                        allowed_adapters=_names(form, "allowed_adapters"))
     async with platform.sessions() as s:
         row, secret = await keys.create_key(s, name, spec)
     return page(request, "key_created.html.j2", status=201, tenant=name, prefix=row.prefix, key=secret)
+
+
+@post("/tenants/{name:str}/budgets")
+async def set_budget(request: Request, platform: PlatformDep, name: FromPath[str]) -> Redirect:
+    form = await checked_form(request)
+    limit = _positive(form, "limit_tokens")
+    if limit is None:
+        raise invalid("limit tokens must be a positive number, got ''", "limit_tokens")
+    await platform.set_budget(name, form.get("period", ""), limit, _positive(form, "soft_limit_tokens"),
+                              form.get("key", "").strip() or None)
+    return to(f"/admin/tenants/{name}#budgets")
+
+
+@post("/tenants/{name:str}/budgets/delete")
+async def delete_budget(request: Request, platform: PlatformDep, name: FromPath[str]) -> Redirect:
+    form = await checked_form(request)
+    await platform.delete_budget(name, form.get("period", ""), form.get("key", "").strip() or None)
+    return to(f"/admin/tenants/{name}#budgets")
 
 
 @post("/keys/{prefix:str}/revoke")
@@ -101,4 +127,5 @@ async def delete_adapter(request: Request, platform: PlatformDep, name: FromPath
     return to(f"/admin/tenants/{name}")
 
 
-action_handlers = [login, logout, create_tenant, set_status, create_key, revoke_key, delete_adapter]
+action_handlers = [login, logout, create_tenant, set_status, create_key, set_budget, delete_budget, revoke_key,
+                   delete_adapter]

@@ -9,7 +9,7 @@ from html import escape
 
 from markupsafe import Markup
 
-WIDTH, HEIGHT = 720, 220
+WIDTH, HEIGHT = 960, 200
 _LEFT, _RIGHT, _TOP, _BOTTOM = 56, 8, 12, 28  # margins for the axis labels
 
 
@@ -49,7 +49,8 @@ def stacked_bars(labels: Sequence[str], series: Sequence[Series], title: str) ->
         parts.append("</g>")
     for i in sorted({0, len(labels) // 2, len(labels) - 1}) if labels else ():
         x = _LEFT + i * step + step / 2
-        parts.append(f'<text class="tick" x="{x:.1f}" y="{HEIGHT - 8}" text-anchor="middle">'
+        anchor = "start" if i == 0 and len(labels) > 1 else "end" if i == len(labels) - 1 > 0 else "middle"
+        parts.append(f'<text class="tick" x="{x:.1f}" y="{HEIGHT - 8}" text-anchor="{anchor}">'
                      f'{escape(labels[i])}</text>')
     parts.append("</svg>")
     return Markup("".join(parts))

@@ -8,14 +8,14 @@ from datetime import datetime, timedelta
 
 from litestar import Request, get
 from litestar.params import FromPath, FromQuery
-from litestar.response import Redirect, Template
+from litestar.response import Redirect, Stream, Template
 
 from loraplex.admin_ui.charts import Series, stacked_bars
 from loraplex.admin_ui.web import local_page, logged_in, page, to, when
 from loraplex.billing.daily import daily_totals
 from loraplex.billing.exports import Directory, invoice_lines
-from loraplex.billing.periods import current_month
-from loraplex.billing.rebuild import tenant_usage
+from loraplex.billing.periods import BUDGET_PERIODS, current_month
+from loraplex.platform.admin_billing_api import budget_status, export_response
 from loraplex.platform.db.tables import ApiKey, as_utc, utcnow
 from loraplex.platform.state import Platform, PlatformDep
 from loraplex.platform.tenancy import budgets, catalog, keys, tenants
@@ -96,19 +96,6 @@ def _key_view(k: ApiKey, now: datetime) -> KeyView:
                    scope or "every model and adapter")
 
 
-@dataclass(frozen=True)
-class BudgetView:
-    key: str  # the key's prefix, or "" for the tenant's own budget
-    period: str
-    limit_tokens: int
-    soft_limit_tokens: int | None
-    used_tokens: int  # in the period now running
-
-    @property
-    def used_share(self) -> float:
-        return min(self.used_tokens / self.limit_tokens, 1.0)
-
-
 @get("/tenants/{name:str}")
 async def tenant_page(request: Request, platform: PlatformDep, name: FromPath[str]) -> Template:
     async with platform.sessions() as session:
@@ -118,12 +105,16 @@ async def tenant_page(request: Request, platform: PlatformDep, name: FromPath[st
         budget_rows = await budgets.list_budgets(session, name)
         names = await load_directory(session)
     now = utcnow()
-    _, used = await tenant_usage(platform.db, tenant.id, now, fenced=False)
-    budget_views = [BudgetView(names.key(b.key_id) if b.key_id else "", b.period, b.limit_tokens,
-                               b.soft_limit_tokens, used.get(budgets.rule_of(b).counter(b.key_id or 0, now), 0))
-                    for b in budget_rows]
     return page(request, "tenant.html.j2", tenant=tenant, keys=[_key_view(k, now) for k in key_rows],
-                adapters=adapters, budgets=budget_views, usage=await _usage(platform, names, tenant.id), when=when)
+                adapters=adapters, budgets=await budget_status(platform, budget_rows), periods=BUDGET_PERIODS,
+                usage=await _usage(platform, names, tenant.id), when=when)
 
 
-page_handlers = [login_page, overview, tenant_list, tenant_page]
+@get("/billing/export")
+async def billing_export(platform: PlatformDep, period: FromQuery[str], format: FromQuery[str] = "csv",  # noqa: A002
+                         detail: FromQuery[bool] = False, tenant: FromQuery[str | None] = None) -> Stream:
+    """The admin API's export, downloaded with the session's cookie instead of the bearer token."""
+    return await export_response(platform, period, format, detail, tenant or None)
+
+
+page_handlers = [login_page, overview, tenant_list, tenant_page, billing_export]

@@ -25,7 +25,7 @@ from loraplex.platform.tenancy.budgets import rule_of
 from loraplex.platform.tenancy.prices import set_price
 
 
-async def _status(platform: Platform, rows: list[Budget]) -> list[BudgetOut]:
+async def budget_status(platform: Platform, rows: list[Budget]) -> list[BudgetOut]:
     """Each budget with its current period's usage by the ledger and by the live counters."""
     now, out = utcnow(), []
     used_by_tenant: dict[int, dict[str, int]] = {}
@@ -43,26 +43,21 @@ async def _status(platform: Platform, rows: list[Budget]) -> list[BudgetOut]:
 
 @post("/budgets", status_code=200)
 async def set_budget(platform: PlatformDep, data: JSONBody[BudgetIn]) -> BudgetOut:
-    async with platform.sessions() as session:
-        row = await budgets.set_budget(session, data.tenant, data.period, data.limit_tokens, data.soft_limit_tokens,
-                                       data.key)
-    platform.catalog_changed()
-    return (await _status(platform, [row]))[0]
+    row = await platform.set_budget(data.tenant, data.period, data.limit_tokens, data.soft_limit_tokens, data.key)
+    return (await budget_status(platform, [row]))[0]
 
 
 @get("/budgets")
 async def list_budgets(platform: PlatformDep, tenant: FromQuery[str | None] = None) -> list[BudgetOut]:
     async with platform.sessions() as session:
         rows = await budgets.list_budgets(session, tenant)
-    return await _status(platform, rows)
+    return await budget_status(platform, rows)
 
 
 @delete("/budgets", status_code=200)
 async def delete_budget(platform: PlatformDep, tenant: FromQuery[str], period: FromQuery[str],
                         key: FromQuery[str | None] = None) -> dict:
-    async with platform.sessions() as session:
-        await budgets.delete_budget(session, tenant, period, key)
-    platform.catalog_changed()
+    await platform.delete_budget(tenant, period, key)
     return {"deleted": True, "tenant": tenant, "period": period, "key": key}
 
 
@@ -83,8 +78,13 @@ async def get_prices(platform: PlatformDep, model: FromQuery[str | None] = None)
 @get("/billing/export", media_type="text/csv")
 async def export_billing(platform: PlatformDep, period: FromQuery[str], format: FromQuery[str] = "csv",
                          tenant: FromQuery[str | None] = None, detail: FromQuery[bool] = False) -> Response:
+    return await export_response(platform, period, format, detail, tenant)
+
+
+async def export_response(platform: Platform, period: str, fmt: str, detail: bool, tenant: str | None) -> Stream:
+    """The export as a download; everything is checked before the first byte (the admin UI's too)."""
     async with platform.sessions() as session:
-        job = await prepare_export(session, period, format, detail, tenant)
+        job = await prepare_export(session, period, fmt, detail, tenant)
     return Stream(job.stream(platform.db), media_type=job.media_type,
                   headers={"content-disposition": f'attachment; filename="{job.filename}"'})
 

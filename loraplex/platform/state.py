@@ -24,12 +24,12 @@ from loraplex.platform.admission import Admission
 from loraplex.platform.auth import AuthCache
 from loraplex.platform.background import Background
 from loraplex.platform.db.database import make_engine, session_factory
-from loraplex.platform.db.tables import Adapter, ApiKey, Tenant
+from loraplex.platform.db.tables import Adapter, ApiKey, Budget, Tenant
 from loraplex.platform.generation import RunContext
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.routing import EngineAdapters, ModelRouter
 from loraplex.platform.settings import Settings
-from loraplex.platform.tenancy import catalog, keys, tenants
+from loraplex.platform.tenancy import budgets, catalog, keys, tenants
 
 
 @dataclass
@@ -94,6 +94,18 @@ class Platform:
             row = await keys.revoke_key(session, prefix)
         self.catalog_changed()
         return row
+
+    async def set_budget(self, tenant: str, period: str, limit_tokens: int, soft_limit_tokens: int | None = None,
+                         key_prefix: str | None = None) -> Budget:
+        async with self.sessions() as session:
+            row = await budgets.set_budget(session, tenant, period, limit_tokens, soft_limit_tokens, key_prefix)
+        self.catalog_changed()  # keys carry their budgets in the auth cache
+        return row
+
+    async def delete_budget(self, tenant: str, period: str, key_prefix: str | None = None) -> None:
+        async with self.sessions() as session:
+            await budgets.delete_budget(session, tenant, period, key_prefix)
+        self.catalog_changed()
 
     async def delete_adapter(self, tenant: str, name: str) -> Adapter:
         """New requests for it answer 404 at once (on other instances within the catalog cache's

@@ -6,6 +6,8 @@ the pages' own script and styles pass the Content-Security-Policy."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import httpx
 import openai
 import pytest
@@ -101,6 +103,16 @@ def test_an_admin_runs_a_tenant_through_the_ui(page: Page, server, tmp_path):
     today = page.locator("svg.chart g.bar").last
     assert int(today.get_attribute("data-input")) > 0 and int(today.get_attribute("data-output")) > 0
     expect(page.locator(f'#keys tr[data-prefix="{key[:12]}"]')).to_contain_text("50 RPM")
+
+    page.select_option("#budget-form select[name=period]", "day")
+    page.fill("#budget-form input[name=limit_tokens]", "1000000")
+    page.click("#budget-form button[type=submit]")
+    expect(page.locator('tr[data-budget="tenant-day"]')).to_contain_text("1,000,000")
+    with page.expect_download() as download:
+        page.click("#export-form button[type=submit]")
+    assert download.value.suggested_filename.startswith("loraplex-invoice-")
+    assert download.value.suggested_filename.endswith("-acme.csv")
+    assert "acme" in Path(download.value.path()).read_text()
 
     delete = page.locator('#adapters tr[data-adapter="tuned"] button')
     submit_confirmed(page, delete, accept=False)  # dismissed: nothing is sent

@@ -154,3 +154,42 @@ def test_forms_revoke_keys_delete_adapters_and_disable_tenants(ui, peft_dirs):
 
     assert ui.post("/admin/logout", data={"csrf": csrf}, follow_redirects=False).status_code == 303
     assert ui.get("/admin", follow_redirects=False).status_code == 303
+
+
+def test_budgets_scoped_keys_and_exports_through_the_ui(ui):
+    login(ui)
+    name, key = make_tenant(ui)
+    csrf = csrf_of(ui, f"/admin/tenants/{name}")
+    r = ui.post(f"/admin/tenants/{name}/keys", data={"csrf": csrf, "allowed_models": " synthetic:tiny, ",
+                                                      "allowed_adapters": "only-this"})
+    scoped = re.search(r'id="new-key">(lpx-[^<]+)<', r.text).group(1)
+    row = re.search(rf'<tr data-prefix="{scoped[:12]}">(.*?)</tr>', ui.get(f"/admin/tenants/{name}").text, re.S)
+    assert "models: synthetic:tiny; adapters: only-this" in row.group(1)
+
+    r = ui.post(f"/admin/tenants/{name}/budgets", data={"csrf": csrf, "period": "day", "limit_tokens": "3"},
+                follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == f"/admin/tenants/{name}#budgets"
+    listed = ui.get(f"/admin/api/budgets?tenant={name}", headers=ADMIN).json()
+    assert [(b["period"], b["key"], b["limit_tokens"]) for b in listed] == [("day", None, 3)]
+    refused = ask(ui, key)  # max_tokens alone (4) is over the day's 3 tokens
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "insufficient_quota"
+    ui.post(f"/admin/tenants/{name}/budgets", data={"csrf": csrf, "period": "month", "limit_tokens": "900",
+                                                     "soft_limit_tokens": "800", "key": key[:12]})
+    page = ui.get(f"/admin/tenants/{name}").text
+    assert f'data-budget="{key[:12]}-month"' in page and 'data-budget="tenant-day"' in page
+    for bad, message in (({"period": "day", "limit_tokens": ""}, "limit tokens must be a positive number"),
+                         ({"period": "week", "limit_tokens": "9"}, "period must be one of day, month, total")):
+        r = ui.post(f"/admin/tenants/{name}/budgets", data={"csrf": csrf, **bad})
+        assert r.status_code == 400 and message in r.text
+    ui.post(f"/admin/tenants/{name}/budgets/delete", data={"csrf": csrf, "period": "day"})
+    assert chat(ui, key) == 200
+    assert [b["period"] for b in ui.get(f"/admin/api/budgets?tenant={name}", headers=ADMIN).json()] == ["month"]
+
+    month = time.strftime("%Y-%m", time.gmtime())
+    deadline = time.monotonic() + 30
+    while name not in (r := ui.get(f"/admin/billing/export?period={month}&format=csv&tenant={name}")).text:
+        assert time.monotonic() < deadline, "the request never reached the export"
+        time.sleep(0.1)
+    assert r.headers["content-disposition"].startswith("attachment;") and r.text.startswith("record,")
+    r = ui.get("/admin/billing/export?period=someday")
+    assert r.status_code == 400 and "period must be YYYY-MM" in r.text
