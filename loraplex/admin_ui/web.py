@@ -4,23 +4,21 @@ the API's JSON."""
 
 from __future__ import annotations
 
-import logging
 import time
 from datetime import datetime
 from typing import Any
+from urllib.parse import quote
 
 from litestar import Request, Response
 from litestar.connection import ASGIConnection
-from litestar.exceptions import HTTPException
 from litestar.handlers import BaseRouteHandler
 from litestar.response import Redirect, Template
 
 from loraplex.admin_ui import session
 from loraplex.platform.db.tables import as_utc
-from loraplex.platform.errors import PlatformError
+from loraplex.platform.errors import PlatformError, platform_error_of
 from loraplex.platform.state import Platform
 
-log = logging.getLogger("loraplex.admin_ui")
 # Pages hold tenants' data: never cached, never framed, and only this server's own styles and script.
 HEADERS = {"cache-control": "no-store", "x-frame-options": "DENY", "referrer-policy": "same-origin",
            "content-security-policy": "default-src 'self'; img-src 'self' data:; frame-ancestors 'none'; "
@@ -82,17 +80,10 @@ def when(value: datetime | None) -> str:
 
 
 def handle_login_required(request: Request, _: LoginRequired) -> Response:
-    return to(f"/admin/login?next={request.url.path}")
+    return to(f"/admin/login?next={quote(request.url.path)}")
 
 
 def handle_error(request: Request, exc: Exception) -> Response:
-    if isinstance(exc, PlatformError):
-        status, message = exc.status, exc.message
-    elif isinstance(exc, HTTPException) and exc.status_code in (404, 405):
-        status, message = exc.status_code, "There is no such page."
-    elif isinstance(exc, HTTPException) and exc.status_code < 500:
-        status, message = exc.status_code, f"The request was not understood: {exc.detail}"
-    else:
-        log.exception("admin UI error on %s %s", request.method, request.url.path)
-        status, message = 500, "Internal error; the server log has the details."
-    return page(request, "error.html.j2", status=status, message=message)
+    """The error the API would answer (the same statuses, messages and logging), as a page."""
+    error = platform_error_of(request, exc)
+    return page(request, "error.html.j2", status=error.status, message=error.message)

@@ -94,17 +94,22 @@ def _from_http_exception(exc: HTTPException) -> PlatformError:
     return PlatformError(status, str(exc.detail), code=None, headers=dict(exc.headers or {}))
 
 
-def handle_exception(request: Request, exc: Exception) -> Response:
-    """Litestar's app-level handler for every exception."""
+def platform_error_of(request: Request, exc: Exception) -> PlatformError:
+    """Any exception as the error a caller is shown (logged where it is the server's fault)."""
     if isinstance(exc, PlatformError):
-        return error_response(exc)
+        return exc
     if isinstance(exc, EngineError):
-        return error_response(from_engine_error(exc))
+        return from_engine_error(exc)
     if isinstance(exc, HTTPException):
-        return error_response(_from_http_exception(exc))
+        return _from_http_exception(exc)
     if isinstance(exc, OperationalError | DBAPIError | ConnectionError | OSError):
         log.error("storage unavailable on %s %s: %s", request.method, request.url.path, type(exc).__name__)
-        return error_response(PlatformError(503, "The platform's database is unavailable; try again later.",
-                                            code="database_unavailable"))
+        return PlatformError(503, "The platform's database is unavailable; try again later.",
+                             code="database_unavailable")
     log.exception("internal error on %s %s", request.method, request.url.path)
-    return error_response(PlatformError(500, "Internal server error.", code="internal_error"))
+    return PlatformError(500, "Internal server error.", code="internal_error")
+
+
+def handle_exception(request: Request, exc: Exception) -> Response:
+    """Litestar's app-level handler for every exception."""
+    return error_response(platform_error_of(request, exc))

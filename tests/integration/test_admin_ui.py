@@ -108,9 +108,10 @@ def test_a_tenant_page_shows_its_keys_adapters_budgets_and_usage(ui, peft_dirs):
     assert [r.status_code for r in answers] == [200, 200]
 
     deadline = time.monotonic() + 30
-    while "2 requests in the last 30 days" not in (page := ui.get(f"/admin/tenants/{name}").text):
+    while "2 requests in the last 30 days" not in ui.get(f"/admin/tenants/{name}").text:
         assert time.monotonic() < deadline, "usage never reached the page"  # the ledger writes in batches
         time.sleep(0.1)
+    page = ui.get(f"/admin/tenants/{name}").text  # every read of this render after the batch's commit
     keys_row = re.search(rf'<tr data-prefix="{prefix}">(.*?)</tr>', page, re.S).group(1)
     assert 'class="badge active"' in keys_row and "100 RPM" in keys_row
     assert 'data-adapter="tuned"' in page
@@ -193,3 +194,24 @@ def test_budgets_scoped_keys_and_exports_through_the_ui(ui):
     assert r.headers["content-disposition"].startswith("attachment;") and r.text.startswith("record,")
     r = ui.get("/admin/billing/export?period=someday")
     assert r.status_code == 400 and "period must be YYYY-MM" in r.text
+
+
+def test_a_page_while_the_database_is_down_says_so(postgres_backend, pg_url):
+    from sqlalchemy import make_url
+
+    from tests.integration.tcp_proxy import TcpProxy
+
+    url = make_url(pg_url)
+    proxy = TcpProxy(url.host or "localhost", url.port or 5432).start()
+    through = url.set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
+    try:
+        with TestClient(postgres_backend.app(plugins=[AdminUI()], database_url=through), timeout=60) as client:
+            login(client)
+            assert client.get("/admin/tenants").status_code == 200
+            proxy.down()
+            r = client.get("/admin/tenants")
+            assert r.status_code == 503 and "database is unavailable" in r.text and "<!doctype html>" in r.text
+            proxy.up()
+            assert client.get("/admin/tenants").status_code == 200
+    finally:
+        proxy.stop()
