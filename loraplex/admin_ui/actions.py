@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import math
 import time
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
 from litestar import Request, post
 from litestar.datastructures import Cookie
@@ -15,10 +15,12 @@ from litestar.response import Redirect, Template
 
 from loraplex.admin_ui import session
 from loraplex.admin_ui.web import checked_form, local_page, page, platform_of, to
+from loraplex.billing.prices import PriceSpec
 from loraplex.platform.db.tables import utcnow
 from loraplex.platform.errors import invalid
 from loraplex.platform.state import PlatformDep
 from loraplex.platform.tenancy import keys, tenants
+from loraplex.platform.tenancy.prices import set_price
 
 
 @post("/login", opt={"public": True})
@@ -112,6 +114,22 @@ async def delete_budget(request: Request, platform: PlatformDep, name: FromPath[
     return to(f"/admin/tenants/{name}#budgets")
 
 
+@post("/prices")
+async def add_price(request: Request, platform: PlatformDep) -> Redirect:
+    """A price from `effective_from` (UTC; blank: now) on; prices in force are never changed."""
+    form = await checked_form(request)
+    raw = form.get("effective_from", "").strip()
+    try:
+        start = datetime.fromisoformat(raw).replace(tzinfo=UTC) if raw else None
+    except ValueError:
+        raise invalid(f"effective from must be a date and time, got {raw!r}", "effective_from") from None
+    spec = PriceSpec(form.get("model", ""), form.get("input_per_1m", ""), form.get("cached_input_per_1m", ""),
+                     form.get("output_per_1m", ""), form.get("currency", "").strip().upper() or "USD", start)
+    async with platform.sessions() as s:
+        await set_price(s, spec)
+    return to("/admin#prices")
+
+
 @post("/keys/{prefix:str}/revoke")
 async def revoke_key(request: Request, platform: PlatformDep, prefix: FromPath[str]) -> Redirect:
     await checked_form(request)
@@ -127,5 +145,5 @@ async def delete_adapter(request: Request, platform: PlatformDep, name: FromPath
     return to(f"/admin/tenants/{name}")
 
 
-action_handlers = [login, logout, create_tenant, set_status, create_key, set_budget, delete_budget, revoke_key,
-                   delete_adapter]
+action_handlers = [login, logout, create_tenant, set_status, create_key, set_budget, delete_budget, add_price,
+                   revoke_key, delete_adapter]

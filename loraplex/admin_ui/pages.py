@@ -15,6 +15,7 @@ from loraplex.admin_ui.web import local_page, logged_in, page, to, when
 from loraplex.billing.daily import daily_totals
 from loraplex.billing.exports import Directory, invoice_lines
 from loraplex.billing.periods import BUDGET_PERIODS, current_month
+from loraplex.billing.prices import list_prices
 from loraplex.platform.admin_billing_api import budget_status, export_response
 from loraplex.platform.db.tables import ApiKey, as_utc, utcnow
 from loraplex.platform.state import Platform, PlatformDep
@@ -63,8 +64,10 @@ async def overview(request: Request, platform: PlatformDep) -> Template:
         models = await catalog.list_models(session)
         tenant_count = len(await tenants.list_tenants(session))
         names = await load_directory(session)
+    async with platform.db.connect() as conn:
+        prices = [p.as_json() for p in await list_prices(conn)]
     return page(request, "overview.html.j2", stats=platform.engine.stats(), tenant_count=tenant_count,
-                models=[(m, m.name in served) for m in models], usage=await _usage(platform, names))
+                models=[(m, m.name in served) for m in models], prices=prices, usage=await _usage(platform, names))
 
 
 @get("/tenants")

@@ -215,3 +215,31 @@ def test_a_page_while_the_database_is_down_says_so(postgres_backend, pg_url):
             assert client.get("/admin/tenants").status_code == 200
     finally:
         proxy.stop()
+
+
+def test_prices_added_in_the_ui_charge_later_requests(ui):
+    login(ui)
+    name, key = make_tenant(ui)
+    csrf = csrf_of(ui, "/admin")
+    price = {"csrf": csrf, "model": "synthetic:tiny", "input_per_1m": "1234.5", "cached_input_per_1m": "500",
+             "output_per_1m": "2000", "currency": "eur"}
+    r = ui.post("/admin/prices", data=price, follow_redirects=False)
+    assert r.status_code == 303 and r.headers["location"] == "/admin#prices"
+    (added,) = [p for p in ui.get("/admin/api/prices?model=synthetic:tiny", headers=ADMIN).json()
+                if p["input_per_1m"] == "1234.50"]
+    assert (added["currency"], added["cached_input_per_1m"], added["output_per_1m"]) == ("EUR", "500.00", "2000.00")
+    assert f'<tr data-price="{added["id"]}"><td>synthetic:tiny</td><td>EUR</td>' in ui.get("/admin").text
+    for bad, message in (({"input_per_1m": "lots"}, "input_per_1m"),
+                         ({"model": "nope"}, "&#39;nope&#39; is not registered"),
+                         ({"effective_from": "yesterday"}, "effective from must be a date and time"),
+                         ({"effective_from": "2020-01-01T00:00"}, "must not be in the past")):
+        r = ui.post("/admin/prices", data={**price, **bad})
+        assert r.status_code in (400, 404) and message in r.text, r.text
+
+    assert chat(ui, key) == 200
+    deadline = time.monotonic() + 30
+    while not re.search(r"<td>EUR</td>.*?<td class=\"num\">0\.0*[1-9]", page := ui.get(f"/admin/tenants/{name}").text,
+                        re.S):
+        assert time.monotonic() < deadline, "the priced request never reached the tenant's page"
+        time.sleep(0.1)
+    assert re.search(r"<td>synthetic:tiny</td><td>\(base\)</td>\s*<td>EUR</td>", page)
