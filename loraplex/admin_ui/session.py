@@ -42,8 +42,3 @@ def csrf_token(token: str, cookie: str) -> str:
 
 def csrf_ok(token: str, cookie: str, given: str | None) -> bool:
     return bool(given) and hmac.compare_digest(given, csrf_token(token, cookie))
-
-
-def token_ok(token: str | None, given: str) -> bool:
-    """The login form's check, in constant time."""
-    return bool(token) and hmac.compare_digest(given.strip().encode(), token.encode())

@@ -25,13 +25,18 @@ from loraplex.platform.state import PlatformDep
 from loraplex.platform.tenancy import catalog, keys, tenants
 
 
+def admin_token_ok(configured: str | None, given: str) -> bool:
+    """Whether `given` is the configured admin token (none configured: nothing is), in constant time."""
+    return bool(configured) and hmac.compare_digest(given.strip().encode(), configured.encode())
+
+
 def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
     token = connection.app.state.platform.settings.admin_token
     if not token:
         raise PlatformError(403, "The admin API is disabled: set LORAPLEX_ADMIN_TOKEN to enable it.",
                             code="admin_disabled")
     scheme, _, given = (connection.headers.get("authorization") or "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token.encode()):
+    if scheme.lower() != "bearer" or not admin_token_ok(token, given):
         raise PlatformError(401, "Invalid admin token.", code="invalid_admin_token")
 
 

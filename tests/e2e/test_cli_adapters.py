@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
 from loraplex.engine.api import PEFT_FILES
+from tests.e2e import test_serve_models as serve_models
 from tests.e2e.server import free_port, start
 from tests.e2e.test_cli_platform import EMBEDDED, loraplex, one_line_error
 
@@ -50,11 +52,7 @@ def tenant(server):
 
 @pytest.fixture(scope="module")
 def peft_dir(tmp_path_factory):
-    from loraplex.engine.models.loader import load_model, resolve_model
-    from tests.lora_factory import make_peft_dir
-
-    config = load_model(resolve_model(MODEL)).config
-    return make_peft_dir(tmp_path_factory.mktemp("peft") / "tuned", config, rank=8, alpha=16, targets="all", seed=5)
+    return Path(serve_models.peft_dir(tmp_path_factory.mktemp("peft"), seed=5))  # for MODEL, rank 8
 
 
 def ask(client: openai.OpenAI, model: str) -> str:
