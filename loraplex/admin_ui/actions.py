@@ -1,7 +1,7 @@
 """The admin UI's forms: log in and out, create tenants and keys, enable and disable tenants, set and
 remove budgets, add prices, revoke keys, delete adapters. Each goes through the same platform functions
-as the admin API, and
-answers with a redirect to the page that shows the result (a new key is shown once, on its own page)."""
+as the admin API and answers with a redirect to the page that shows the result (a new key is shown
+once, on its own page)."""
 
 from __future__ import annotations
 
