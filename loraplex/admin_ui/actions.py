@@ -1,7 +1,7 @@
 """The admin UI's forms: log in and out, create tenants and keys, enable and disable tenants, set and
-remove budgets, add prices, revoke keys, delete adapters. Each goes through the same platform functions
-as the admin API and answers with a redirect to the page that shows the result (a new key is shown
-once, on its own page)."""
+remove budgets, add prices, put models in `auto`'s pool, revoke keys, delete adapters. Each goes
+through the same platform functions as the admin API and answers with a redirect to the page that
+shows the result (a new key is shown once, on its own page)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,6 @@ from loraplex.platform.db.tables import utcnow
 from loraplex.platform.errors import invalid
 from loraplex.platform.state import PlatformDep
 from loraplex.platform.tenancy import keys, tenants
-from loraplex.platform.tenancy.prices import set_price
 
 
 @post("/login", opt={"public": True})
@@ -127,9 +126,22 @@ async def add_price(request: Request, platform: PlatformDep) -> Redirect:
         raise invalid(f"effective from must be a date and time, got {raw!r}", "effective_from") from None
     spec = PriceSpec(form.get("model", ""), form.get("input_per_1m", ""), form.get("cached_input_per_1m", ""),
                      form.get("output_per_1m", ""), form.get("currency", "").strip().upper() or "USD", start)
-    async with platform.sessions() as s:
-        await set_price(s, spec)
+    await platform.add_price(spec)
     return to("/admin#prices")
+
+
+@post("/models/route")
+async def set_auto_route(request: Request, platform: PlatformDep) -> Redirect:
+    """A model's auto_max_complexity (blank: out of `auto`'s pool)."""
+    form = await checked_form(request)
+    raw = form.get("auto_max_complexity", "").strip()
+    try:
+        value = float(raw) if raw else None
+    except ValueError:
+        raise invalid(f"auto max complexity must be a number from 0 to 1, got {raw!r}", "auto_max_complexity") \
+            from None
+    await platform.set_auto_route(form.get("model", ""), value)
+    return to("/admin#models")
 
 
 @post("/keys/{prefix:str}/revoke")
@@ -148,4 +160,4 @@ async def delete_adapter(request: Request, platform: PlatformDep, name: FromPath
 
 
 action_handlers = [login, logout, create_tenant, set_status, create_key, set_budget, delete_budget, add_price,
-                   revoke_key, delete_adapter]
+                   set_auto_route, revoke_key, delete_adapter]

@@ -46,6 +46,8 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--seconds", {"type": float, "default": 10.0}),
         ("--concurrency", {"type": int, "default": 32, "help": "connections for the max_rps run"}),
         ("--tokens", {"type": int, "default": 16, "help": "tokens the fake engine returns per request"}),
+        ("--auto", {"action": "store_true",
+                    "help": "also measure `model: auto` over a pool of three models, beside the named model"}),
     ]),
     "prefix": ("scheduling", "TTFT with a shared system prompt, prefix cache on vs off", [
         ("--model", {"default": DEFAULT_MODEL}),

@@ -111,9 +111,15 @@ async def list_models(platform: PlatformDep) -> list[a.ModelOut]:
 @post("/models", status_code=201)
 async def register_model(platform: PlatformDep, data: JSONBody[a.ModelIn]) -> a.ModelOut:
     async with platform.sessions() as session:
-        row = await catalog.register_model(session, data.name, data.source)
+        row = await catalog.register_model(session, data.name, data.source, data.auto_max_complexity)
     platform.catalog_changed()
     return a.model_out(row)
+
+
+@patch("/models/{name:path}")
+async def set_auto_route(platform: PlatformDep, name: FromPath[str], data: JSONBody[a.AutoRouteIn]) -> a.ModelOut:
+    """Puts the model in `auto`'s pool up to a request complexity, or (null) takes it out."""
+    return a.model_out(await platform.set_auto_route(name.lstrip("/"), data.auto_max_complexity))
 
 
 @get("/tenants/{name:str}/adapters")
@@ -168,5 +174,5 @@ async def engine_stats(platform: PlatformDep) -> a.EngineStatsOut:
 admin_router = Router(
     path="/admin/api", guards=[admin_guard], tags=["admin"],
     route_handlers=[create_tenant, list_tenants, get_tenant, update_tenant, disable_tenant, enable_tenant, create_key,
-                    list_keys, revoke_key, list_models, register_model, list_adapters, register_adapter, delete_adapter,
-                    engine_stats, *adapter_store_handlers])
+                    list_keys, revoke_key, list_models, register_model, set_auto_route, list_adapters,
+                    register_adapter, delete_adapter, engine_stats, *adapter_store_handlers])

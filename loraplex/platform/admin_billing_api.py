@@ -22,7 +22,6 @@ from loraplex.platform.state import Platform, PlatformDep
 from loraplex.platform.tenancy import budgets
 from loraplex.platform.tenancy.billing import prepare_export
 from loraplex.platform.tenancy.budgets import rule_of
-from loraplex.platform.tenancy.prices import set_price
 
 
 async def budget_status(platform: Platform, rows: list[Budget]) -> list[BudgetOut]:
@@ -65,8 +64,7 @@ async def delete_budget(platform: PlatformDep, tenant: FromQuery[str], period: F
 async def add_price(platform: PlatformDep, data: JSONBody[PriceIn]) -> PriceOut:
     spec = PriceSpec(data.model, data.input_per_1m, data.cached_input_per_1m, data.output_per_1m, data.currency,
                      data.effective_from)
-    async with platform.sessions() as session:
-        return price_out(await set_price(session, spec))
+    return price_out(await platform.add_price(spec))
 
 
 @get("/prices")

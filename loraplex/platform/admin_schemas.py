@@ -61,12 +61,18 @@ class KeyCreated(KeyOut):
 class ModelIn(Struct, kw_only=True):
     name: str
     source: str | None = None  # what the engine loads; defaults to the name
+    auto_max_complexity: float | None = None  # in `auto`'s pool up to this complexity (0-1); None: not
+
+
+class AutoRouteIn(Struct, kw_only=True):
+    auto_max_complexity: float | None  # null takes the model out of `auto`'s pool
 
 
 class ModelOut(Struct):
     id: int
     name: str
     source: str
+    auto_max_complexity: float | None
     created_at: datetime
 
 
@@ -121,7 +127,7 @@ def key_out(k: ApiKey) -> KeyOut:
 
 
 def model_out(m: Model) -> ModelOut:
-    return ModelOut(m.id, m.name, m.source, as_utc(m.created_at))
+    return ModelOut(m.id, m.name, m.source, m.auto_max_complexity, as_utc(m.created_at))
 
 
 def adapter_out(a: Adapter, tenant: str) -> AdapterOut:

@@ -12,6 +12,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from loraplex.engine.api import PRIORITY_CLASSES, EngineClient
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_COMPLEXITY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")
 
@@ -153,6 +154,10 @@ class Metrics:
         self.soft_limit_alerts = Counter("loraplex_budget_soft_limit_alerts",
                                          "Requests that took a budget past its soft limit", ["tenant", "budget"],
                                          registry=r)
+        self.auto_routed = Family(Counter("loraplex_auto_routed_requests", "Requests for `auto`, by model chosen",
+                                          ["model"], registry=r))
+        self.auto_complexity = Histogram("loraplex_auto_request_complexity", "Complexity scores of `auto` requests",
+                                         buckets=_COMPLEXITY_BUCKETS, registry=r)
         r.register(EngineCollector(engine))
 
     def watch_billing(self, ledger, quota) -> None:

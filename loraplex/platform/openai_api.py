@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 
 from litestar import Request, Response, Router, get, post
 from litestar.background_tasks import BackgroundTask
@@ -21,6 +22,7 @@ from litestar.response import Stream
 
 from loraplex.billing.usage import utcnow
 from loraplex.engine.api import GenerateRequest, ModelNotFoundError
+from loraplex.platform import auto_route
 from loraplex.platform import openai_convert as conv
 from loraplex.platform import openai_format as fmt
 from loraplex.platform import schemas as s
@@ -30,8 +32,9 @@ from loraplex.platform.db.tables import as_utc
 from loraplex.platform.errors import invalid, model_not_found
 from loraplex.platform.generation import GenerationRun
 from loraplex.platform.middleware import request_hex
+from loraplex.platform.routing import Target
 from loraplex.platform.state import Platform, PlatformDep
-from loraplex.platform.tenancy.catalog import list_adapters, list_models
+from loraplex.platform.tenancy.catalog import AUTO, list_adapters, list_models
 from loraplex.platform.usage_api import usage
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
@@ -54,22 +57,23 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
     who = caller_of(request)
     principal = who.principal
     conv.check_supported(data)
-    target = await platform.router.resolve(principal, data.model)
     priority = effective_priority(principal.max_priority, request.headers.get("x-priority"))
-    if target.adapter is not None:
-        await platform.adapters.ensure(target.adapter, target.requested)
     rid = request_hex(request.scope)
-    gen = GenerateRequest(
-        request_id=f"req_{rid}", model=target.base_model, adapter=target.adapter.engine_id if target.adapter else None,
-        sampling=conv.sampling(data, max_tokens), priority=priority, cache_salt=principal.cache_salt, **prompt)
-    engine = platform.engine
-    try:
-        prompt_tokens = engine.count_prompt_tokens(gen)  # validates everything; a 400 costs no rate limit
-    except ModelNotFoundError:
-        raise model_not_found(data.model) from None
-    context = next((m.max_model_len for m in engine.models() if m.name == target.base_model), prompt_tokens)
-    room = max(0, context - prompt_tokens)
+    sampling = conv.sampling(data, max_tokens)
     cap = principal.default_max_tokens or platform.settings.default_max_tokens
+
+    def request_for(model: str, adapter: str | None = None) -> GenerateRequest:
+        return GenerateRequest(request_id=f"req_{rid}", model=model, adapter=adapter, sampling=sampling,
+                               priority=priority, cache_salt=principal.cache_salt, **prompt)
+
+    if data.model == AUTO:
+        routed = await auto_route.route(platform.router, platform.engine, principal,
+                                        auto_route.request_text(prompt, max_tokens), request_for, max_tokens or cap)
+    else:
+        routed = await _resolve(platform, principal, data.model, request_for)
+    target, gen, prompt_tokens = routed.target, routed.request, routed.prompt_tokens
+    context = next((m.max_model_len for m in platform.engine.models() if m.name == target.base_model), prompt_tokens)
+    room = max(0, context - prompt_tokens)
     if max_tokens is None and cap and room:  # the engine must stop where the reservation ends
         max_tokens = min(room, cap)
         gen = dataclasses.replace(gen, sampling=dataclasses.replace(gen.sampling, max_tokens=max_tokens))
@@ -83,14 +87,40 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
         await platform.admission.settle(ticket, 0)
         raise
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
-    formatter = fmt_cls(rid, int(time.time()), data.model, include_usage)
+    headers = {**ticket.headers, **_note_route(platform, target)}
+    formatter = fmt_cls(rid, int(time.time()), target.base_model if target.routed_from else data.model,
+                        include_usage)
     if data.stream:
         body = fmt.stream(run, formatter, include_usage)
         # Litestar stops iterating when the client disconnects; the background task then closes
         # the generator, whose `finally` aborts the engine request.
-        return Stream(body, media_type="text/event-stream", headers={**ticket.headers, **SSE_HEADERS},
+        return Stream(body, media_type="text/event-stream", headers={**headers, **SSE_HEADERS},
                       background=BackgroundTask(body.aclose))
-    return Response(await fmt.collect(run, formatter), headers=ticket.headers)
+    return Response(await fmt.collect(run, formatter), headers=headers)
+
+
+async def _resolve(platform: Platform, principal: Principal, model: str,
+                   request_for: Callable[[str, str | None], GenerateRequest]) -> auto_route.Routed:
+    """A named base model or adapter: its target, its engine request and the prompt's length."""
+    target = await platform.router.resolve(principal, model)
+    if target.adapter is not None:
+        await platform.adapters.ensure(target.adapter, target.requested)
+    gen = request_for(target.base_model, target.adapter.engine_id if target.adapter else None)
+    try:
+        prompt_tokens = platform.engine.count_prompt_tokens(gen)  # validates everything; a 400 costs no rate limit
+    except ModelNotFoundError:
+        raise model_not_found(model) from None
+    return auto_route.Routed(target, gen, prompt_tokens)
+
+
+def _note_route(platform: Platform, target: Target) -> dict[str, str]:
+    """For a request `auto` routed, once admitted: counts the choice in the metrics and returns the
+    headers that tell it."""
+    if target.complexity is None:
+        return {}
+    platform.metrics.auto_routed.labels(target.base_model).inc()
+    platform.metrics.auto_complexity.observe(target.complexity)
+    return {"x-loraplex-model": target.base_model, "x-loraplex-complexity": f"{target.complexity:.4f}"}
 
 
 @post("/chat/completions", status_code=200, summary="Create a chat completion")
@@ -123,6 +153,8 @@ async def _cards(platform: Platform, principal: Principal) -> list[s.ModelCard]:
         usable &= set(principal.allowed_models)
     cards = [s.ModelCard(m.name, int(as_utc(m.created_at).timestamp()), "loraplex") for m in models
              if m.name in usable]
+    if await auto_route.available(platform.router, platform.engine, principal):
+        cards.append(s.ModelCard(AUTO, 0, "loraplex"))
     cards += [s.ModelCard(a.name, int(as_utc(a.created_at).timestamp()), principal.tenant) for a in adapters
               if a.base_model.name in usable
               and (principal.allowed_adapters is None or a.name in principal.allowed_adapters)]
@@ -138,6 +170,10 @@ async def models(request: Request, platform: PlatformDep) -> s.ModelList:
 async def model(request: Request, platform: PlatformDep, model_id: FromPath[str]) -> s.ModelCard:
     principal = _principal(request)
     name = model_id.lstrip("/")
+    if name == AUTO:
+        if not await auto_route.available(platform.router, platform.engine, principal):
+            raise model_not_found(name)
+        return s.ModelCard(AUTO, 0, "loraplex")
     target = await platform.router.resolve(principal, name)  # 404 exactly as for a generation
     if target.base_model not in _served(platform):
         raise model_not_found(name)

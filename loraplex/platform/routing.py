@@ -16,12 +16,13 @@ from dataclasses import dataclass
 import anyio
 from sqlalchemy.ext.asyncio import AsyncSession, async_sessionmaker
 
+from loraplex.billing.prices import PriceBook
 from loraplex.engine.api import EngineClient, EngineError, ModelNotFoundError
 from loraplex.platform.auth import Principal
 from loraplex.platform.background import Background
 from loraplex.platform.cache import RefreshingCache
 from loraplex.platform.errors import PlatformError, model_not_found
-from loraplex.platform.tenancy.catalog import existing_engine_ids, find_adapter, list_models
+from loraplex.platform.tenancy.catalog import auto_models, existing_engine_ids, find_adapter, list_models
 
 log = logging.getLogger("loraplex.platform")
 
@@ -41,6 +42,19 @@ class Target:
     requested: str
     base_model: str
     adapter: AdapterRef | None = None
+    complexity: float | None = None  # the score, when `auto` chose the model (auto_route.py)
+
+    @property
+    def routed_from(self) -> str | None:
+        return self.requested if self.complexity is not None else None
+
+
+@dataclass(frozen=True)
+class AutoPool:
+    """The base models `auto` may choose, each with its auto_max_complexity, and their prices."""
+
+    models: dict[str, float]
+    prices: PriceBook
 
 
 class ModelRouter:
@@ -51,10 +65,21 @@ class ModelRouter:
             self._load_models, ttl_s, what="models", grace_s=outage_grace_s, clock=clock)
         self._adapters: RefreshingCache[tuple[int, str], AdapterRef | None] = RefreshingCache(
             self._load_adapter, ttl_s, what="adapters", grace_s=outage_grace_s, clock=clock)
+        self._auto: RefreshingCache[None, AutoPool] = RefreshingCache(
+            self._load_auto, ttl_s, what="auto models", grace_s=outage_grace_s, clock=clock)
 
     def invalidate(self) -> None:
         self._models.invalidate()
         self._adapters.invalidate()
+        self._auto.invalidate()
+
+    async def auto_pool(self) -> AutoPool:
+        return await self._auto.get(None)
+
+    async def _load_auto(self, _: None) -> AutoPool:
+        async with self._sessions() as session:
+            models = await auto_models(session)
+            return AutoPool(models, await PriceBook.load(session, models))
 
     async def base_models(self) -> frozenset[str]:
         return await self._models.get(None)
@@ -74,7 +99,7 @@ class ModelRouter:
     async def resolve(self, principal: Principal, requested: str) -> Target:
         bases = await self.base_models()
         if requested in bases:
-            if not _model_allowed(principal, requested):
+            if not model_allowed(principal, requested):
                 raise model_not_found(requested)
             return Target(requested, requested)
         base, sep, name = requested.rpartition(":")
@@ -86,12 +111,12 @@ class ModelRouter:
         return Target(requested, ref.base_model, ref)
 
 
-def _model_allowed(principal: Principal, model: str) -> bool:
+def model_allowed(principal: Principal, model: str) -> bool:
     return principal.allowed_models is None or model in principal.allowed_models
 
 
 def _adapter_allowed(principal: Principal, ref: AdapterRef) -> bool:
-    if not _model_allowed(principal, ref.base_model):
+    if not model_allowed(principal, ref.base_model):
         return False
     return principal.allowed_adapters is None or ref.name in principal.allowed_adapters
 

@@ -14,6 +14,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
 from loraplex.adapters.store import AdapterStore
 from loraplex.billing.counters import CounterStore, MemoryCounters
 from loraplex.billing.ledger import LedgerWriter
+from loraplex.billing.prices import Price, PriceSpec
 from loraplex.billing.quota import Quota
 from loraplex.billing.rebuild import ledger_ids, tenant_usage
 from loraplex.billing.spool import Spool
@@ -24,12 +25,13 @@ from loraplex.platform.admission import Admission
 from loraplex.platform.auth import AuthCache
 from loraplex.platform.background import Background
 from loraplex.platform.db.database import make_engine, session_factory
-from loraplex.platform.db.tables import Adapter, ApiKey, Budget, Tenant
+from loraplex.platform.db.tables import Adapter, ApiKey, Budget, Model, Tenant
 from loraplex.platform.generation import RunContext
 from loraplex.platform.metrics import Metrics
 from loraplex.platform.routing import EngineAdapters, ModelRouter
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy import budgets, catalog, keys, tenants
+from loraplex.platform.tenancy.prices import set_price
 
 
 @dataclass
@@ -106,6 +108,19 @@ class Platform:
         async with self.sessions() as session:
             await budgets.delete_budget(session, tenant, period, key_prefix)
         self.catalog_changed()
+
+    async def set_auto_route(self, model: str, auto_max_complexity: float | None) -> Model:
+        async with self.sessions() as session:
+            row = await catalog.set_auto_route(session, model, auto_max_complexity)
+        self.catalog_changed()
+        return row
+
+    async def add_price(self, spec: PriceSpec) -> Price:
+        """Prices rank `auto`'s models by cost, so the router re-reads them."""
+        async with self.sessions() as session:
+            price = await set_price(session, spec)
+        self.router.invalidate()
+        return price
 
     async def delete_adapter(self, tenant: str, name: str) -> Adapter:
         """New requests for it answer 404 at once (on other instances within the catalog cache's

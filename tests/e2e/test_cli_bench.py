@@ -45,3 +45,13 @@ def test_bench_lora_reports_every_pattern_peft_and_both_loads(tmp_path):
     assert r["peft_distinct"]["tok_s"] > 0 and "distinct_vs_peft" in r["paired_ratios"]
     assert r["adapter_load_ms"] > 0 and r["adapter_load_cached_ms"] > 0  # from disk, from the page cache
     assert r["adapter_slot_swap_ms"] > 0  # from the CPU tier into a device slot
+
+
+def test_bench_gateway_measures_auto_beside_the_named_model(tmp_path):
+    r = run_bench(tmp_path, "gateway", "--database-url", "sqlite", "--redis-url", "none", "--rate", "50",
+                  "--seconds", "1", "--concurrency", "4", "--auto")
+    for result in (r, r["auto"]):  # every request answered 200: `auto` found its pool and routed
+        assert result["failures"] == {"gateway": 0, "direct": 0, "max_rps": 0}
+        assert result["requests"] == 50 and result["max_rps"] > 0
+    assert set(r["auto_vs_named"]["added_latency_ms_diff"]) == {"p50", "p90", "p99"}
+    assert r["auto_vs_named"]["max_rps_ratio"] == round(r["auto"]["max_rps"] / r["max_rps"], 3)

@@ -243,3 +243,26 @@ def test_prices_added_in_the_ui_charge_later_requests(ui):
         assert time.monotonic() < deadline, "the priced request never reached the tenant's page"
         time.sleep(0.1)
     assert re.search(r"<td>synthetic:tiny</td><td>\(base\)</td>\s*<td>EUR</td>", page)
+
+
+def test_the_models_form_puts_a_model_in_autos_pool_and_takes_it_out(ui):
+    login(ui)
+    _, key = make_tenant(ui)
+    csrf = csrf_of(ui, "/admin")
+    form = {"csrf": csrf, "model": "synthetic:tiny", "auto_max_complexity": "0.45"}
+    try:
+        r = ui.post("/admin/models/route", data=form, follow_redirects=False)
+        assert r.status_code == 303 and r.headers["location"] == "/admin#models"
+        row = re.search(r'<tr data-model="synthetic:tiny">.*?</tr>', ui.get("/admin").text, re.S).group(0)
+        assert 'value="0.45"' in row
+        routed = ask(ui, key, "auto")
+        assert routed.status_code == 200 and routed.json()["model"] == "synthetic:tiny"
+        for bad, message in (("1.5", "from 0 to 1"), ("high", "must be a number")):
+            r = ui.post("/admin/models/route", data={**form, "auto_max_complexity": bad})
+            assert r.status_code == 400 and message in r.text, r.text
+        r = ui.post("/admin/models/route", data={**form, "model": "nope"})
+        assert r.status_code == 404 and "not registered" in r.text
+        ui.post("/admin/models/route", data={**form, "auto_max_complexity": ""}, follow_redirects=False)
+        assert chat(ui, key, "auto") == 404
+    finally:  # other tests share this catalog
+        ui.patch("/admin/api/models/synthetic:tiny", json={"auto_max_complexity": None}, headers=ADMIN)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import inspect
+from sqlalchemy import inspect, text
+from sqlalchemy.exc import IntegrityError
 
 from loraplex.platform.db.database import make_engine
 from loraplex.platform.db.migrate import current_revision, downgrade, head_revision, upgrade
@@ -57,3 +58,37 @@ def test_upgrade_to_head_and_downgrade_to_base(empty_database):
     assert seen["diff"] == []
     assert seen["base"] <= {"alembic_version"} and seen["base_revision"] is None
     assert seen["again"] == head_revision()
+
+
+async def _models_across_0003(url: str) -> dict:
+    """A model registered at 0002 keeps its row through 0003 (out of auto's pool) and back."""
+    engine = make_engine(url)
+    seen = {}
+    try:
+        await upgrade(engine, "0002")
+        async with engine.begin() as conn:
+            await conn.execute(text("INSERT INTO models (name, source, created_at) "
+                                    "VALUES ('kept', 'synthetic:tiny', CURRENT_TIMESTAMP)"))
+        await upgrade(engine)
+        async with engine.connect() as conn:
+            seen["after"] = (await conn.execute(text("SELECT name, auto_max_complexity FROM models"))).all()
+        for value in (1.5, -0.5):
+            try:
+                async with engine.begin() as conn:
+                    await conn.execute(text("UPDATE models SET auto_max_complexity = :v"), {"v": value})
+                seen[value] = "stored"
+            except IntegrityError:
+                seen[value] = "refused"
+        await downgrade(engine, "0002")
+        async with engine.connect() as conn:
+            seen["down"] = (await conn.execute(text("SELECT name FROM models"))).all()
+    finally:
+        await engine.dispose()
+    return seen
+
+
+def test_0003_adds_auto_max_complexity_keeping_models(empty_database):
+    seen = run(_models_across_0003(empty_database))
+    assert seen["after"] == [("kept", None)]
+    assert seen[1.5] == seen[-0.5] == "refused"  # the check constraint, on both databases
+    assert seen["down"] == [("kept",)]

@@ -8,6 +8,10 @@ The gateway runs as one uvicorn worker in its own process (one core); the load g
 plain keep-alive HTTP/1.1 client on the other core, so its own cost stays small. The gateway
 process's CPU time per request during the max_rps run is reported too: on a shared machine it
 moves far less from run to run than the latencies do.
+
+`--auto` measures, against the same gateway process, requests for `model: "auto"` too, over a pool
+of three models (limits 0.3, 0.6 and 1): what scoring the request and counting its prompt for each
+model costs, reported beside the named model's figures and as their ratio.
 """
 
 from __future__ import annotations
@@ -27,18 +31,20 @@ from pathlib import Path
 from loraplex.engine.api import EngineStats, GenerateEvent, GenerateRequest, ModelInfo, Usage
 
 MODEL = "bench-model"
+AUTO_POOL = {MODEL: 1.0, f"{MODEL}-small": 0.3, f"{MODEL}-medium": 0.6}  # name -> auto_max_complexity
 
 
 class FixedEngine:
     """An EngineClient that returns `tokens` tokens in one event, without computing anything."""
 
-    def __init__(self, tokens: int = 16):
+    def __init__(self, tokens: int = 16, models: tuple[str, ...] = (MODEL,)):
         self.tokens = tokens
+        self._models = [ModelInfo(name, 4096, 32000) for name in models]
         self._ids = tuple(range(100, 100 + tokens))
         self._text = "x" * tokens
 
     def models(self) -> list[ModelInfo]:
-        return [ModelInfo(MODEL, 4096, 32000)]
+        return self._models
 
     def count_prompt_tokens(self, request: GenerateRequest) -> int:
         if request.messages is not None:
@@ -72,17 +78,18 @@ class FixedEngine:
 # --- the gateway process -------------------------------------------------------------------------
 
 
-def _serve(settings, port: int, tokens: int) -> None:
+def _serve(settings, port: int, tokens: int, models: tuple[str, ...]) -> None:
     import uvicorn
 
     from loraplex.platform.app import create_app
 
-    app = create_app(settings, FixedEngine(tokens))
+    app = create_app(settings, FixedEngine(tokens, models))
     uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False, timeout_keep_alive=60)
 
 
-async def _prepare(settings) -> str:
-    """Migrates the scratch database, makes a tenant, a key with (high) limits and the model."""
+async def _prepare(settings, models: tuple[str, ...]) -> str:
+    """Migrates the scratch database, makes a tenant, a key with (high) limits and the models (with
+    more than one, all in auto's pool)."""
     from loraplex.platform.db.database import make_engine, session_factory
     from loraplex.platform.db.migrate import upgrade
     from loraplex.platform.tenancy import catalog, keys, tenants
@@ -91,7 +98,10 @@ async def _prepare(settings) -> str:
     try:
         await upgrade(engine)
         async with session_factory(engine)() as session:
-            await catalog.ensure_model(session, MODEL)
+            for name in models:
+                await catalog.ensure_model(session, name)
+                if len(models) > 1:
+                    await catalog.set_auto_route(session, name, AUTO_POOL[name])
             await tenants.create_tenant(session, "bench")
             spec = keys.KeySpec(name="bench", rpm_limit=10_000_000, tpm_limit=1_000_000_000)
             _, secret = await keys.create_key(session, "bench", spec)
@@ -128,8 +138,8 @@ class Connection:
         self.writer.close()
 
 
-def _request_bytes(key: str, port: int, tokens: int) -> bytes:
-    body = json.dumps({"model": MODEL, "max_tokens": tokens,
+def _request_bytes(key: str, port: int, tokens: int, model: str) -> bytes:
+    body = json.dumps({"model": model, "max_tokens": tokens,
                        "messages": [{"role": "user", "content": "Say something short about the sea."}]}).encode()
     head = (f"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1:{port}\r\nauthorization: Bearer {key}\r\n"
             f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n")
@@ -236,10 +246,10 @@ def _cpu_seconds(pid: int) -> float | None:
 
 
 async def _measure(port: int, key: str, rate: float, seconds: float, concurrency: int, tokens: int,
-                   pid: int) -> dict:
+                   pid: int, model: str = MODEL) -> dict:
     count = int(rate * seconds)
     direct, direct_failures = await _direct(FixedEngine(tokens), rate, count, tokens)
-    pool = Pool(port, _request_bytes(key, port, tokens))  # opened after, so no connection idles out
+    pool = Pool(port, _request_bytes(key, port, tokens, model))  # opened after, so no connection idles out
     try:
         await _open_loop(pool.call, rate, int(rate))  # warm-up: caches, connections, code paths
         gateway, gateway_failures = await _open_loop(pool.call, rate, count)
@@ -285,7 +295,7 @@ async def _wait_ready(port: int, proc, timeout_s: float = 60) -> None:
 
 
 def run_gateway_bench(database_url: str | None, redis_url: str | None, rate: float = 200.0, seconds: float = 10.0,
-                      concurrency: int = 32, tokens: int = 16) -> dict:
+                      concurrency: int = 32, tokens: int = 16, auto: bool = False) -> dict:
     """database_url: a Postgres server to make a scratch database on (dropped after), or None (or
     "sqlite") for SQLite in a temporary directory; redis_url None (or "none"): in-process counters."""
     database_url = None if database_url == "sqlite" else database_url
@@ -300,13 +310,18 @@ def run_gateway_bench(database_url: str | None, redis_url: str | None, rate: flo
         settings = Settings(data_dir=Path(tmp), database_url=scratch, redis_url=redis_url,
                             redis_prefix=f"loraplex-bench-{secrets.token_hex(4)}:")
         try:
-            key = asyncio.run(_prepare(settings))
+            models = tuple(AUTO_POOL) if auto else (MODEL,)
+            key = asyncio.run(_prepare(settings, models))
             port = _free_port()
-            proc = multiprocessing.get_context("spawn").Process(target=_serve, args=(settings, port, tokens))
+            proc = multiprocessing.get_context("spawn").Process(target=_serve, args=(settings, port, tokens, models))
             proc.start()
             try:
                 asyncio.run(_wait_ready(port, proc))
                 results = asyncio.run(_measure(port, key, rate, seconds, concurrency, tokens, proc.pid))
+                if auto:
+                    results["auto"] = asyncio.run(_measure(port, key, rate, seconds, concurrency, tokens, proc.pid,
+                                                           "auto"))
+                    results["auto_vs_named"] = _auto_vs_named(results, results["auto"])
             finally:
                 proc.terminate()
                 proc.join(30)
@@ -321,6 +336,17 @@ def run_gateway_bench(database_url: str | None, redis_url: str | None, rate: flo
         "targets": {"added_latency_ms.p50": 2.0, "added_latency_ms.p99": 10.0, "max_rps": 800},
     })
     return results
+
+
+def _auto_vs_named(named: dict, auto: dict) -> dict:
+    """What `auto` adds: latency differences in ms, CPU per request and max_rps as ratios."""
+    cpu_named, cpu_auto = named["gateway_cpu_ms_per_request"], auto["gateway_cpu_ms_per_request"]
+    return {
+        "added_latency_ms_diff": {q: round(auto["added_latency_ms"][q] - named["added_latency_ms"][q], 3)
+                                  for q in ("p50", "p90", "p99")},
+        "gateway_cpu_ratio": round(cpu_auto / cpu_named, 3) if cpu_named and cpu_auto else None,
+        "max_rps_ratio": round(auto["max_rps"] / named["max_rps"], 3) if named["max_rps"] else None,
+    }
 
 
 def _cpu_name() -> str:

@@ -11,6 +11,7 @@ from sqlalchemy import (
     BigInteger,
     CheckConstraint,
     DateTime,
+    Float,
     ForeignKey,
     Index,
     Integer,
@@ -94,10 +95,16 @@ class ApiKey(Base):
 
 class Model(Base):
     __tablename__ = "models"
+    __table_args__ = (
+        CheckConstraint("auto_max_complexity IS NULL OR (auto_max_complexity >= 0 AND auto_max_complexity <= 1)",
+                        name="auto_max_complexity"),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(String(200), unique=True)
     source: Mapped[str] = mapped_column(String(1000))
+    # in `auto`'s pool, taking requests up to this complexity (0-1); NULL: never chosen by `auto`
+    auto_max_complexity: Mapped[float | None] = mapped_column(Float)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

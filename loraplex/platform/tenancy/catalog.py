@@ -1,7 +1,10 @@
-"""Base models (name, source) and the adapters tenants register on them (name, base model, path)."""
+"""Base models (name, source, auto_max_complexity) and the adapters tenants register on them (name,
+base model, path). "auto" names the complexity router (auto_route.py), so no model or adapter may
+take that name."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable
 
 from sqlalchemy import select
@@ -12,25 +15,46 @@ from loraplex.platform.errors import conflict, invalid, not_found
 from loraplex.platform.tenancy.common import check_name, commit_or_conflict
 from loraplex.platform.tenancy.tenants import get_tenant
 
+AUTO = "auto"
+
 
 def _check_model_name(name: str) -> str:
     if not isinstance(name, str) or not name or len(name) > 200 or any(c.isspace() for c in name):
         raise invalid(f"model name must be 1-200 characters without spaces, got {name!r}", "name")
+    return check_not_auto(name, "model")
+
+
+def check_not_auto(name: str, what: str, param: str = "name") -> str:
+    if name == AUTO:
+        raise invalid(f"{what} name {AUTO!r} is reserved for routing by request complexity", param)
     return name
+
+
+def check_max_complexity(value: float | None) -> float | None:
+    """None keeps a model out of `auto`; else the most complex request (0-1) it should take."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or not 0 <= value <= 1:
+        raise invalid(f"auto_max_complexity must be a number from 0 to 1, or null, got {value!r}",
+                      "auto_max_complexity")
+    return float(value)
 
 
 async def find_model(session: AsyncSession, name: str) -> Model | None:
     return (await session.execute(select(Model).where(Model.name == name))).scalar_one_or_none()
 
 
-async def register_model(session: AsyncSession, name: str, source: str | None = None) -> Model:
+async def register_model(session: AsyncSession, name: str, source: str | None = None,
+                         auto_max_complexity: float | None = None) -> Model:
     _check_model_name(name)
+    auto_max_complexity = check_max_complexity(auto_max_complexity)
     source = source or name
     if await find_model(session, name) is not None:
         raise conflict(f"model {name!r} already exists", "name")
 
     async def work() -> Model:
-        row = Model(name=name, source=source)
+        row = Model(name=name, source=source, auto_max_complexity=auto_max_complexity)
         session.add(row)
         await session.flush()
         return row
@@ -43,6 +67,24 @@ async def ensure_model(session: AsyncSession, name: str, source: str | None = No
     return await find_model(session, name) or await register_model(session, name, source)
 
 
+async def set_auto_route(session: AsyncSession, name: str, auto_max_complexity: float | None) -> Model:
+    """Puts a model in `auto`'s pool (taking requests up to that complexity) or, with None, out of it."""
+    value = check_max_complexity(auto_max_complexity)
+    row = await find_model(session, name)
+    if row is None:
+        raise not_found(f"model {name!r} is not registered", "name", code="model_not_found")
+    row.auto_max_complexity = value
+    await session.commit()
+    return row
+
+
+async def auto_models(session: AsyncSession) -> dict[str, float]:
+    """The models in `auto`'s pool: name -> auto_max_complexity."""
+    rows = await session.execute(select(Model.name, Model.auto_max_complexity)
+                                 .where(Model.auto_max_complexity.is_not(None)))
+    return {name: value for name, value in rows.all()}
+
+
 async def list_models(session: AsyncSession) -> list[Model]:
     return list((await session.execute(select(Model).order_by(Model.id))).scalars())
 
@@ -51,7 +93,7 @@ async def register_adapter(session: AsyncSession, tenant_name: str, name: str, b
                            validate: Callable[[Adapter], Awaitable[None]] | None = None) -> Adapter:
     """Inserts the row, lets `validate` check it against the engine (it gets the row with its id),
     and commits only if that passes: a bad adapter leaves no row."""
-    check_name(name, "adapter")
+    check_not_auto(check_name(name, "adapter"), "adapter")
     if not isinstance(path, str) or not path:
         raise invalid("path must be the adapter's directory", "path")
     tenant = await get_tenant(session, tenant_name)
