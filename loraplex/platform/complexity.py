@@ -50,6 +50,7 @@ _REASONING_PHRASES = (
     "reason about", "derive", "root cause", "what would happen", "implications", "assess", "strategy",
 )
 SCAN_CHARS = 32_000
+_REASONING = re.compile(r"\b(?:" + "|".join(re.escape(p) for p in _REASONING_PHRASES) + r")\b")
 _WORD = re.compile(r"[a-z][a-z0-9+#]*")
 _FENCE = re.compile(r"```|~~~")
 _CODE_LINE = re.compile(r"^\s*(def |class |import |from \S+ import |return\b|for\s*\(|if\s*\(|#include|"
@@ -99,7 +100,7 @@ def _math(text: str, words: set[str]) -> float:
 
 
 def _reasoning(lowered: str) -> float:
-    return _count_ramp(sum(1 for phrase in _REASONING_PHRASES if re.search(rf"\b{re.escape(phrase)}\b", lowered)))
+    return _count_ramp(len(set(_REASONING.findall(lowered))))
 
 
 def _multipart(text: str) -> float:
