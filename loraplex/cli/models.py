@@ -1,10 +1,13 @@
-"""`loraplex models list|add|route`: the base-model catalog and `auto`'s pool."""
+"""`loraplex models list|add|route|score`: the base-model catalog, `auto`'s pool, and the complexity
+score `auto` would give a prompt (to choose the pool's limits)."""
 
 from __future__ import annotations
 
 import argparse
+import sys
 
-from loraplex.cli.storage import with_session
+from loraplex.cli.storage import positive_int, with_session
+from loraplex.platform import complexity
 from loraplex.platform.tenancy import catalog
 
 
@@ -26,6 +29,10 @@ def add_parser(sub) -> None:
                        help="`auto` may send it requests of complexity up to X (0-1)")
     which.add_argument("--off", action="store_true", help="`auto` never chooses it")
     route.set_defaults(func=_route)
+    score = msub.add_parser("score", help="the complexity score `auto` gives a prompt, signal by signal")
+    score.add_argument("--prompt", help="the user's message (default: read from stdin)")
+    score.add_argument("--max-tokens", metavar="N", help="the request's max_tokens")
+    score.set_defaults(func=_score)
 
 
 def _complexity(text: str | None, flag: str) -> float | None:
@@ -61,4 +68,13 @@ def _route(args: argparse.Namespace) -> int:
     m = with_session(lambda s: catalog.set_auto_route(s, args.name, value))
     print(f"model {m.name}: {'out of auto' if value is None else f'auto takes up to complexity {value:g}'}"
           " (running servers see it within their catalog cache's TTL)")
+    return 0
+
+
+def _score(args: argparse.Namespace) -> int:
+    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    scored = complexity.score(complexity.RequestText(text, len(text), 1, positive_int(args.max_tokens, "--max-tokens")))
+    print(f"score\t{scored.score:.4f}")
+    for name, value in scored.signals.items():
+        print(f"{name}\t{value:.2f} x {complexity.WEIGHTS[name]:.2f}")
     return 0

@@ -1,7 +1,8 @@
 """The admin UI in headless Chromium (Debian's, through Playwright) against the real `loraplex serve`:
 an admin logs in, creates a tenant and a key, sees the key's traffic in the usage chart, deletes an
 adapter (after dismissing the confirmation once), revokes the key, disables the tenant and logs out;
-each change is checked through the tenant API with the `openai` client. No page logs an error, so
+each change is checked through the tenant API with the `openai` client; the overview puts the model
+in `auto`'s pool and takes it out. No page logs an error, so
 the pages' own script and styles pass the Content-Security-Policy."""
 
 from __future__ import annotations
@@ -146,3 +147,22 @@ def test_the_overview_shows_the_engine_and_models(page: Page, server):
     expect(page.locator("#models")).to_contain_text("yes")
     expect(page.locator("#stat-running")).to_have_text("0")
     assert page.locator("svg.chart g.bar").count() == 30 and page.errors == []
+
+    # `auto`'s pool: any value from 0 to 1 (not only steps of the spinner), blank takes it out
+    limit = page.locator(f'#models tr[data-model="{MODEL}"] input[name=auto_max_complexity]')
+    limit.fill("0.33")
+    page.locator(f'#models tr[data-model="{MODEL}"] button').click()
+    expect(page).to_have_url(f"{server.base_url}/admin#models")
+    expect(limit).to_have_value("0.33")
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    httpx.post(f"{server.base_url}/admin/api/tenants", headers=admin, json={"name": "router"}, timeout=30)
+    key = httpx.post(f"{server.base_url}/admin/api/tenants/router/keys", headers=admin, json={}, timeout=30).json()
+    client = openai.OpenAI(api_key=key["key"], base_url=f"{server.base_url}/v1", max_retries=0, timeout=60)
+    answer = client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert answer.model == MODEL
+    limit.fill("")
+    page.locator(f'#models tr[data-model="{MODEL}"] button').click()
+    expect(limit).to_have_value("")
+    with pytest.raises(openai.NotFoundError):  # the pool is empty again (this server's writes apply at once)
+        client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert page.errors == []

@@ -44,6 +44,9 @@ def test_models_route_sets_the_pool_auto_chooses_from(tmp_path):
         hard, headers = ask(client, COMPLEX)
         assert hard.model == LARGE and float(headers["x-loraplex-complexity"]) > 0.3
         assert hard.usage.completion_tokens > 0
+        scored = loraplex(env, "models", "score", "--prompt", COMPLEX, "--max-tokens", "4")
+        assert scored.returncode == 0 and scored.stdout.splitlines()[0] == f"score\t{headers['x-loraplex-complexity']}"
+        assert "code\t1.00 x 0.25" in scored.stdout  # the fenced block
 
         one_line_error(loraplex(env, "models", "route", "nope", "--max-complexity", "0.5"), "not registered")
         one_line_error(loraplex(env, "models", "route", SMALL, "--max-complexity", "2"), "from 0 to 1")
