@@ -17,7 +17,7 @@ from litestar.response import Redirect, Template
 from loraplex.admin_ui import session
 from loraplex.admin_ui.web import checked_form, local_page, page, platform_of, to
 from loraplex.billing.prices import PriceSpec
-from loraplex.platform.admin_api import admin_token_ok
+from loraplex.platform.admin_api import check_admin_token
 from loraplex.platform.db.tables import utcnow
 from loraplex.platform.errors import invalid
 from loraplex.platform.state import PlatformDep
@@ -29,7 +29,7 @@ async def login(request: Request) -> Template | Redirect:
     form = await request.form()
     token = platform_of(request).settings.admin_token
     given, next_page = str(form.get("token") or ""), str(form.get("next") or "/admin")
-    if not admin_token_ok(token, given):
+    if not check_admin_token(request, given):
         return page(request, "login.html.j2", status=401, next=next_page, error="That is not the admin token.")
     redirect = to(local_page(next_page))
     redirect.cookies.append(Cookie(key=session.COOKIE, value=session.issue(token, time.time()), path="/admin",

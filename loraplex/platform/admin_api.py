@@ -30,13 +30,26 @@ def admin_token_ok(configured: str | None, given: str) -> bool:
     return bool(configured) and hmac.compare_digest(given.strip().encode(), configured.encode())
 
 
+def check_admin_token(connection: ASGIConnection, given: str) -> bool:
+    """`admin_token_ok` for a client, counted against its address: one that sent too many wrong
+    tokens lately gets a 429 instead, whatever it sends (auth_throttle.py). No token at all is no
+    guess, and is not counted."""
+    platform = connection.app.state.platform
+    address = connection.client.host if connection.client else "unknown"
+    platform.admin_throttle.check(address)
+    if not given.strip():
+        return False
+    ok = admin_token_ok(platform.settings.admin_token, given)
+    platform.admin_throttle.record(address, ok)
+    return ok
+
+
 def admin_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
-    token = connection.app.state.platform.settings.admin_token
-    if not token:
+    if not connection.app.state.platform.settings.admin_token:
         raise PlatformError(403, "The admin API is disabled: set LORAPLEX_ADMIN_TOKEN to enable it.",
                             code="admin_disabled")
     scheme, _, given = (connection.headers.get("authorization") or "").partition(" ")
-    if scheme.lower() != "bearer" or not admin_token_ok(token, given):
+    if not check_admin_token(connection, given if scheme.lower() == "bearer" else ""):
         raise PlatformError(401, "Invalid admin token.", code="invalid_admin_token")
 
 

@@ -51,6 +51,9 @@ class Settings:
     redis_url: str | None = None
     redis_prefix: str = "loraplex:"
     admin_token: str | None = None
+    # Wrong admin tokens from one address before it is refused for the rest of the window (0: no limit).
+    admin_auth_max_failures: int = 10
+    admin_auth_window_s: float = 300.0
     # A cached key is re-read from the database after this long, so a key revoked or expired on
     # another instance is refused within it (the issue asks for one second).
     auth_cache_ttl_s: float = 0.5
@@ -94,6 +97,8 @@ class Settings:
             redis_url=env.get("LORAPLEX_REDIS_URL") or None,
             redis_prefix=env.get("LORAPLEX_REDIS_PREFIX") or "loraplex:",
             admin_token=env.get("LORAPLEX_ADMIN_TOKEN") or None,
+            admin_auth_max_failures=_integer(env, "LORAPLEX_ADMIN_AUTH_MAX_FAILURES", 10, 0),
+            admin_auth_window_s=_number(env, "LORAPLEX_ADMIN_AUTH_WINDOW", 300.0, 1.0),
             auth_cache_ttl_s=_number(env, "LORAPLEX_AUTH_CACHE_TTL", 0.5, 0.0),
             catalog_cache_ttl_s=_number(env, "LORAPLEX_CATALOG_CACHE_TTL", 2.0, 0.0),
             adapter_sweep_interval_s=_number(env, "LORAPLEX_ADAPTER_SWEEP_INTERVAL", 30.0, 0.0),

@@ -23,6 +23,7 @@ from loraplex.billing.usage import FanOutSink, UsageSink
 from loraplex.engine.api import EngineClient
 from loraplex.platform.admission import Admission
 from loraplex.platform.auth import AuthCache
+from loraplex.platform.auth_throttle import AdminAuthThrottle
 from loraplex.platform.background import Background
 from loraplex.platform.db.database import make_engine, session_factory
 from loraplex.platform.db.tables import Adapter, ApiKey, Budget, Model, Tenant
@@ -49,6 +50,7 @@ class Platform:
     store: AdapterStore  # uploaded adapters' files
     admission: Admission
     runs: RunContext
+    admin_throttle: AdminAuthThrottle
     not_ready: str | None = "starting"  # why /ready says no; None once started
     _reconciler: asyncio.Task | None = None
     _sweeper: asyncio.Task | None = None
@@ -76,7 +78,8 @@ class Platform:
             router=ModelRouter(sessions, settings.catalog_cache_ttl_s, outage_grace_s=settings.db_outage_grace_s),
             adapters=EngineAdapters(engine), admission=admission,
             store=AdapterStore(settings.adapter_store_root, settings.adapter_max_bytes),
-            runs=RunContext(engine, admission, metrics, sink, Background(), settings.request_timeout_s))
+            runs=RunContext(engine, admission, metrics, sink, Background(), settings.request_timeout_s),
+            admin_throttle=AdminAuthThrottle(settings.admin_auth_max_failures, settings.admin_auth_window_s))
 
     def catalog_changed(self) -> None:
         """Called after a write through this instance, so it sees the change at once."""

@@ -97,6 +97,30 @@ def test_admin_api_needs_the_admin_token(api):
         assert r.status_code == 403 and r.json()["error"]["code"] == "admin_disabled"
 
 
+def test_wrong_admin_tokens_lock_the_address_out_of_the_api_and_the_ui(api):
+    """After 3 wrong tokens (this app's limit) the address gets 429 for the window, the right token
+    included, on the admin API and the UI's login alike; no token at all is not counted."""
+    from loraplex.admin_ui import AdminUI
+
+    with TestClient(api.backend.app(plugins=[AdminUI()], admin_auth_max_failures=3, admin_auth_window_s=60)) as app:
+        good = {"authorization": f"Bearer {ADMIN_TOKEN}"}
+        for _ in range(5):
+            assert app.get("/admin/api/tenants").status_code == 401  # no token: no guess
+        assert app.get("/admin/api/tenants", headers={"authorization": "Bearer wrong-1"}).status_code == 401
+        assert app.get("/admin/api/tenants", headers=good).status_code == 200  # a success clears the count
+        for i in range(3):
+            assert app.get("/admin/api/tenants", headers={"authorization": f"Bearer wrong-{i}"}).status_code == 401
+        r = app.get("/admin/api/tenants", headers=good)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "too_many_auth_failures", r.text
+        assert 55 <= int(r.headers["retry-after"]) <= 60
+        login = app.post("/admin/login", data={"token": ADMIN_TOKEN, "next": "/admin"}, follow_redirects=False)
+        assert login.status_code == 429 and "Too many wrong admin tokens" in login.text
+    with TestClient(api.backend.app(admin_auth_max_failures=0)) as unlimited:
+        for i in range(20):
+            unlimited.get("/admin/api/tenants", headers={"authorization": f"Bearer wrong-{i}"})
+        assert unlimited.get("/admin/api/tenants", headers=good).status_code == 200
+
+
 def test_admin_lists_and_registers_models(api):
     tenant = api.tenant()
     names = [t["name"] for t in api.client.get("/admin/api/tenants", headers=api.admin).json()]
