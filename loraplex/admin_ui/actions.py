@@ -21,7 +21,7 @@ from loraplex.platform.admin_api import check_admin_token
 from loraplex.platform.db.tables import utcnow
 from loraplex.platform.errors import invalid
 from loraplex.platform.state import PlatformDep
-from loraplex.platform.tenancy import keys, tenants
+from loraplex.platform.tenancy import catalog, keys, tenants
 
 
 @post("/login", opt={"public": True})
@@ -134,12 +134,7 @@ async def add_price(request: Request, platform: PlatformDep) -> Redirect:
 async def set_auto_route(request: Request, platform: PlatformDep) -> Redirect:
     """A model's auto_max_complexity (blank: out of `auto`'s pool)."""
     form = await checked_form(request)
-    raw = form.get("auto_max_complexity", "").strip()
-    try:
-        value = float(raw) if raw else None
-    except ValueError:
-        raise invalid(f"auto max complexity must be a number from 0 to 1, got {raw!r}", "auto_max_complexity") \
-            from None
+    value = catalog.parse_max_complexity(form.get("auto_max_complexity", ""))
     await platform.set_auto_route(form.get("model", ""), value)
     return to("/admin#models")
 

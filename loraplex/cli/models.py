@@ -8,6 +8,7 @@ import sys
 
 from loraplex.cli.storage import positive_int, with_session
 from loraplex.platform import complexity
+from loraplex.platform.auto_route import request_text
 from loraplex.platform.tenancy import catalog
 
 
@@ -35,17 +36,6 @@ def add_parser(sub) -> None:
     score.set_defaults(func=_score)
 
 
-def _complexity(text: str | None, flag: str) -> float | None:
-    """Parsed here, not by argparse, so a bad value is one `loraplex: error:` line (the range is the
-    catalog's check)."""
-    if text is None:
-        return None
-    try:
-        return float(text)
-    except ValueError:
-        raise ValueError(f"{flag} must be a number from 0 to 1, got {text!r}") from None
-
-
 def _auto(value: float | None) -> str:
     return "-" if value is None else f"auto<={value:g}"
 
@@ -57,14 +47,15 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _add(args: argparse.Namespace) -> int:
-    limit = _complexity(args.auto_max_complexity, "--auto-max-complexity")
+    raw = args.auto_max_complexity  # parsed by the catalog, not argparse: a bad value is one error line
+    limit = None if raw is None else catalog.parse_max_complexity(raw)
     m = with_session(lambda s: catalog.register_model(s, args.name, args.source, limit))
     print(f"registered model {m.name} ({m.source}, {_auto(m.auto_max_complexity)})")
     return 0
 
 
 def _route(args: argparse.Namespace) -> int:
-    value = None if args.off else _complexity(args.max_complexity, "--max-complexity")
+    value = None if args.off else catalog.parse_max_complexity(args.max_complexity)
     m = with_session(lambda s: catalog.set_auto_route(s, args.name, value))
     print(f"model {m.name}: {'out of auto' if value is None else f'auto takes up to complexity {value:g}'}"
           " (running servers see it within their catalog cache's TTL)")
@@ -73,7 +64,7 @@ def _route(args: argparse.Namespace) -> int:
 
 def _score(args: argparse.Namespace) -> int:
     text = args.prompt if args.prompt is not None else sys.stdin.read()
-    scored = complexity.score(complexity.RequestText(text, len(text), 1, positive_int(args.max_tokens, "--max-tokens")))
+    scored = complexity.score(request_text({"prompt": text}, positive_int(args.max_tokens, "--max-tokens")))
     print(f"score\t{scored.score:.4f}")
     for name, value in scored.signals.items():
         print(f"{name}\t{value:.2f} x {complexity.WEIGHTS[name]:.2f}")

@@ -41,6 +41,19 @@ def check_max_complexity(value: float | None) -> float | None:
     return float(value)
 
 
+def parse_max_complexity(raw: str) -> float | None:
+    """A limit as typed in a form or on the command line: blank is None (out of the pool)."""
+    raw = raw.strip()
+    if not raw:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        raise invalid(f"auto_max_complexity must be a number from 0 to 1, got {raw!r}", "auto_max_complexity") \
+            from None
+    return check_max_complexity(value)
+
+
 async def find_model(session: AsyncSession, name: str) -> Model | None:
     return (await session.execute(select(Model).where(Model.name == name))).scalar_one_or_none()
 
