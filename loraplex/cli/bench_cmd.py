@@ -66,6 +66,12 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--requests", {"type": int, "default": 8}),
         ("--new-tokens", {"type": int, "default": 32}),
     ]),
+    "guided": ("guided", "JSON Schema guided decoding vs free decoding of the same batch shapes", [
+        ("--model", {"default": DEFAULT_MODEL}),
+        ("--batch", {"type": int, "default": 32}),
+        ("--new-tokens", {"type": int, "default": 96}),
+        ("--rounds", {"type": int, "default": 3}),
+    ]),
 }
 
 

@@ -28,15 +28,36 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--adapter", help="a PEFT LoRA directory (adapter_config.json + adapter_model.safetensors)")
     p.add_argument("--json", action="store_true", help="print one JSON object: text, token_ids, usage")
+    shape = p.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="FILE",
+                       help="hold the output to the JSON Schema in FILE (engine/guided: the keywords it enforces)")
+    shape.add_argument("--json-object", action="store_true", help="hold the output to one JSON object (JSON mode)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
     p.set_defaults(func=run)
 
 
+def _schema(args) -> str | None:
+    """The --json-schema file's text (checked now, before a model loads) or JSON mode's schema."""
+    if args.json_object:
+        return '{"type": "object"}'
+    if args.json_schema is None:
+        return None
+    from loraplex.engine.guided.schema import SchemaError, compile_schema
+
+    with open(args.json_schema, encoding="utf-8") as f:
+        text = f.read()
+    try:
+        compile_schema(text)
+    except SchemaError as e:
+        raise ValueError(f"{args.json_schema}: {e}") from None
+    return text
+
+
 def _request(args, prompt: str, chat: bool) -> GenerateRequest:
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-        seed=args.seed, stop=tuple(args.stop))
+        seed=args.seed, stop=tuple(args.stop), json_schema=_schema(args))
     kind = {"messages": ({"role": "user", "content": prompt},)} if chat else {"prompt": prompt}
     adapter = ADAPTER_ID if args.adapter else None
     return GenerateRequest(request_id=uuid.uuid4().hex, model=args.model, sampling=sampling, adapter=adapter, **kind)

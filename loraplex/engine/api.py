@@ -76,6 +76,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    # JSON Schema text the output must follow (engine/guided); '{"type": "object"}' is JSON mode.
+    json_schema: str | None = None
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the first bad field."""
@@ -95,6 +97,9 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must not be empty", "stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be >= 0", "stop_token_ids")
+        if self.json_schema is not None and self.ignore_eos:
+            raise InvalidRequestError("ignore_eos cannot be combined with a JSON schema: the schema decides "
+                                      "where the output ends", "ignore_eos")
 
 
 @dataclass(frozen=True)

@@ -179,6 +179,10 @@ class EngineCore:
         text = detok.push(token)
         if detok.stopped:
             return self._finish(r, "stop", text, (token,))
+        if r.guide is not None:
+            r.guide.accept(token)
+            if r.guide.complete:  # the schema's value is whole: nothing may follow, so stop without EOS
+                return self._finish(r, "stop", text + detok.flush(), (token,))
         if len(r.output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len:
             return self._finish(r, "length", text + detok.flush(), (token,))
         return GenerateEvent(r.request_id, text, (token,))

@@ -7,6 +7,7 @@ waits for the load. Nothing here touches engine state: callers may run it on the
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from loraplex.engine.api import (
@@ -17,6 +18,9 @@ from loraplex.engine.api import (
     ModelNotFoundError,
 )
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.guided.guide import Guide
+from loraplex.engine.guided.schema import SchemaError
+from loraplex.engine.guided.vocab import GuideVocabulary
 from loraplex.engine.models.llama import LlamaConfig
 from loraplex.engine.models.tokenizer import Tokenizer
 from loraplex.engine.sched.request import Request
@@ -44,6 +48,9 @@ class RequestFrontend:
         self.max_model_len = max_model_len(config, model)
         self.kv_capacity = kv_blocks(config, model) * config.block_size
         self.adapter_available = adapter_available
+        self.device = config.torch_device
+        self._guide_vocab: GuideVocabulary | None = None  # built on the first request with a schema
+        self._guide_lock = threading.Lock()
 
     def info(self) -> ModelInfo:
         return ModelInfo(self.name, self.max_model_len, self.vocab_size)
@@ -68,6 +75,18 @@ class RequestFrontend:
             raise InvalidRequestError("prompt encodes to no tokens", "prompt")
         return ids
 
+    def guide(self, schema_text: str) -> Guide:
+        """A request's guide for its JSON schema; InvalidRequestError names what the schema does wrong."""
+        with self._guide_lock:
+            if self._guide_vocab is None:
+                tok = self.tokenizer
+                self._guide_vocab = GuideVocabulary(tok.token_bytes(), tok.special_ids, tok.eos_token_ids,
+                                                    self.vocab_size, self.device)
+        try:
+            return Guide(self._guide_vocab, schema_text)
+        except SchemaError as e:
+            raise InvalidRequestError(f"invalid JSON schema: {e}", "response_format") from None
+
     def prepare(self, req: GenerateRequest) -> Request:
         """Validates and tokenizes; raises EngineError (nothing is queued)."""
         ids = self.tokenize(req)
@@ -85,7 +104,8 @@ class RequestFrontend:
                 f"but the whole cache holds {self.kv_capacity}; shorten it or give the engine a larger KV cache",
                 "max_tokens" if sp.max_tokens else "messages")
         stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.tokenizer.eos_token_ids)
+        guide = self.guide(sp.json_schema) if sp.json_schema is not None else None
         return Request(
             request_id=req.request_id, prompt_ids=ids, sampling=sp,
             max_tokens=sp.max_tokens or min(limit, self.kv_capacity) - len(ids), stop_ids=stop_ids,
-            priority=req.priority, adapter=req.adapter, cache_salt=req.cache_salt)
+            priority=req.priority, adapter=req.adapter, cache_salt=req.cache_salt, guide=guide)

@@ -53,6 +53,9 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 
 def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
     """logits: [reqs, vocab] fp32 -> one token id per request."""
+    for i, r in enumerate(reqs):
+        if r.guide is not None:
+            r.guide.mask(logits[i])  # before penalties and filters: they only ever see allowed tokens
     apply_penalties(logits, reqs)
     greedy = greedy_tokens(logits) if any(r.sampling.temperature == 0 for r in reqs) else None
     out = []

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import json
+
 from loraplex.engine.api import SamplingParams
 from loraplex.platform import schemas as s
 from loraplex.platform.errors import invalid
 
 MAX_STOP = 4
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
+JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's JSON mode: the output is one JSON object
 
 
 def check_supported(data: s.ChatCompletionRequest | s.CompletionRequest) -> None:
@@ -32,7 +35,21 @@ def sampling(data: s.ChatCompletionRequest | s.CompletionRequest, max_tokens: in
         presence_penalty=data.presence_penalty or 0.0,
         frequency_penalty=data.frequency_penalty or 0.0,
         stop=stops,
-        ignore_eos=data.ignore_eos)
+        ignore_eos=data.ignore_eos,
+        json_schema=json_schema(data.response_format))
+
+
+def json_schema(fmt: s.ResponseFormat | None) -> str | None:
+    """response_format -> the schema text the engine holds the output to (None: free text). The
+    engine compiles it and refuses what it cannot enforce (param response_format)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return JSON_OBJECT_SCHEMA
+    if fmt.json_schema is None:
+        raise invalid("response_format.json_schema is required when type is json_schema", "response_format")
+    schema = fmt.json_schema.schema
+    return json.dumps(True if schema is None else schema)  # declared key order kept: it is the output's
 
 
 def chat_max_tokens(data: s.ChatCompletionRequest) -> int | None:

@@ -30,6 +30,18 @@ class StreamOptions(Struct):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: str = "response"
+    schema: dict | bool | None = None  # None: any JSON value
+    description: str | None = None
+    strict: bool | None = None  # the output always follows the schema; accepted for compatibility
+
+
+class ResponseFormat(Struct, kw_only=True):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _Sampling(Struct, kw_only=True):
     model: str
     max_tokens: PositiveInt | None = None
@@ -45,6 +57,7 @@ class _Sampling(Struct, kw_only=True):
     n: int = 1
     logprobs: bool | int | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence tokens
+    response_format: ResponseFormat | None = None  # also on /v1/completions, as vLLM allows
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):

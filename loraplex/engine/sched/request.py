@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.engine.api import FinishReason, SamplingParams
+from loraplex.engine.guided.guide import Guide
 
 
 class Status(enum.Enum):
@@ -45,6 +46,7 @@ class Request:
     first_token_time: float | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG for seeded sampling
+    guide: Guide | None = None  # holds the output to `sampling.json_schema`
 
     def __post_init__(self) -> None:
         if self.sampling.temperature > 0:

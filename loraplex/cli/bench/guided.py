@@ -1,0 +1,99 @@
+"""Guided decoding (`response_format`): what holding the output to a JSON Schema costs, in one run.
+
+The same chat prompts (describe a person as JSON) run guided and free. Each free request generates
+exactly as many tokens as its guided twin did (end-of-sequence ignored), so both runs have the same
+batch shapes step by step and the ratio is the cost of the masks alone. The two engines take turns
+step by step (engine.step_interleaved); every round counts, reported as the best round's ratio and
+the median of paired ratios.
+
+vocab_build_ms   index the tokenizer's vocabulary for guided decoding (once per model)
+cold             the first guided run of a schema: every state's mask is computed on the way
+guided / free    the same requests again, masks from the cache, beside the free twins
+stop_valid       of the guided outputs, the share that ended by themselves and parse as JSON
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+
+import torch
+
+from loraplex.cli.bench.engine import paired_ratio, step_interleaved
+from loraplex.engine.api import GenerateRequest, SamplingParams
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import Completion, EngineCore
+from loraplex.engine.models.loader import load_model, resolve_model
+
+PERSON = {"type": "object", "properties": {
+    "name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
+    "skills": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
+    "employed": {"type": "boolean"}}, "required": ["name", "age", "city", "skills", "employed"]}
+JSON_MODE = {"type": "object"}
+PEOPLE = ["Ann, a nurse", "Bo, a carpenter", "Chen, a pilot", "Dara, a chemist", "Eli, a baker", "Fay, a judge",
+          "Gus, a welder", "Hana, a poet"]
+
+
+def _requests(model: str, n: int, schema: dict, new_tokens: int) -> list[GenerateRequest]:
+    sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, json_schema=json.dumps(schema))
+    return [GenerateRequest(f"g{i}", model, messages=({"role": "user", "content": (
+        f"Describe {PEOPLE[i % len(PEOPLE)]} from town number {i}, as JSON.")},), sampling=sp) for i in range(n)]
+
+
+def _free_twins(guided: list[GenerateRequest], done: list[Completion]) -> list[GenerateRequest]:
+    """Free requests generating exactly as many tokens as their guided twins did."""
+    pairs = enumerate(zip(guided, done, strict=True))
+    return [GenerateRequest(f"f{i}", r.model, messages=r.messages, sampling=SamplingParams(
+        max_tokens=len(c.token_ids), temperature=0.0, ignore_eos=True)) for i, (r, c) in pairs]
+
+
+def _stop_valid(done: list[Completion]) -> float:
+    def valid(c: Completion) -> bool:
+        try:
+            return c.finish_reason == "stop" and isinstance(json.loads(c.text), dict)
+        except ValueError:
+            return False
+    return round(sum(map(valid, done)) / len(done), 3)
+
+
+def _compare(make_core, model: str, schema: dict, n: int, new_tokens: int, rounds: int) -> dict:
+    guided_core, free_core = make_core(), make_core()
+    guided = _requests(model, n, schema, new_tokens)
+    t0 = time.perf_counter()
+    guided_core.frontend.guide(guided[0].sampling.json_schema)  # the vocabulary index, built on first use
+    vocab_ms = (time.perf_counter() - t0) * 1000
+    t0 = time.perf_counter()
+    done = guided_core.run(guided)
+    cold = sum(len(c.token_ids) for c in done) / (time.perf_counter() - t0)
+    free = _free_twins(guided, done)
+    figures: dict[str, list[float]] = {"guided": [], "free": []}
+    for _ in range(rounds):
+        tok_s = step_interleaved({"guided": guided_core, "free": free_core}, {"guided": guided, "free": free})
+        for key in figures:
+            figures[key].append(tok_s[key])
+    best = {key: max(values) for key, values in figures.items()}
+    return {
+        "requests": n, "vocab_build_ms": round(vocab_ms, 1), "cold_tok_s": round(cold, 2),
+        "guided_tok_s": round(best["guided"], 2), "free_tok_s": round(best["free"], 2),
+        "ratio_guided_over_free": round(best["guided"] / best["free"], 3),
+        "paired_ratio": paired_ratio(figures, "guided", "free"),
+        "cold_over_free": round(cold / best["free"], 3),
+        "tokens_per_request": statistics.mean(len(c.token_ids) for c in done),
+        "stop_valid": _stop_valid(done), "rounds": {k: [round(v, 2) for v in vs] for k, vs in figures.items()},
+    }
+
+
+def run_guided_bench(model: str, batch: int, new_tokens: int, rounds: int) -> dict:
+    torch.manual_seed(0)
+    loaded = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
+
+    def core_for(seqs: int):
+        return lambda: EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=seqs,
+                                               max_num_batched_tokens=2048), loaded=loaded)
+
+    results: dict = {"model": model, "new_tokens": new_tokens, "batch": batch, "threads": torch.get_num_threads()}
+    results["batch1_schema"] = _compare(core_for(1), model, PERSON, 4, new_tokens, rounds)
+    results[f"batch{batch}_schema"] = _compare(core_for(batch), model, PERSON, batch, new_tokens, rounds)
+    results[f"batch{batch}_json_mode"] = _compare(core_for(batch), model, JSON_MODE, batch, new_tokens, rounds)
+    return results

@@ -1,0 +1,44 @@
+"""One request's guided decoding: its schema's matcher, where the output stands, and its token mask."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import torch
+
+from loraplex.engine.guided.matcher import Matcher
+from loraplex.engine.guided.schema import Grammar, compile_schema
+from loraplex.engine.guided.vocab import GuideVocabulary
+
+
+@lru_cache(maxsize=256)
+def matcher_for(grammar: Grammar) -> Matcher:
+    """One matcher per compiled schema, so its transition memo serves every request on that schema."""
+    return Matcher(grammar)
+
+
+class Guide:
+    """Masks a request's logits to the tokens its schema allows, and follows the tokens it samples."""
+
+    def __init__(self, vocab: GuideVocabulary, schema_text: str):
+        self.vocab = vocab
+        self.matcher = matcher_for(compile_schema(schema_text))  # SchemaError on a bad schema
+        self.state = self.matcher.start
+
+    def mask(self, logits: torch.Tensor) -> None:
+        """logits: [vocab] of this request; disallowed tokens become -inf, in place."""
+        logits.masked_fill_(self.vocab.blocked(self.matcher, self.state), float("-inf"))
+
+    def accept(self, token_id: int) -> None:
+        """Moves past a sampled token (end-of-sequence ends the request elsewhere)."""
+        if self.vocab.is_eos(token_id):
+            return
+        state = self.matcher.advance_bytes(self.state, self.vocab.token_bytes[token_id])
+        if state is None:
+            raise RuntimeError(f"token {token_id} was sampled outside the schema's mask")
+        self.state = state
+
+    @property
+    def complete(self) -> bool:
+        """The output is one whole value and nothing may follow: the request can stop now."""
+        return self.matcher.terminal(self.state)

@@ -1,0 +1,289 @@
+"""Byte-level matcher of a compiled schema (schema.Grammar): which bytes may come next, and the state
+after them.
+
+Why bytes: tokens are byte strings (byte-level BPE splits UTF-8 characters across tokens), so the
+matcher must accept a character's bytes one token at a time.
+
+A state is a frozenset of stacks: several while `anyOf` alternatives or `enum` values still agree on the
+text so far. A stack is a tuple of frames, the innermost last, ending in the frame being matched; each
+frame is a small tuple, so states are hashable and the vocabulary index (vocab.py) caches the allowed
+tokens per state. Frames:
+
+    ("end",)                          the root value is complete; nothing may follow
+    ("pre", node, ws)                 a value of `node` comes next, after `ws` whitespace bytes so far
+    ("obj", node, i, phase, ws)       inside an object; `i` = index of the next declared property
+    ("key", node, candidates, pos)    inside a declared property key: candidate indexes, bytes matched
+    ("arr", node, count, phase, ws)   inside an array; `count` items so far (clamped where it stops mattering)
+    ("str", pending, escape)          inside a string: UTF-8 state (UTF8_STATES), escape progress
+    ("num", integer_only, phase)      inside a number
+    ("lit", node, candidates, pos)    inside an enum / const / true / false / null literal
+
+Whitespace runs between tokens are capped (MAX_WS) so that a model cannot loop on blank lines.
+"""
+
+from __future__ import annotations
+
+from loraplex.engine.guided.schema import Grammar
+
+State = frozenset  # of stacks: tuple[tuple, ...]
+
+END = ("end",)
+STR = ("str", 0, 0)
+MAX_WS = 32
+WS = frozenset(b" \t\n\r")
+HEX = frozenset(b"0123456789abcdefABCDEF")
+ESCAPES = frozenset(b'"\\/bfnrt')
+QUOTE, BACKSLASH = 0x22, 0x5C
+
+# object phases; "key" and "value" wait for the frame above them to complete
+OPEN, NEED_KEY, KEY, COLON, VALUE, AFTER = range(6)
+# array phases reuse OPEN, VALUE and AFTER
+# number phases
+MINUS, ZERO, INT, DOT, FRAC, EXP_MARK, EXP_SIGN, EXP = range(8)
+NUMBER_COMPLETE = frozenset({ZERO, INT, FRAC, EXP})
+MEMO_LIMIT = 200_000
+
+
+# UTF-8 progress inside a string: 0 = between characters; 1-3 = that many continuation bytes owed,
+# each 80-BF; 4-7 = after a lead byte whose first continuation is narrower (no overlong forms, no
+# surrogates, nothing past U+10FFFF): (lowest, highest, bytes owed after it).
+UTF8_STATES = 8
+_NARROW_FIRST = {4: (0xA0, 0xBF, 1), 5: (0x80, 0x9F, 1), 6: (0x90, 0xBF, 2), 7: (0x80, 0x8F, 2)}
+_LEADS = {**dict.fromkeys(range(0xC2, 0xE0), 1), 0xE0: 4, **dict.fromkeys(range(0xE1, 0xF0), 2), 0xED: 5,
+          0xF0: 6, **dict.fromkeys(range(0xF1, 0xF4), 3), 0xF4: 7}
+
+
+def utf8_lead(b: int) -> int | None:
+    """The UTF-8 state after lead byte `b` (>= 0x80), or None where `b` cannot start a character."""
+    return _LEADS.get(b)
+
+
+def utf8_continue(pending: int, b: int) -> int | None:
+    """The UTF-8 state after continuation byte `b` where `pending` (> 0) is owed, or None."""
+    lo, hi, after = _NARROW_FIRST.get(pending, (0x80, 0xBF, pending - 1))
+    return after if lo <= b <= hi else None
+
+
+class Matcher:
+    """Transitions of one grammar, memoized per (state, byte): decoding revisits the same states."""
+
+    def __init__(self, grammar: Grammar):
+        self.nodes = grammar.nodes
+        self.start: State = frozenset({(END, ("pre", grammar.root, 0))})
+        self._memo: dict[tuple[State, int], State | None] = {}
+
+    # --- the state API ------------------------------------------------------------------------
+
+    def advance(self, state: State, byte: int) -> State | None:
+        """The state after `byte`, or None where the schema does not allow it."""
+        key = (state, byte)
+        if key in self._memo:
+            return self._memo[key]
+        out: set = set()
+        for stack in state:
+            out.update(self._step(stack, byte))
+        result = frozenset(out) if out else None
+        if len(self._memo) >= MEMO_LIMIT:
+            self._memo.clear()
+        self._memo[key] = result
+        return result
+
+    def advance_bytes(self, state: State | None, data: bytes) -> State | None:
+        for b in data:
+            if state is None:
+                return None
+            state = self.advance(state, b)
+        return state
+
+    @staticmethod
+    def accepts(state: State) -> bool:
+        """The text so far is one complete value (a root number may still grow)."""
+        return any(s == (END,) or (len(s) == 2 and s[1][0] == "num" and s[1][2] in NUMBER_COMPLETE) for s in state)
+
+    @staticmethod
+    def terminal(state: State) -> bool:
+        """Complete, and no byte may follow."""
+        return state == frozenset({(END,)})
+
+    @staticmethod
+    def string_pendings(state: State) -> frozenset[int] | None:
+        """Where every stack is inside a plain string (no escape under way): their UTF-8 states.
+        Tokens free of quotes and backslashes then stay inside it (vocab.py's fast path)."""
+        pendings = set()
+        for stack in state:
+            top = stack[-1]
+            if top[0] != "str" or top[2]:
+                return None
+            pendings.add(top[1])
+        return frozenset(pendings)
+
+    # --- transitions ------------------------------------------------------------------------------
+
+    def _step(self, stack: tuple, b: int) -> list[tuple]:
+        top, rest = stack[-1], stack[:-1]
+        kind = top[0]
+        if kind == "str":
+            return self._string(stack, rest, top, b)
+        if kind == "pre":
+            if b in WS:
+                return [rest + (("pre", top[1], top[2] + 1),)] if top[2] < MAX_WS else []
+            return self._dispatch(rest, top[1], b)
+        if kind == "obj":
+            return self._object(rest, top, b)
+        if kind == "key":
+            return self._key(rest, top, b)
+        if kind == "arr":
+            return self._array(rest, top, b)
+        if kind == "num":
+            return self._number(rest, top, b)
+        if kind == "lit":
+            return self._literal(rest, top[1], top[2], top[3], b)
+        return []  # "end"
+
+    def _dispatch(self, rest: tuple, n: int, b: int) -> list[tuple]:
+        """The first byte of a value of node `n`."""
+        node = self.nodes[n]
+        kind = node[0]
+        if kind == "union":
+            return [s for alt in node[1] for s in self._dispatch(rest, alt, b)]
+        if kind == "obj":
+            return [rest + (("obj", n, 0, OPEN, 0),)] if b == 0x7B else []
+        if kind == "arr":
+            return [rest + (("arr", n, 0, OPEN, 0),)] if b == 0x5B else []
+        if kind == "str":
+            return [rest + (STR,)] if b == QUOTE else []
+        if kind == "num":
+            phase = MINUS if b == 0x2D else ZERO if b == 0x30 else INT if 0x31 <= b <= 0x39 else None
+            return [] if phase is None else [rest + (("num", node[1], phase),)]
+        return self._literal(rest, n, tuple(range(len(node[1]))), 0, b)
+
+    def _complete(self, rest: tuple) -> list[tuple]:
+        """The value above `rest` is complete: its parent moves on."""
+        parent, above = rest[-1], rest[:-1]
+        kind = parent[0]
+        if kind == "obj":
+            _, n, i, phase, _ = parent
+            return [above + (("obj", n, i, COLON if phase == KEY else AFTER, 0),)]
+        if kind == "arr":
+            _, n, count, _, _ = parent
+            _, _, lo, hi = self.nodes[n]
+            return [above + (("arr", n, min(count + 1, lo if hi is None else hi), AFTER, 0),)]
+        return [rest]  # the root value: rest == (END,)
+
+    def _string(self, stack: tuple, rest: tuple, top: tuple, b: int) -> list[tuple]:
+        _, pending, escape = top
+        if escape == 0:
+            if pending:
+                after = utf8_continue(pending, b)
+                return [] if after is None else [rest + (("str", after, 0),)]
+            if b == QUOTE:
+                return self._complete(rest)
+            if b == BACKSLASH:
+                return [rest + (("str", 0, 1),)]
+            if 0x20 <= b < 0x80:
+                return [stack]
+            owed = utf8_lead(b)
+            return [] if owed is None else [rest + (("str", owed, 0),)]
+        if escape == 1:
+            if b in ESCAPES:
+                return [rest + (STR,)]
+            return [rest + (("str", 0, 2),)] if b == 0x75 else []  # \u: four hex digits follow
+        if b not in HEX:
+            return []
+        after = ("str", 0, escape + 1) if escape < 5 else STR  # escape 2..5: the \u's four digits
+        return [rest + (after,)]
+
+    def _number(self, rest: tuple, top: tuple, b: int) -> list[tuple]:
+        _, integer, phase = top
+        digit = 0x30 <= b <= 0x39
+        nxt = None
+        if phase == MINUS:
+            nxt = ZERO if b == 0x30 else INT if digit else None
+        elif phase in (ZERO, INT):
+            if phase == INT and digit:
+                nxt = INT
+            elif not integer and b == 0x2E:
+                nxt = DOT
+            elif not integer and b in (0x65, 0x45):
+                nxt = EXP_MARK
+        elif phase in (DOT, FRAC):
+            nxt = FRAC if digit else EXP_MARK if phase == FRAC and b in (0x65, 0x45) else None
+        elif phase == EXP_MARK:
+            nxt = EXP if digit else EXP_SIGN if b in (0x2B, 0x2D) else None
+        elif digit:  # EXP_SIGN, EXP
+            nxt = EXP
+        if nxt is not None:
+            return [rest + (("num", integer, nxt),)]
+        if phase in NUMBER_COMPLETE:  # the number ended one byte ago: this byte belongs to its parent
+            return [s for done in self._complete(rest) for s in self._step(done, b)]
+        return []
+
+    def _literal(self, rest: tuple, n: int, candidates: tuple, pos: int, b: int) -> list[tuple]:
+        options = self.nodes[n][1]
+        keep = [i for i in candidates if options[i][pos] == b]
+        out = self._complete(rest) if any(len(options[i]) == pos + 1 for i in keep) else []
+        longer = tuple(i for i in keep if len(options[i]) > pos + 1)
+        if longer:
+            out.append(rest + (("lit", n, longer, pos + 1),))
+        return out
+
+    # --- objects and arrays -------------------------------------------------------------------
+
+    def _next_keys(self, props: tuple, i: int) -> tuple[int, ...]:
+        """Declared properties that may come next: from `i` on, up to and including the first required."""
+        out = []
+        for j in range(i, len(props)):
+            out.append(j)
+            if props[j][2]:
+                break
+        return tuple(out)
+
+    @staticmethod
+    def _may_close(props: tuple, i: int) -> bool:
+        return not any(p[2] for p in props[i:])
+
+    def _object(self, rest: tuple, top: tuple, b: int) -> list[tuple]:
+        _, n, i, phase, ws = top
+        _, props, free = self.nodes[n]
+        if b in WS:
+            return [rest + (("obj", n, i, phase, ws + 1),)] if ws < MAX_WS else []
+        if phase in (OPEN, NEED_KEY) and b == QUOTE:
+            if props:
+                keys = self._next_keys(props, i)
+                return [rest + (("obj", n, i, KEY, 0), ("key", n, keys, 0))] if keys else []
+            return [rest + (("obj", n, i, KEY, 0), STR)] if free is not None else []
+        if phase == COLON and b == 0x3A:
+            child = props[i - 1][1] if props else free
+            return [rest + (("obj", n, i, VALUE, 0), ("pre", child, 0))]
+        if phase == AFTER and b == 0x2C and (not props or self._next_keys(props, i)):
+            return [rest + (("obj", n, i, NEED_KEY, 0),)]
+        if phase in (OPEN, AFTER) and b == 0x7D and self._may_close(props, i):
+            return self._complete(rest)
+        return []
+
+    def _key(self, rest: tuple, top: tuple, b: int) -> list[tuple]:
+        _, n, candidates, pos = top
+        props = self.nodes[n][1]
+        keep = [j for j in candidates if props[j][0][pos] == b]
+        # A key's bytes end with its closing quote, so at most one candidate ends here.
+        out = [rest[:-1] + (("obj", n, j + 1, COLON, 0),) for j in keep if len(props[j][0]) == pos + 1]
+        longer = tuple(j for j in keep if len(props[j][0]) > pos + 1)
+        if longer:
+            out.append(rest + (("key", n, longer, pos + 1),))
+        return out
+
+    def _array(self, rest: tuple, top: tuple, b: int) -> list[tuple]:
+        _, n, count, phase, ws = top
+        _, item, lo, hi = self.nodes[n]
+        if b in WS:
+            return [rest + (("arr", n, count, phase, ws + 1),)] if ws < MAX_WS else []
+        if phase == OPEN:
+            if b == 0x5D:
+                return self._complete(rest) if lo == 0 else []
+            return self._dispatch(rest + (("arr", n, count, VALUE, 0),), item, b) if hi != 0 else []
+        if phase == AFTER:
+            if b == 0x2C and (hi is None or count < hi):
+                return [rest + (("arr", n, count, VALUE, 0), ("pre", item, 0))]
+            if b == 0x5D and count >= lo:
+                return self._complete(rest)
+        return []

@@ -1,0 +1,72 @@
+"""Structured output from the real server process, as OpenAI's own client asks for it.
+
+Why: `client.chat.completions.parse(response_format=<pydantic model>)` sends the schema pydantic and
+the client build (`$defs`/`$ref`, `additionalProperties: false`, `strict: true`) and validates the
+answer into the model; this checks that such requests reach the engine intact and come back parseable
+even from the synthetic model's random weights, and that a schema keyword the engine cannot enforce
+is the client's BadRequestError naming it. The server and client fixtures are test_server_openai's.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import openai
+import pytest
+from pydantic import BaseModel, Field
+
+from tests.e2e.test_server_openai import demo, server  # noqa: F401 (fixtures: one server for this module)
+
+MESSAGES = [{"role": "user", "content": "describe a person"}]
+
+
+class Address(BaseModel):
+    city: str
+    zip_code: int
+
+
+class Person(BaseModel):
+    name: str
+    age: int
+    active: bool
+    color: Literal["red", "green", "blue"]
+    tags: list[str]
+    address: Address
+
+
+class Adult(BaseModel):
+    age: int = Field(ge=18)  # pydantic emits `minimum`, which the matcher cannot enforce
+
+
+def test_parse_returns_the_pydantic_model_whenever_the_answer_finishes(demo):  # noqa: F811
+    parsed, cut = [], 0
+    for seed in range(4):
+        try:
+            answer = demo.chat.completions.parse(model="synthetic:tiny", messages=MESSAGES, response_format=Person,
+                                                 max_tokens=1500, temperature=1.0, seed=seed)
+        except openai.LengthFinishReasonError as e:  # the client refuses to parse an answer max_tokens cut
+            assert e.completion.usage.completion_tokens == 1500
+            cut += 1
+            continue
+        (choice,) = answer.choices
+        assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Person)
+        assert Person.model_validate_json(choice.message.content) == choice.message.parsed
+        parsed.append(choice.message.parsed)
+    assert parsed and len(parsed) + cut == 4
+
+
+def test_streamed_json_object_joins_into_one_object(demo):  # noqa: F811
+    chunks = list(demo.chat.completions.create(
+        model="synthetic:tiny", messages=[{"role": "user", "content": "json please"}], max_tokens=400,
+        temperature=1.0, seed=1, stream=True, response_format={"type": "json_object"}))
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert chunks[-1].choices[0].finish_reason == "stop"  # with this seed the object closes well before 400
+    assert isinstance(json.loads(text), dict)
+
+
+def test_a_schema_keyword_the_engine_cannot_enforce_is_a_bad_request(demo):  # noqa: F811
+    with pytest.raises(openai.BadRequestError) as info:
+        demo.chat.completions.parse(model="synthetic:tiny", messages=MESSAGES, response_format=Adult, max_tokens=50)
+    assert info.value.param == "response_format" and "`minimum`" in info.value.message
+    assert info.value.body["message"].startswith("invalid JSON schema: ")
