@@ -180,7 +180,9 @@ class EngineCore:
         if detok.stopped:
             return self._finish(r, "stop", text, (token,))
         if r.guide is not None:
-            r.guide.accept(token)
+            if not r.guide.accept(token):
+                return self._finish(r, "error", text, (token,), error=f"token {token} was sampled outside the "
+                                    "JSON schema's mask (the model's logits held no finite allowed value)")
             if r.guide.complete:  # the schema's value is whole: nothing may follow, so stop without EOS
                 return self._finish(r, "stop", text + detok.flush(), (token,))
         if len(r.output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len:

@@ -82,6 +82,23 @@ def test_bad_schemas_are_refused_before_anything_is_queued():
     assert not core.requests and not core.has_work() and core.pool.num_free == free
 
 
+def test_a_token_outside_the_mask_ends_only_that_request_with_an_error():
+    """Masked logits leave the sampler no way out of the schema, but a token from outside it (a
+    future sampler's bug) must end that request with an error event, not raise inside the step."""
+    core = make_core(num_kv_blocks=64)
+    core.add_request(request("bad", [1, 2, 3], {"type": "object"}, temperature=0.0))
+    core.add_request(request("ok", [4, 5, 6], {"type": "object"}, temperature=0.0, max_tokens=8))
+    core.step()  # both prefill and take their first token, "{"
+    event = core._append(core.requests["bad"], ord("]"))
+    assert event.finish_reason == "error" and "outside the JSON schema's mask" in event.error
+    assert "bad" not in core.requests and "ok" in core.requests
+    endings = []
+    while core.has_work():  # the other request goes on to its own end
+        endings += [ev.finish_reason for ev in core.step() if ev.finished]
+    assert endings in (["stop"], ["length"])
+    assert core.pool.num_used == 0
+
+
 @pytest.mark.slow
 def test_default_model_fills_a_schema_from_a_chat_prompt():
     schema = {"type": "object", "properties": {

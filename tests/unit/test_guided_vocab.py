@@ -73,10 +73,12 @@ def test_special_tokens_never_and_eos_only_once_complete():
     assert not mask[len(vocab.token_bytes):].any()  # ids past the tokenizer (padded logits) never
 
 
-def test_a_token_outside_the_mask_is_an_error_not_a_silent_jump():
+def test_a_token_outside_the_mask_is_refused_not_a_silent_jump():
     guide = Guide(small_vocab(), json.dumps({"type": "object"}))
-    with pytest.raises(RuntimeError, match="outside the schema"):
-        guide.accept(2 + ord("["))
+    start = guide.state
+    assert not guide.accept(2 + ord("["))
+    assert guide.state == start
+    assert guide.accept(2 + ord("{")) and guide.state != start
 
 
 def test_masking_logits_leaves_only_allowed_tokens():

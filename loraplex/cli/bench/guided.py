@@ -7,7 +7,8 @@ step by step (engine.step_interleaved); every round counts, reported as the best
 the median of paired ratios.
 
 vocab_build_ms   index the tokenizer's vocabulary for guided decoding (once per model)
-cold             the first guided run of a schema: every state's mask is computed on the way
+cold             the first guided run of a schema: every state's mask is computed on the way (both
+                 engines have run a few free steps first, so this is the masks' cost, not warm-up)
 guided / free    the same requests again, masks from the cache, beside the free twins
 stop_valid       of the guided outputs, the share that ended by themselves and parse as JSON
 """
@@ -60,6 +61,10 @@ def _stop_valid(done: list[Completion]) -> float:
 def _compare(make_core, model: str, schema: dict, n: int, new_tokens: int, rounds: int) -> dict:
     guided_core, free_core = make_core(), make_core()
     guided = _requests(model, n, schema, new_tokens)
+    warm_up = [GenerateRequest(r.request_id, model, messages=r.messages, sampling=SamplingParams(
+        max_tokens=8, temperature=0.0, ignore_eos=True)) for r in guided]
+    for core in (guided_core, free_core):  # both engines' first steps, free, before anything is timed
+        core.run(warm_up)
     t0 = time.perf_counter()
     guided_core.frontend.guide(guided[0].sampling.json_schema)  # the vocabulary index, built on first use
     vocab_ms = (time.perf_counter() - t0) * 1000

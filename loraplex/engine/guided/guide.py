@@ -29,14 +29,16 @@ class Guide:
         """logits: [vocab] of this request; disallowed tokens become -inf, in place."""
         logits.masked_fill_(self.vocab.blocked(self.matcher, self.state), float("-inf"))
 
-    def accept(self, token_id: int) -> None:
-        """Moves past a sampled token (end-of-sequence ends the request elsewhere)."""
+    def accept(self, token_id: int) -> bool:
+        """Moves past a sampled token (end-of-sequence ends the request elsewhere). False, and no
+        move, for a token the mask did not allow: only logits without a finite value (NaN) get one."""
         if self.vocab.is_eos(token_id):
-            return
+            return True
         state = self.matcher.advance_bytes(self.state, self.vocab.token_bytes[token_id])
         if state is None:
-            raise RuntimeError(f"token {token_id} was sampled outside the schema's mask")
+            return False
         self.state = state
+        return True
 
     @property
     def complete(self) -> bool:
