@@ -34,6 +34,31 @@ def test_seeded_sampling_is_reproducible_across_processes():
     assert json.loads(first.stdout)["token_ids"] == json.loads(second.stdout)["token_ids"]
 
 
+def test_json_schema_and_json_object_hold_the_output(tmp_path):
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["id", "ok"]}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for flag in (("--json-schema", str(path)), ("--json-object",)):
+        out = loraplex("generate", "--model", "synthetic:tiny", "--prompt", "x", "--temperature", "1", "--seed", "3",
+                       "--max-tokens", "300", "--json", *flag)
+        assert out.returncode == 0, out.stderr
+        body = json.loads(out.stdout)
+        assert body["finish_reason"] == "stop", body  # the random model's JSON closes well within 300 tokens
+        value = json.loads(body["text"])
+        assert isinstance(value, dict) and (flag[0] == "--json-object" or set(value) == {"id", "ok"})
+
+
+def test_a_schema_the_engine_cannot_enforce_is_refused_before_the_model_loads(tmp_path):
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}))
+    out = loraplex("generate", "--model", "/no/such/model.gguf", "--prompt", "x", "--json-schema", str(path))
+    assert out.returncode == 2
+    assert out.stderr.strip() == (f"loraplex: error: {path}: #/properties/n: `minimum` is not supported "
+                                  "(supported: $ref, additionalProperties, allOf, anyOf, const, enum, items, "
+                                  "maxItems, minItems, oneOf, properties, required, type)")
+
+
 @pytest.mark.parametrize(
     ("args", "needle"),
     [
