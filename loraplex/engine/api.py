@@ -60,6 +60,9 @@ def missing_weights_reason(directory: Path) -> str:
     return f"{PEFT_WEIGHTS_FILE} is missing"
 
 
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     """Per-request sampling. temperature 0 is greedy; the seed makes sampling reproducible
@@ -78,6 +81,11 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # JSON Schema text the output must follow (engine/guided); '{"type": "object"}' is JSON mode.
     json_schema: str | None = None
+    # None: no log-probabilities; k >= 0: each generated token's, with the k most likely at its step.
+    logprobs: int | None = None
+    # (token id, bias) pairs added to the logits before sampling, as OpenAI's logit_bias: -100 bans a
+    # token, 100 all but forces it.
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the first bad field."""
@@ -97,6 +105,13 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must not be empty", "stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be >= 0", "stop_token_ids")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        for token, bias in self.logit_bias:
+            if token < 0:
+                raise InvalidRequestError(f"logit_bias token ids must be >= 0, got {token}", "logit_bias")
+            if not (math.isfinite(bias) and -100 <= bias <= 100):
+                raise InvalidRequestError(f"logit_bias values must be in [-100, 100], got {bias}", "logit_bias")
         if self.json_schema is not None and self.ignore_eos:
             raise InvalidRequestError("ignore_eos cannot be combined with a JSON schema: the schema decides "
                                       "where the output ends", "ignore_eos")
@@ -147,6 +162,18 @@ class Usage:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    """A generated token's log-probability under the model's own distribution (before temperature,
+    penalties and a schema's mask change it, as vLLM reports them), and the `top` most likely tokens
+    of that step, most likely first, as (id, bytes, logprob)."""
+
+    token_id: int
+    token: bytes  # the bytes it adds to the text (a token may hold part of a UTF-8 character)
+    logprob: float
+    top: tuple[tuple[int, bytes, float], ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerateEvent:
     """One step's news for one request. The last event has `finish_reason` and `usage`."""
 
@@ -156,6 +183,7 @@ class GenerateEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
 
     @property
     def finished(self) -> bool:

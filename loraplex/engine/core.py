@@ -20,6 +20,7 @@ from loraplex.engine.api import (
     InvalidRequestError,
     ModelInfo,
     ModelNotFoundError,
+    TokenLogprob,
     Usage,
 )
 from loraplex.engine.config import EngineConfig
@@ -31,6 +32,7 @@ from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.llama import LlamaModel
 from loraplex.engine.models.loader import LoadedModel, load_model, resolve_model
 from loraplex.engine.runner import ModelRunner
+from loraplex.engine.sampler import StepLogprobs
 from loraplex.engine.sched.request import Request
 from loraplex.engine.sched.scheduler import Scheduler
 
@@ -160,37 +162,45 @@ class EngineCore:
         if batch.empty:
             return failed
         sampled = batch.sampled()
-        tokens = self.runner.execute(batch)
+        tokens, logprobs = self.runner.execute(batch)
         self.prompt_tokens_computed += sum(
             min(n, len(r.prompt_ids) - r.num_computed) for r, n in batch.entries if r.num_computed < len(r.prompt_ids))
         self.scheduler.update(batch)
         self.num_steps += 1
-        return failed + [self._append(req, tok) for req, tok in zip(sampled, tokens, strict=True)]
+        return failed + [self._append(req, tok, lp) for req, tok, lp in zip(sampled, tokens, logprobs, strict=True)]
 
-    def _append(self, r: Request, token: int) -> GenerateEvent:
+    def _logprob(self, token: int, step: StepLogprobs | None) -> tuple[TokenLogprob, ...]:
+        """The sampler's numbers for one token, with the token bytes the platform shows."""
+        if step is None:
+            return ()
+        names = self.token_bytes
+        return (TokenLogprob(token, names[token], step[0], tuple((i, names[i], lp) for i, lp in step[1])),)
+
+    def _append(self, r: Request, token: int, step_logprobs: StepLogprobs | None = None) -> GenerateEvent:
         now = time.monotonic()
         if r.first_token_time is None:
             r.first_token_time = now
         r.output_ids.append(token)
         self.generated_tokens += 1
         detok = self._detok[r.request_id]
+        lps = self._logprob(token, step_logprobs)
         if token in r.stop_ids:
-            return self._finish(r, "stop", detok.flush(), (token,))
+            return self._finish(r, "stop", detok.flush(), (token,), lps)
         text = detok.push(token)
         if detok.stopped:
-            return self._finish(r, "stop", text, (token,))
+            return self._finish(r, "stop", text, (token,), lps)
         if r.guide is not None:
             if not r.guide.accept(token):
-                return self._finish(r, "error", text, (token,), error=f"token {token} was sampled outside the "
-                                    "JSON schema's mask (the model's logits held no finite allowed value)")
+                return self._finish(r, "error", text, (token,), lps, error=f"token {token} was sampled outside "
+                                    "the JSON schema's mask (the model's logits held no finite allowed value)")
             if r.guide.complete:  # the schema's value is whole: nothing may follow, so stop without EOS
-                return self._finish(r, "stop", text + detok.flush(), (token,))
+                return self._finish(r, "stop", text + detok.flush(), (token,), lps)
         if len(r.output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len:
-            return self._finish(r, "length", text + detok.flush(), (token,))
-        return GenerateEvent(r.request_id, text, (token,))
+            return self._finish(r, "length", text + detok.flush(), (token,), lps)
+        return GenerateEvent(r.request_id, text, (token,), logprobs=lps)
 
     def _finish(self, r: Request, reason: str, text: str, token_ids: tuple[int, ...] = (),
-                error: str | None = None) -> GenerateEvent:
+                logprobs: tuple[TokenLogprob, ...] = (), error: str | None = None) -> GenerateEvent:
         self.scheduler.finish(r, reason)
         del self.requests[r.request_id]
         del self._detok[r.request_id]
@@ -198,7 +208,7 @@ class EngineCore:
             self._reap_adapter(r.adapter)
         ttft = None if r.first_token_time is None else r.first_token_time - r.arrival
         usage = Usage(len(r.prompt_ids), len(r.output_ids), r.num_cached, ttft)
-        return GenerateEvent(r.request_id, text, token_ids, reason, usage, error)
+        return GenerateEvent(r.request_id, text, token_ids, reason, usage, error, logprobs)
 
     def stats(self) -> EngineStats:
         sched, counters = self.scheduler, self.scheduler.counters

@@ -103,6 +103,10 @@ class RequestFrontend:
                 f"this request needs {len(ids) + asked} tokens of KV cache ({len(ids)} prompt + {asked} completion) "
                 f"but the whole cache holds {self.kv_capacity}; shorten it or give the engine a larger KV cache",
                 "max_tokens" if sp.max_tokens else "messages")
+        bad = [t for t, _ in sp.logit_bias if t >= self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{self.vocab_size - 1})", "logit_bias")
         stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.tokenizer.eos_token_ids)
         guide = self.guide(sp.json_schema) if sp.json_schema is not None else None
         return Request(

@@ -13,7 +13,7 @@ from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.attention import build_metadata
 from loraplex.engine.models.llama import LlamaModel
-from loraplex.engine.sampler import sample
+from loraplex.engine.sampler import StepLogprobs, sample
 from loraplex.engine.sched.scheduler import ScheduledBatch
 
 
@@ -71,8 +71,9 @@ class ModelRunner:
             self.kv_storage[:, :, dst] = self.swap_storage[:, :, torch.tensor(cpu_ids)].to(self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> list[int]:
-        """Computes the batch's tokens; returns the sampled token of each `batch.sampled()` request."""
+    def execute(self, batch: ScheduledBatch) -> tuple[list[int], list[StepLogprobs | None]]:
+        """Computes the batch's tokens; returns the sampled token of each `batch.sampled()` request, and
+        its log-probabilities where it asked for them."""
         if batch.swap_out or batch.swap_in:
             self._swap(batch)
         ids: list[int] = []
@@ -101,7 +102,7 @@ class ModelRunner:
             lora=self._step_lora(token_slots),
         )  # [sampled, vocab]
         if not sampled:
-            return []
+            return [], []
         return sample(logits, sampled)
 
     def _step_lora(self, token_slots: list[int]) -> StepLora | None:

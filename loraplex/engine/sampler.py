@@ -51,9 +51,31 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return logits.argmax(-1).tolist()
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
-    """logits: [reqs, vocab] fp32 -> one token id per request."""
+# A step's log-probabilities for one request: (the sampled token's, [(id, logprob) of the k most likely]).
+StepLogprobs = tuple[float, list[tuple[int, float]]]
+
+
+def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[StepLogprobs | None]]:
+    """logits: [reqs, vocab] fp32 -> one token id per request, and the log-probabilities of those
+    that asked (None for the others), taken from the logits before anything below changes them."""
+    wanted = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
+    raw = logits[wanted].log_softmax(-1) if wanted else None  # [wanted, vocab], a copy
+    tokens = _choose(logits, reqs)
+    logprobs: list[StepLogprobs | None] = [None] * len(reqs)
+    for j, i in enumerate(wanted):
+        k = reqs[i].sampling.logprobs
+        top = torch.topk(raw[j], k) if k else None
+        logprobs[i] = (float(raw[j, tokens[i]]),
+                       list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else [])
+    return tokens, logprobs
+
+
+def _choose(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
+    """logits: [reqs, vocab] fp32, changed in place -> one token id per request."""
     for i, r in enumerate(reqs):
+        if r.sampling.logit_bias:
+            ids, bias = zip(*r.sampling.logit_bias, strict=True)
+            logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
         if r.guide is not None:
             r.guide.mask(logits[i])  # before penalties and filters: they only ever see allowed tokens
     apply_penalties(logits, reqs)

@@ -89,7 +89,7 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     headers = {**ticket.headers, **_note_route(platform, target)}
     formatter = fmt_cls(rid, int(time.time()), target.base_model if target.routed_from else data.model,
-                        include_usage)
+                        include_usage, sampling.logprobs is not None)
     if data.stream:
         body = fmt.stream(run, formatter, include_usage)
         # Litestar stops iterating when the client disconnects; the background task then closes

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from loraplex.engine.api import SamplingParams
+from loraplex.engine.api import MAX_LOGPROBS, SamplingParams
 from loraplex.platform import schemas as s
 from loraplex.platform.errors import invalid
 
@@ -16,8 +16,14 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's JSON mode: the output is o
 def check_supported(data: s.ChatCompletionRequest | s.CompletionRequest) -> None:
     if data.n != 1:
         raise invalid("only n=1 is supported", "n")
-    if data.logprobs:
-        raise invalid("logprobs are not supported", "logprobs")
+    if isinstance(data, s.ChatCompletionRequest):
+        for name in ("tools", "functions", "function_call"):
+            if getattr(data, name):
+                raise invalid(f"tool calling is not supported by this server: remove {name}, or use "
+                              "response_format with a JSON schema for structured answers", name)
+        if data.tool_choice not in (None, "none"):
+            raise invalid("tool calling is not supported by this server: tool_choice may only be \"none\"",
+                          "tool_choice")
     if data.stream_options is not None and not data.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
@@ -36,7 +42,38 @@ def sampling(data: s.ChatCompletionRequest | s.CompletionRequest, max_tokens: in
         frequency_penalty=data.frequency_penalty or 0.0,
         stop=stops,
         ignore_eos=data.ignore_eos,
-        json_schema=json_schema(data.response_format))
+        json_schema=json_schema(data.response_format),
+        logprobs=logprobs(data),
+        logit_bias=logit_bias(data.logit_bias))
+
+
+def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
+    """OpenAI's map of token ids (JSON keys) to biases; the engine checks the ids and the range."""
+    out = []
+    for key, value in (bias or {}).items():
+        if not (key.isascii() and key.isdecimal()):
+            raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
+def logprobs(data: s.ChatCompletionRequest | s.CompletionRequest) -> int | None:
+    """How many alternatives per generated token, or None for no log-probabilities. Chat asks with
+    `logprobs: true` and `top_logprobs: k`; text completions with `logprobs: k` (the engine checks k)."""
+    asked = data.logprobs
+    if isinstance(data, s.ChatCompletionRequest):
+        if asked is not None and not isinstance(asked, bool):
+            raise invalid("logprobs must be true or false; top_logprobs says how many alternatives", "logprobs")
+        if data.top_logprobs is not None and not asked:
+            raise invalid("top_logprobs requires logprobs: true", "top_logprobs")
+        if not asked:
+            return None
+        if data.top_logprobs is not None and not 0 <= data.top_logprobs <= MAX_LOGPROBS:
+            raise invalid(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {data.top_logprobs}", "top_logprobs")
+        return data.top_logprobs or 0
+    if isinstance(asked, bool):
+        raise invalid("logprobs must be an integer on /v1/completions: the alternatives per token", "logprobs")
+    return asked
 
 
 def json_schema(fmt: s.ResponseFormat | None) -> str | None:

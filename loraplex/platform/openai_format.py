@@ -6,11 +6,12 @@ classes hold those differences and the streaming and collecting loops are shared
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 from msgspec import UNSET
 
+from loraplex.engine.api import TokenLogprob
 from loraplex.platform import schemas as s
 from loraplex.platform.errors import PlatformError
 from loraplex.platform.generation import GenerationRun
@@ -37,20 +38,35 @@ def _failure(run: GenerationRun) -> PlatformError:
                          code="generation_failed", type="server_error")
 
 
+def token_text(token: bytes) -> str:
+    """A token as text; one holding part of a UTF-8 character shows U+FFFD (`bytes` is exact)."""
+    return token.decode("utf-8", errors="replace")
+
+
+Logprobs = Sequence[TokenLogprob]
+
+
 class ChatFormat:
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool = False):
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool = False, logprobs: bool = False):
         self.id, self.created, self.model = f"chatcmpl-{rid}", created, model
         self._usage = None if include_usage else UNSET
+        self._logprobs = logprobs
 
-    def _chunk(self, delta: s.ChatDelta, finish: str | None = None) -> bytes:
+    def _lp(self, entries: Logprobs) -> s.ChatLogprobs | None:
+        if not self._logprobs:
+            return None
+        return s.ChatLogprobs([s.ChatTokenLogprob(token_text(e.token), e.logprob, list(e.token), [
+            s.TopLogprob(token_text(b), lp, list(b)) for _, b, lp in e.top]) for e in entries])
+
+    def _chunk(self, delta: s.ChatDelta, finish: str | None = None, logprobs: s.ChatLogprobs | None = None) -> bytes:
         return sse(s.ChatCompletionChunk(self.id, self.created, self.model,
-                                         [s.ChatChunkChoice(0, delta, finish)], usage=self._usage))
+                                         [s.ChatChunkChoice(0, delta, finish, logprobs)], usage=self._usage))
 
     def first(self) -> bytes | None:
         return self._chunk(s.ChatDelta(role="assistant", content=""))
 
-    def delta(self, text: str) -> bytes:
-        return self._chunk(s.ChatDelta(content=text))
+    def delta(self, text: str, logprobs: Logprobs = ()) -> bytes:
+        return self._chunk(s.ChatDelta(content=text), logprobs=self._lp(logprobs))
 
     def last(self, finish_reason: str) -> bytes:
         return self._chunk(s.ChatDelta(), finish_reason)
@@ -58,21 +74,37 @@ class ChatFormat:
     def usage(self, usage: s.UsageBody) -> bytes:
         return sse(s.ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage))
 
-    def body(self, text: str, finish_reason: str, usage: s.UsageBody) -> s.ChatCompletion:
-        choice = s.ChatChoice(0, s.AssistantMessage(text), finish_reason)
+    def body(self, text: str, logprobs: Logprobs, finish_reason: str, usage: s.UsageBody) -> s.ChatCompletion:
+        choice = s.ChatChoice(0, s.AssistantMessage(text), finish_reason, self._lp(logprobs))
         return s.ChatCompletion(self.id, self.created, self.model, [choice], usage)
 
 
 class TextFormat:
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool = False):
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool = False, logprobs: bool = False):
         self.id, self.created, self.model = f"cmpl-{rid}", created, model
         self._usage = None if include_usage else UNSET
+        self._logprobs = logprobs
+        self._offset = 0  # characters of token text so far: text_offset continues across chunks
+
+    def _lp(self, entries: Logprobs) -> s.TextLogprobs | None:
+        """OpenAI's legacy shape: each token's top alternatives as a dict, the chosen token included."""
+        if not self._logprobs:
+            return None
+        tokens = [token_text(e.token) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(self._offset)
+            self._offset += len(t)
+        tops = [{**{token_text(b): lp for _, b, lp in e.top}, t: e.logprob}
+                for t, e in zip(tokens, entries, strict=True)]
+        return s.TextLogprobs(tokens, [e.logprob for e in entries], tops, offsets)
 
     def first(self) -> bytes | None:
         return None
 
-    def delta(self, text: str) -> bytes:
-        return sse(s.Completion(self.id, self.created, self.model, [s.TextChoice(0, text, None)], usage=self._usage))
+    def delta(self, text: str, logprobs: Logprobs = ()) -> bytes:
+        choice = s.TextChoice(0, text, None, self._lp(logprobs))
+        return sse(s.Completion(self.id, self.created, self.model, [choice], usage=self._usage))
 
     def last(self, finish_reason: str) -> bytes:
         return sse(s.Completion(self.id, self.created, self.model, [s.TextChoice(0, "", finish_reason)],
@@ -81,8 +113,9 @@ class TextFormat:
     def usage(self, usage: s.UsageBody) -> bytes:
         return sse(s.Completion(self.id, self.created, self.model, [], usage=usage))
 
-    def body(self, text: str, finish_reason: str, usage: s.UsageBody) -> s.Completion:
-        return s.Completion(self.id, self.created, self.model, [s.TextChoice(0, text, finish_reason)], usage=usage)
+    def body(self, text: str, logprobs: Logprobs, finish_reason: str, usage: s.UsageBody) -> s.Completion:
+        choice = s.TextChoice(0, text, finish_reason, self._lp(logprobs))
+        return s.Completion(self.id, self.created, self.model, [choice], usage=usage)
 
 
 Format = ChatFormat | TextFormat
@@ -90,14 +123,16 @@ Format = ChatFormat | TextFormat
 
 async def collect(run: GenerationRun, fmt: Format):
     parts: list[str] = []
+    logprobs: list[TokenLogprob] = []
     try:
         async for event in run.events():
             parts.append(event.text)
+            logprobs.extend(event.logprobs)
     finally:
         await run.close()
     if run.status != "ok":
         raise _failure(run)
-    return fmt.body("".join(parts), run.finish_reason, usage_body(run))
+    return fmt.body("".join(parts), logprobs, run.finish_reason, usage_body(run))
 
 
 async def stream(run: GenerationRun, fmt: Format, include_usage: bool) -> AsyncIterator[bytes]:
@@ -107,8 +142,8 @@ async def stream(run: GenerationRun, fmt: Format, include_usage: bool) -> AsyncI
         if first is not None:
             yield first
         async for event in run.events():
-            if event.text:
-                yield fmt.delta(event.text)
+            if event.text or event.logprobs:
+                yield fmt.delta(event.text, event.logprobs)
             if event.finished and run.status == "ok":
                 yield fmt.last(event.finish_reason)
         if run.status != "ok":

@@ -1,7 +1,7 @@
 """OpenAI request and response bodies as msgspec structs (validated by Litestar, shown in /schema).
 
 Fields OpenAI has and we do not use are accepted and ignored, as OpenAI-compatible servers do;
-fields whose meaning we cannot honour (n > 1, logprobs) are refused with a 400.
+fields whose meaning we cannot honour (n > 1, echo, tools) are refused with a 400.
 """
 
 from __future__ import annotations
@@ -58,11 +58,19 @@ class _Sampling(Struct, kw_only=True):
     logprobs: bool | int | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence tokens
     response_format: ResponseFormat | None = None  # also on /v1/completions, as vLLM allows
+    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: PositiveInt | None = None
+    top_logprobs: int | None = None  # with logprobs: true, the alternatives per token (0-20)
+    # Tool calling is not served: these are declared only so that a request using them gets a 400
+    # instead of a plain-text answer that silently ignored its tools.
+    tools: list | None = None
+    tool_choice: str | dict | None = None
+    functions: list | None = None
+    function_call: str | dict | None = None
 
 
 class CompletionRequest(_Sampling, kw_only=True):
@@ -90,11 +98,36 @@ class AssistantMessage(Struct):
     refusal: None = None
 
 
+class TopLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatTokenLogprob(Struct):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(Struct):
+    content: list[ChatTokenLogprob] | None
+    refusal: None = None
+
+
+class TextLogprobs(Struct):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]] | None
+    text_offset: list[int]
+
+
 class ChatChoice(Struct):
     index: int
     message: AssistantMessage
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(Struct):
@@ -116,7 +149,7 @@ class ChatChunkChoice(Struct):
     index: int
     delta: ChatDelta
     finish_reason: str | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(Struct):
@@ -133,7 +166,7 @@ class TextChoice(Struct):
     index: int
     text: str
     finish_reason: str | None
-    logprobs: None = None
+    logprobs: TextLogprobs | None = None
 
 
 class Completion(Struct):

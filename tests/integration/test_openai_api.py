@@ -230,3 +230,26 @@ def test_retrieve_model_answers_like_resolution(api, peft_dirs):
     found = api.client.get("/v1/models/synthetic:tiny", headers=headers)
     assert found.status_code == 200 and found.json()["id"] == "synthetic:tiny" and found.json()["object"] == "model"
     _error(api.client.get("/v1/models/theirs", headers=headers), 404, "model_not_found")
+
+
+def test_logit_bias_reaches_the_sampler_and_bad_maps_are_400(api):
+    key = api.key(api.tenant())
+    r = api.chat(key, max_tokens=5, logit_bias={"65": 100})  # the byte-level model's token 65 is "A"
+    assert r.json()["choices"][0]["message"]["content"] == "AAAAA"
+    _error(api.chat(key, logit_bias={"A": 1}), 400, "invalid_value", "logit_bias")
+    _error(api.chat(key, logit_bias={"65": 101}), 400, "invalid_request", "logit_bias")
+    _error(api.chat(key, logit_bias={"999999": 1}), 400, "invalid_request", "logit_bias")
+
+
+@pytest.mark.parametrize(("fields", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"function_call": "auto"}, "function_call"),
+])
+def test_tool_calling_is_refused_rather_than_silently_ignored(api, fields, param):
+    key = api.key(api.tenant())
+    r = api.chat(key, **fields)
+    _error(r, 400, "invalid_value", param)
+    assert "tool calling is not supported" in r.json()["error"]["message"]
+    assert api.chat(key, tool_choice="none").status_code == 200

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from loraplex.engine.api import GenerateRequest, SamplingParams
+from loraplex.engine.api import GenerateRequest, InvalidRequestError, SamplingParams
 from loraplex.engine.sampler import apply_penalties, greedy_tokens, sample
 from loraplex.engine.sched.request import Request
 from tests.conftest import make_core
@@ -77,8 +78,8 @@ def test_greedy_and_top_k_sampling_pick_allowed_tokens():
     logits = torch.tensor([[0.0, 5.0, 1.0, 4.9], [0.0, 5.0, 1.0, 4.9]])
     g = _req(temperature=0.0)
     k = _req(temperature=1.0, top_k=2, seed=0)
-    picks = {sample(logits.clone(), [g, k])[1] for _ in range(50)}
-    assert sample(logits.clone(), [g])[0] == 1
+    picks = {sample(logits.clone(), [g, k])[0][1] for _ in range(50)}
+    assert sample(logits.clone(), [g])[0] == [1]
     assert picks == {1, 3}
 
 
@@ -95,6 +96,25 @@ def test_greedy_tokens_match_torch_argmax_on_every_path():
 def test_greedy_rows_of_a_mixed_batch_take_the_argmax():
     logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
     reqs = [_req(temperature=0.0) if i % 2 else _req(temperature=1.0, seed=i) for i in range(4)]
-    out = sample(logits.clone(), reqs)
+    out, logprobs = sample(logits.clone(), reqs)
+    assert logprobs == [None] * 4  # none asked
     assert [out[1], out[3]] == logits[[1, 3]].argmax(-1).tolist()
     assert all(0 <= t < 50 for t in out)
+
+
+def test_logit_bias_bans_and_forces_tokens():
+    prompt = [7, 8, 9]
+    free = make_core().run([greedy("f", prompt, max_tokens=12)])[0].token_ids
+    banned = free[0]
+    without = make_core().run([greedy("b", prompt, max_tokens=12, logit_bias=((banned, -100.0),))])[0].token_ids
+    assert banned not in without and without != free
+    forced = make_core().run([sampled("s", prompt, seed=3, logit_bias=((65, 100.0),))])[0].token_ids
+    assert forced == [65] * 20
+
+
+@pytest.mark.parametrize(("bias", "says"), [
+    (((1, 101.0),), "in [-100, 100]"), (((-1, 1.0),), ">= 0"), (((10**6, 1.0),), "outside the vocabulary")])
+def test_bad_logit_bias_is_refused_naming_the_field(bias, says):
+    with pytest.raises(InvalidRequestError) as info:
+        make_core().add_request(greedy("x", [1, 2], logit_bias=bias))
+    assert info.value.param == "logit_bias" and says in info.value.message

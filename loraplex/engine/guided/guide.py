@@ -11,9 +11,10 @@ from loraplex.engine.guided.schema import Grammar, compile_schema
 from loraplex.engine.guided.vocab import GuideVocabulary
 
 
-@lru_cache(maxsize=256)
+@lru_cache(maxsize=64)
 def matcher_for(grammar: Grammar) -> Matcher:
-    """One matcher per compiled schema, so its transition memo serves every request on that schema."""
+    """One matcher per compiled schema, so its transition memo serves every request on that schema
+    (64 schemas in use at once at most keep their memos; a 65th evicts the least recently used)."""
     return Matcher(grammar)
 
 

@@ -41,7 +41,7 @@ OPEN, NEED_KEY, KEY, COLON, VALUE, AFTER = range(6)
 # number phases
 MINUS, ZERO, INT, DOT, FRAC, EXP_MARK, EXP_SIGN, EXP = range(8)
 NUMBER_COMPLETE = frozenset({ZERO, INT, FRAC, EXP})
-MEMO_LIMIT = 200_000
+MEMO_LIMIT = 50_000  # transitions kept per schema (a few MB); the memo starts over beyond
 
 
 # UTF-8 progress inside a string: 0 = between characters; 1-3 = that many continuation bytes owed,

@@ -1,10 +1,12 @@
-"""Structured output from the real server process, as OpenAI's own client asks for it.
+"""Structured output and log-probabilities from the real server process, as OpenAI's own client
+asks for them and parses them.
 
 Why: `client.chat.completions.parse(response_format=<pydantic model>)` sends the schema pydantic and
 the client build (`$defs`/`$ref`, `additionalProperties: false`, `strict: true`) and validates the
 answer into the model; this checks that such requests reach the engine intact and come back parseable
 even from the synthetic model's random weights, and that a schema keyword the engine cannot enforce
-is the client's BadRequestError naming it. The server and client fixtures are test_server_openai's.
+is the client's BadRequestError naming it. The client's logprobs types must parse our bodies, chat
+and legacy completions alike. The server and client fixtures are test_server_openai's.
 """
 
 from __future__ import annotations
@@ -70,3 +72,15 @@ def test_a_schema_keyword_the_engine_cannot_enforce_is_a_bad_request(demo):  # n
         demo.chat.completions.parse(model="synthetic:tiny", messages=MESSAGES, response_format=Adult, max_tokens=50)
     assert info.value.param == "response_format" and "`minimum`" in info.value.message
     assert info.value.body["message"].startswith("invalid JSON schema: ")
+
+
+def test_logprobs_parse_into_the_clients_types(demo):  # noqa: F811
+    chat = demo.chat.completions.create(model="synthetic:tiny", messages=MESSAGES, max_tokens=5, temperature=0,
+                                        logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.logprob <= 0 and isinstance(t.bytes, list) for t in content)
+    text = demo.completions.create(model="synthetic:tiny", prompt="abc", max_tokens=5, temperature=0, logprobs=1)
+    lp = text.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == text.usage.completion_tokens
+    assert all(t in top for t, top in zip(lp.tokens, lp.top_logprobs, strict=True))
