@@ -51,12 +51,11 @@ def test_json_schema_and_json_object_hold_the_output(tmp_path):
 
 def test_a_schema_the_engine_cannot_enforce_is_refused_before_the_model_loads(tmp_path):
     path = tmp_path / "schema.json"
-    path.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}}}))
+    path.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "string", "pattern": "a+"}}}))
     out = loraplex("generate", "--model", "/no/such/model.gguf", "--prompt", "x", "--json-schema", str(path))
     assert out.returncode == 2
-    assert out.stderr.strip() == (f"loraplex: error: {path}: #/properties/n: `minimum` is not supported "
-                                  "(supported: $ref, additionalProperties, allOf, anyOf, const, enum, items, "
-                                  "maxItems, minItems, oneOf, properties, required, type)")
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith(f"loraplex: error: {path}: #/properties/n: `pattern` is not supported (supported: ")
 
 
 @pytest.mark.parametrize(

@@ -35,10 +35,12 @@ class Person(BaseModel):
     color: Literal["red", "green", "blue"]
     tags: list[str]
     address: Address
+    rating: int = Field(ge=1, le=5)  # `minimum` / `maximum`: enforced, and pydantic checks them again
+    code: str = Field(max_length=4)  # `maxLength` likewise
 
 
-class Adult(BaseModel):
-    age: int = Field(ge=18)  # pydantic emits `minimum`, which the matcher cannot enforce
+class Slug(BaseModel):
+    name: str = Field(pattern=r"^[a-z]+$")  # pydantic emits `pattern`, which the matcher cannot enforce
 
 
 def test_parse_returns_the_pydantic_model_whenever_the_answer_finishes(demo):  # noqa: F811
@@ -69,8 +71,8 @@ def test_streamed_json_object_joins_into_one_object(demo):  # noqa: F811
 
 def test_a_schema_keyword_the_engine_cannot_enforce_is_a_bad_request(demo):  # noqa: F811
     with pytest.raises(openai.BadRequestError) as info:
-        demo.chat.completions.parse(model="synthetic:tiny", messages=MESSAGES, response_format=Adult, max_tokens=50)
-    assert info.value.param == "response_format" and "`minimum`" in info.value.message
+        demo.chat.completions.parse(model="synthetic:tiny", messages=MESSAGES, response_format=Slug, max_tokens=50)
+    assert info.value.param == "response_format" and "`pattern`" in info.value.message
     assert info.value.body["message"].startswith("invalid JSON schema: ")
 
 

@@ -187,7 +187,12 @@ def test_mutations_the_matcher_accepts_are_valid_json_and_valid_for_the_schema()
 
 @pytest.mark.parametrize(("schema", "says"), [
     ({"type": "string", "pattern": "a+"}, "`pattern` is not supported"),
-    ({"type": "integer", "minimum": 0}, "`minimum` is not supported"),
+    ({"type": "integer", "multipleOf": 5}, "`multipleOf` is not supported"),
+    ({"type": "number", "minimum": 0}, "`minimum` is supported on integers only"),
+    ({"minimum": 0}, "`minimum` needs a `type`"),
+    ({"type": "integer", "minimum": 3, "exclusiveMaximum": 3}, "no integer lies within the bounds"),
+    ({"type": "integer", "exclusiveMinimum": True}, "must be a finite number"),
+    ({"type": "string", "minLength": 4, "maxLength": 2}, "maxLength 2 is below minLength 4"),
     ({"$ref": "#"}, "$ref loop"),
     ({"$ref": "#/$defs/missing"}, "does not resolve"),
     ({"$ref": "http://example.com/s.json"}, "only references inside the schema"),
@@ -197,7 +202,7 @@ def test_mutations_the_matcher_accepts_are_valid_json_and_valid_for_the_schema()
     ({"type": "array", "minItems": 3, "maxItems": 2}, "maxItems 2 is below minItems 3"),
     ({"allOf": [{"type": "string"}, {"type": "null"}]}, "`allOf` is supported only"),
     ({"enum": []}, "non-empty list"),
-    ({"properties": {"a": {"type": "string", "maxLength": 3}}}, "#/properties/a: `maxLength`"),
+    ({"properties": {"a": {"type": "array", "uniqueItems": True}}}, "#/properties/a: `uniqueItems`"),
 ])
 def test_unsupported_or_broken_schemas_are_refused_naming_the_problem(schema, says):
     with pytest.raises(SchemaError, match=None) as info:
@@ -232,3 +237,54 @@ def test_strings_hold_exactly_the_valid_utf8():
             valid = False
         state = m.advance_bytes(m.start, b'"' + data + b'"')
         assert (state is not None and m.accepts(state)) is valid, data
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "string", "minLength": 2, "maxLength": 4},
+    {"type": "string", "maxLength": 1},
+    {"type": "string", "minLength": 3},
+])
+def test_string_lengths_count_characters_as_json_schema_does(schema):
+    rng = random.Random(8)
+    texts = ["", "a", "ab", "é€😀", "abcd", "abcde", "\n\t", "x\"y"]
+    texts += ["".join(rng.choice("aé€😀\n\"\\") for _ in range(rng.randint(0, 6))) for _ in range(300)]
+    for text in texts:
+        valid = jsonschema.Draft202012Validator(schema).is_valid(text)
+        for encoded in (json.dumps(text), json.dumps(text, ensure_ascii=False)):  # \u escapes are one character
+            assert accepts(schema, encoded) is valid, (schema, encoded)
+
+
+@pytest.mark.parametrize("bounds", [
+    {"minimum": 0}, {"maximum": -3}, {"minimum": -12, "maximum": 7}, {"minimum": 5, "maximum": 105},
+    {"exclusiveMinimum": 1.5, "exclusiveMaximum": 40}, {"minimum": -0.5, "maximum": 0.5}, {"minimum": 100},
+])
+def test_integer_bounds_accept_exactly_the_integers_in_range(bounds):
+    schema = {"type": "integer", **bounds}
+    validator = jsonschema.Draft202012Validator(schema)
+    m = matcher(schema)
+    for value in range(-200, 201):
+        assert accepts(schema, str(value)) is validator.is_valid(value), (bounds, value)
+    assert not accepts(schema, "1.5") and not accepts(schema, "01")
+    # a prefix stays alive exactly while some integer in range still starts with it
+    for prefix in ("-", "-1", "1", "10", "9"):
+        state = m.advance_bytes(m.start, prefix.encode())
+        reachable = any(str(v).startswith(prefix) and validator.is_valid(v) for v in range(-2000, 2001))
+        assert (state is not None) is reachable, (bounds, prefix)
+
+
+def test_bounded_integers_and_strings_inside_objects():
+    schema = {"type": "object", "properties": {"stars": {"type": "integer", "minimum": 1, "maximum": 5},
+                                               "tag": {"type": "string", "maxLength": 3}}, "required": ["stars", "tag"]}
+    assert accepts(schema, '{"stars": 5, "tag": "abc"}')
+    assert not accepts(schema, '{"stars": 6, "tag": "abc"}') and not accepts(schema, '{"stars": 0, "tag": "a"}')
+    assert not accepts(schema, '{"stars": 3, "tag": "abcd"}')
+    assert accepts({"type": ["integer", "null"], "maximum": 2}, "null")  # bounds bind the integer alternative only
+
+
+@pytest.mark.parametrize(("escaped", "ok"), [
+    ("\\ud83d\\ude00", True), ("\\uDBFF\\uDFFF", True), ("\\ud7ff", True), ("\\ue000", True),
+    ("\\ud83d", False), ("\\ude00", False), ("\\ud83dx", False), ("\\ud83d\\u0041", False),
+])
+def test_escaped_surrogates_come_in_pairs(escaped, ok):
+    assert accepts({"type": "string"}, f'"{escaped}"') is ok
+    assert accepts({"type": "string", "maxLength": 1}, f'"{escaped}"') is ok  # a pair is one character

@@ -56,7 +56,13 @@ def check_random_walks(vocab: GuideVocabulary, schema: dict, seeds: range, steps
     return checked
 
 
-@pytest.mark.parametrize("schema", [{"type": "object"}, PERSON, TREE])
+BOUNDED = {"type": "object", "properties": {
+    "code": {"type": "string", "minLength": 2, "maxLength": 5},
+    "n": {"type": "integer", "minimum": -20, "maximum": 300}, "k": {"type": "integer", "minimum": 7}},
+    "required": ["code", "n", "k"]}
+
+
+@pytest.mark.parametrize("schema", [{"type": "object"}, PERSON, TREE, BOUNDED])
 def test_small_vocabulary_masks_equal_brute_force(schema):
     assert check_random_walks(small_vocab(), schema, range(6), 60) >= 60
 
@@ -111,3 +117,12 @@ def test_default_model_vocabulary_masks_equal_brute_force(real_vocab, prefix):
 
 def test_default_model_random_walks_in_json_mode(real_vocab):
     assert check_random_walks(real_vocab, {"type": "object"}, range(2), 8) >= 8
+
+
+@pytest.mark.parametrize("prefix", [b'{"code": "', b'{"code": "ab', b'{"code": "abc\xe2', b'{"code": "abcd',
+                                    b'{"code": "ab", "n": ', b'{"code": "ab", "n": 2', b'{"code": "ab", "n": -'])
+def test_default_model_masks_for_bounded_strings_and_integers(real_vocab, prefix):
+    guide = Guide(real_vocab, json.dumps(BOUNDED))
+    guide.state = guide.matcher.advance_bytes(guide.state, prefix)
+    assert guide.state is not None
+    assert torch.equal(~real_vocab.blocked(guide.matcher, guide.state), brute_force(guide))

@@ -14,7 +14,9 @@ tokens per state. Frames:
     ("obj", node, i, phase, ws)       inside an object; `i` = index of the next declared property
     ("key", node, candidates, pos)    inside a declared property key: candidate indexes, bytes matched
     ("arr", node, count, phase, ws)   inside an array; `count` items so far (clamped where it stops mattering)
-    ("str", pending, escape)          inside a string: UTF-8 state (UTF8_STATES), escape progress
+    ("str", pending, escape)          inside a string: UTF-8 state and escape progress (scalars.py)
+    ("lstr", node, pending, escape, n) inside a string of bounded length, `n` characters started so far
+    ("int", node, negative, digits)   inside an integer with bounds, its digits so far
     ("num", integer_only, phase)      inside a number
     ("lit", node, candidates, pos)    inside an enum / const / true / false / null literal
 
@@ -23,6 +25,7 @@ Whitespace runs between tokens are capped (MAX_WS) so that a model cannot loop o
 
 from __future__ import annotations
 
+from loraplex.engine.guided.scalars import CLOSE, QUOTE, integer_in_range, integer_reachable, string_step
 from loraplex.engine.guided.schema import Grammar
 
 State = frozenset  # of stacks: tuple[tuple, ...]
@@ -31,9 +34,6 @@ END = ("end",)
 STR = ("str", 0, 0)
 MAX_WS = 32
 WS = frozenset(b" \t\n\r")
-HEX = frozenset(b"0123456789abcdefABCDEF")
-ESCAPES = frozenset(b'"\\/bfnrt')
-QUOTE, BACKSLASH = 0x22, 0x5C
 
 # object phases; "key" and "value" wait for the frame above them to complete
 OPEN, NEED_KEY, KEY, COLON, VALUE, AFTER = range(6)
@@ -42,26 +42,6 @@ OPEN, NEED_KEY, KEY, COLON, VALUE, AFTER = range(6)
 MINUS, ZERO, INT, DOT, FRAC, EXP_MARK, EXP_SIGN, EXP = range(8)
 NUMBER_COMPLETE = frozenset({ZERO, INT, FRAC, EXP})
 MEMO_LIMIT = 50_000  # transitions kept per schema (a few MB); the memo starts over beyond
-
-
-# UTF-8 progress inside a string: 0 = between characters; 1-3 = that many continuation bytes owed,
-# each 80-BF; 4-7 = after a lead byte whose first continuation is narrower (no overlong forms, no
-# surrogates, nothing past U+10FFFF): (lowest, highest, bytes owed after it).
-UTF8_STATES = 8
-_NARROW_FIRST = {4: (0xA0, 0xBF, 1), 5: (0x80, 0x9F, 1), 6: (0x90, 0xBF, 2), 7: (0x80, 0x8F, 2)}
-_LEADS = {**dict.fromkeys(range(0xC2, 0xE0), 1), 0xE0: 4, **dict.fromkeys(range(0xE1, 0xF0), 2), 0xED: 5,
-          0xF0: 6, **dict.fromkeys(range(0xF1, 0xF4), 3), 0xF4: 7}
-
-
-def utf8_lead(b: int) -> int | None:
-    """The UTF-8 state after lead byte `b` (>= 0x80), or None where `b` cannot start a character."""
-    return _LEADS.get(b)
-
-
-def utf8_continue(pending: int, b: int) -> int | None:
-    """The UTF-8 state after continuation byte `b` where `pending` (> 0) is owed, or None."""
-    lo, hi, after = _NARROW_FIRST.get(pending, (0x80, 0xBF, pending - 1))
-    return after if lo <= b <= hi else None
 
 
 class Matcher:
@@ -95,27 +75,38 @@ class Matcher:
             state = self.advance(state, b)
         return state
 
-    @staticmethod
-    def accepts(state: State) -> bool:
+    def accepts(self, state: State) -> bool:
         """The text so far is one complete value (a root number may still grow)."""
-        return any(s == (END,) or (len(s) == 2 and s[1][0] == "num" and s[1][2] in NUMBER_COMPLETE) for s in state)
+        return any(s == (END,) or (len(s) == 2 and self._number_complete(s[1])) for s in state)
+
+    def _number_complete(self, frame: tuple) -> bool:
+        if frame[0] == "num":
+            return frame[2] in NUMBER_COMPLETE
+        if frame[0] == "int":
+            _, lo, hi = self.nodes[frame[1]]
+            return bool(frame[3]) and integer_in_range(lo, hi, frame[2], frame[3])
+        return False
 
     @staticmethod
     def terminal(state: State) -> bool:
         """Complete, and no byte may follow."""
         return state == frozenset({(END,)})
 
-    @staticmethod
-    def string_pendings(state: State) -> frozenset[int] | None:
-        """Where every stack is inside a plain string (no escape under way): their UTF-8 states.
-        Tokens free of quotes and backslashes then stay inside it (vocab.py's fast path)."""
-        pendings = set()
+    def string_rooms(self, state: State) -> frozenset[tuple[int, int | None]] | None:
+        """Where every stack is inside a string with no escape under way: (UTF-8 state, characters it
+        may still start, None for no limit) of each. Tokens free of quotes and backslashes then stay
+        inside it, limited only by that room (vocab.py's fast path)."""
+        rooms = set()
         for stack in state:
             top = stack[-1]
-            if top[0] != "str" or top[2]:
+            if top[0] == "str" and not top[2]:
+                rooms.add((top[1], None))
+            elif top[0] == "lstr" and not top[3]:
+                hi = self.nodes[top[1]][2]
+                rooms.add((top[2], None if hi is None else hi - top[4]))
+            else:
                 return None
-            pendings.add(top[1])
-        return frozenset(pendings)
+        return frozenset(rooms)
 
     # --- transitions ------------------------------------------------------------------------------
 
@@ -136,6 +127,10 @@ class Matcher:
             return self._array(rest, top, b)
         if kind == "num":
             return self._number(rest, top, b)
+        if kind == "lstr":
+            return self._bounded_string(rest, top, b)
+        if kind == "int":
+            return self._bounded_integer(rest, top, b)
         if kind == "lit":
             return self._literal(rest, top[1], top[2], top[3], b)
         return []  # "end"
@@ -155,6 +150,10 @@ class Matcher:
         if kind == "num":
             phase = MINUS if b == 0x2D else ZERO if b == 0x30 else INT if 0x31 <= b <= 0x39 else None
             return [] if phase is None else [rest + (("num", node[1], phase),)]
+        if kind == "lstr":
+            return [rest + (("lstr", n, 0, 0, 0),)] if b == QUOTE else []
+        if kind == "int":
+            return self._bounded_integer(rest, ("int", n, False, ""), b)
         return self._literal(rest, n, tuple(range(len(node[1]))), 0, b)
 
     def _complete(self, rest: tuple) -> list[tuple]:
@@ -171,27 +170,41 @@ class Matcher:
         return [rest]  # the root value: rest == (END,)
 
     def _string(self, stack: tuple, rest: tuple, top: tuple, b: int) -> list[tuple]:
-        _, pending, escape = top
-        if escape == 0:
-            if pending:
-                after = utf8_continue(pending, b)
-                return [] if after is None else [rest + (("str", after, 0),)]
-            if b == QUOTE:
-                return self._complete(rest)
-            if b == BACKSLASH:
-                return [rest + (("str", 0, 1),)]
-            if 0x20 <= b < 0x80:
-                return [stack]
-            owed = utf8_lead(b)
-            return [] if owed is None else [rest + (("str", owed, 0),)]
-        if escape == 1:
-            if b in ESCAPES:
-                return [rest + (STR,)]
-            return [rest + (("str", 0, 2),)] if b == 0x75 else []  # \u: four hex digits follow
-        if b not in HEX:
+        step = string_step(top[1], top[2], b)
+        if step is None:
             return []
-        after = ("str", 0, escape + 1) if escape < 5 else STR  # escape 2..5: the \u's four digits
-        return [rest + (after,)]
+        if step is CLOSE:
+            return self._complete(rest)
+        pending, escape, _ = step
+        return [stack] if (pending, escape) == top[1:] else [rest + (("str", pending, escape),)]
+
+    def _bounded_string(self, rest: tuple, top: tuple, b: int) -> list[tuple]:
+        _, n, pending, escape, count = top
+        _, lo, hi = self.nodes[n]
+        step = string_step(pending, escape, b)
+        if step is None:
+            return []
+        if step is CLOSE:
+            return self._complete(rest) if count >= lo else []
+        pending, escape, starts = step
+        if starts:
+            if hi is not None and count >= hi:
+                return []
+            count = count + 1 if hi is not None else min(count + 1, lo)  # unbounded above: lo is all that counts
+        return [rest + (("lstr", n, pending, escape, count),)]
+
+    def _bounded_integer(self, rest: tuple, top: tuple, b: int) -> list[tuple]:
+        _, n, negative, digits = top
+        _, lo, hi = self.nodes[n]
+        if b == 0x2D and not negative and not digits:
+            return [rest + (("int", n, True, ""),)] if integer_reachable(lo, hi, True, "") else []
+        if 0x30 <= b <= 0x39 and digits != "0":
+            longer = digits + chr(b)
+            if integer_reachable(lo, hi, negative, longer):
+                return [rest + (("int", n, negative, longer),)]
+        if digits and integer_in_range(lo, hi, negative, digits):  # it ended one byte ago: the byte is its parent's
+            return [s for done in self._complete(rest) for s in self._step(done, b)]
+        return []
 
     def _number(self, rest: tuple, top: tuple, b: int) -> list[tuple]:
         _, integer, phase = top

@@ -2,11 +2,13 @@
 
 Why a subset: every keyword kept here is one the matcher can enforce while the text is generated, so
 an output that completes always validates against the schema. A keyword it cannot enforce (`pattern`,
-`minimum`, `minLength`, ...) is refused with an error naming it, never silently dropped; annotations
+`multipleOf`, `uniqueItems`, ...) is refused with an error naming it, never silently dropped; annotations
 (`title`, `description`, `format`, `default`, ...) are ignored, as JSON Schema allows.
 
 Kept: `type` (one or a list), `enum`, `const`, `properties` + `required` + `additionalProperties`,
-`items`, `minItems`, `maxItems`, `anyOf` / `oneOf` (both as "any of": exclusivity is not checked),
+`items`, `minItems`, `maxItems`, `minLength` / `maxLength` (characters), `minimum` / `maximum` /
+`exclusiveMinimum` / `exclusiveMaximum` on integers (not on non-integer numbers, which are refused),
+`anyOf` / `oneOf` (both as "any of": exclusivity is not checked),
 `allOf` of one schema, and `$ref` into the same document (`#`, `#/$defs/...`, `#/definitions/...`,
 recursion included).
 
@@ -20,6 +22,7 @@ JSON value when it is absent or true). Literals (`enum`, `const`) are written co
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -28,16 +31,20 @@ from functools import lru_cache
 #                                               free: node of a free-keyed object's values, or None
 #   ("arr", item, min_items, max_items | None)
 #   ("str",)                                    any JSON string
+#   ("lstr", min_length, max_length | None)     a string of that many characters (code points)
 #   ("num", integer_only)
+#   ("int", minimum | None, maximum | None)     an integer within bounds (inclusive)
 #   ("lit", (bytes, ...))                       one of these compact JSON texts
 #   ("union", (node, ...))                      any of these
 
 ANNOTATIONS = frozenset({
     "title", "description", "default", "examples", "$schema", "$id", "$comment", "format", "deprecated",
     "readOnly", "writeOnly", "$defs", "definitions", "contentEncoding", "contentMediaType", "discriminator"})
+LENGTHS = ("minLength", "maxLength")
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 KEYWORDS = frozenset({
     "type", "enum", "const", "properties", "required", "additionalProperties", "items", "minItems", "maxItems",
-    "anyOf", "oneOf", "allOf", "$ref"})
+    "anyOf", "oneOf", "allOf", "$ref", *LENGTHS, *BOUNDS})
 TYPES = ("object", "array", "string", "number", "integer", "boolean", "null")
 MAX_NODES = 2000  # a schema that needs more is refused: each request compiles it
 
@@ -132,6 +139,9 @@ class _Compiler:
         if "const" in schema or "enum" in schema:
             return self.literals(schema, path)
         types = schema.get("type")
+        if types is None and any(k in schema for k in LENGTHS + BOUNDS):
+            key = next(k for k in LENGTHS + BOUNDS if k in schema)
+            raise SchemaError(f"{path}: `{key}` needs a `type` (string for lengths, integer for bounds)")
         if types is None:
             types = [t for t, keys in (("object", ("properties", "required", "additionalProperties")),
                                         ("array", ("items", "minItems", "maxItems"))) if any(k in schema for k in keys)]
@@ -150,9 +160,16 @@ class _Compiler:
         if kind == "array":
             return self.arr(schema, path)
         if kind == "string":
-            return g.add(("str",))
-        if kind in ("number", "integer"):
-            return g.add(("num", kind == "integer"))
+            lo, hi = self.count_range(schema, "minLength", "maxLength", path)
+            return g.add(("str",) if (lo, hi) == (0, None) else ("lstr", lo, hi))
+        if kind == "number":
+            if any(k in schema for k in BOUNDS):
+                key = next(k for k in BOUNDS if k in schema)
+                raise SchemaError(f"{path}: `{key}` is supported on integers only, not on `number`")
+            return g.add(("num", False))
+        if kind == "integer":
+            lo, hi = integer_bounds(schema, path)
+            return g.add(("num", True) if (lo, hi) == (None, None) else ("int", lo, hi))
         if kind == "boolean":
             return g.add(("lit", (b"true", b"false")))
         return g.add(("lit", (b"null",)))
@@ -177,13 +194,19 @@ class _Compiler:
             self.grammar.nodes[node] = ("obj", (), self.node(extra, f"{path}/additionalProperties"))
         return node
 
-    def arr(self, schema: dict, path: str) -> int:
-        lo, hi = schema.get("minItems", 0), schema.get("maxItems")
-        for key, value in (("minItems", lo), ("maxItems", hi)):
+    @staticmethod
+    def count_range(schema: dict, low: str, high: str, path: str) -> tuple[int, int | None]:
+        """minItems/maxItems or minLength/maxLength: non-negative integers, low <= high."""
+        lo, hi = schema.get(low, 0), schema.get(high)
+        for key, value in ((low, lo), (high, hi)):
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
                 raise SchemaError(f"{path}/{key}: must be a non-negative integer, got {value!r}")
         if hi is not None and hi < lo:
-            raise SchemaError(f"{path}: maxItems {hi} is below minItems {lo}")
+            raise SchemaError(f"{path}: {high} {hi} is below {low} {lo}")
+        return lo, hi
+
+    def arr(self, schema: dict, path: str) -> int:
+        lo, hi = self.count_range(schema, "minItems", "maxItems", path)
         node = self.grammar.add(("arr", self.any, lo, hi))
         item = self.node(schema.get("items", True), f"{path}/items")
         self.grammar.nodes[node] = ("arr", item, lo, hi)
@@ -219,3 +242,26 @@ class _Compiler:
             resolved = resolved[part]
         self.grammar.nodes[node] = ("union", (self.node(resolved, target),))
         return node
+
+
+def integer_bounds(schema: dict, path: str) -> tuple[int | None, int | None]:
+    """The inclusive integer range that minimum / maximum / exclusiveMinimum / exclusiveMaximum leave."""
+    lows, highs = [], []
+    for key in BOUNDS:
+        if key not in schema:
+            continue
+        value = schema[key]
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise SchemaError(f"{path}/{key}: must be a finite number, got {value!r}")
+        if key == "minimum":
+            lows.append(math.ceil(value))
+        elif key == "exclusiveMinimum":
+            lows.append(math.floor(value) + 1)
+        elif key == "maximum":
+            highs.append(math.floor(value))
+        else:
+            highs.append(math.ceil(value) - 1)
+    lo, hi = (max(lows) if lows else None), (min(highs) if highs else None)
+    if lo is not None and hi is not None and hi < lo:
+        raise SchemaError(f"{path}: no integer lies within the bounds (from {lo} to {hi})")
+    return lo, hi

@@ -6,9 +6,9 @@ contiguous range, found by bisection), at no memory cost beyond the list.
 The walk visits only the children of live states, so a state between JSON values (a few structural
 bytes allowed) costs a few hundred transitions. Inside a string nearly every token is allowed and a
 walk would visit the whole trie, so there a fast path takes the precomputed mask of tokens that stay
-inside a string (no quote, no backslash, no control byte, valid UTF-8 from where the string stands)
-and walks only the tokens holding a quote or a backslash. Masks are cached per (matcher, state):
-decoding a schema revisits a small set of states.
+inside a string (no quote, no backslash, no control byte, valid UTF-8 from where the string stands,
+no more characters than a `maxLength` leaves room for) and walks only the tokens holding a quote or
+a backslash. Masks are cached per (matcher, state): decoding a schema revisits a small set of states.
 """
 
 from __future__ import annotations
@@ -20,28 +20,11 @@ from collections import OrderedDict
 
 import torch
 
-from loraplex.engine.guided.matcher import UTF8_STATES, Matcher, State, utf8_continue, utf8_lead
+from loraplex.engine.guided.matcher import Matcher, State
+from loraplex.engine.guided.scalars import UTF8_STATES, in_string_run
 
 CACHE_ENTRIES = 512  # masks of 49K-token vocabularies: 25 MB at most per model
 _CONTROL = re.compile(rb"[\x00-\x1f]")
-
-
-def stays_in_string(data: bytes, pending: int) -> bool:
-    """True where `data` (no quote, no backslash) continues a JSON string in UTF-8 state `pending`
-    (matcher.UTF8_STATES), and leaves it inside the string."""
-    for b in data:
-        if pending:
-            pending = utf8_continue(pending, b)
-            if pending is None:
-                return False
-        elif b < 0x20:
-            return False
-        elif b >= 0x80:
-            owed = utf8_lead(b)
-            if owed is None:
-                return False
-            pending = owed
-    return True
 
 
 class GuideVocabulary:
@@ -60,16 +43,22 @@ class GuideVocabulary:
         self.sorted_ids = ids
         self.sorted_bytes = [token_bytes[i] for i in ids]
         self.quoted = [i for i in ids if b'"' in token_bytes[i] or b"\\" in token_bytes[i]]
-        in_string = torch.zeros(UTF8_STATES, width, dtype=torch.bool)  # [utf8 state, vocab]
+        # [utf8 state, vocab]: the characters a plain token starts inside a string from that state, -1 where it
+        # cannot continue the string
+        starts = torch.full((UTF8_STATES, width), -1, dtype=torch.int16)
         plain = [i for i in ids if b'"' not in token_bytes[i] and b"\\" not in token_bytes[i]]
         for i in plain:
             data = token_bytes[i]
             if data.isascii():
-                in_string[0, i] = _CONTROL.search(data) is None
+                if _CONTROL.search(data) is None:
+                    starts[0, i] = len(data)
             else:
                 for pending in range(UTF8_STATES):
-                    in_string[pending, i] = stays_in_string(data, pending)
-        self.in_string = in_string
+                    run = in_string_run(data, pending)
+                    if run is not None:
+                        starts[pending, i] = run
+        self.string_starts = starts
+        self.in_string = starts >= 0
         self._cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
         self._lock = threading.Lock()
 
@@ -99,9 +88,12 @@ class GuideVocabulary:
 
     def _allowed(self, matcher: Matcher, state: State) -> torch.Tensor:
         """[width] bool (CPU): the tokens whose bytes the matcher accepts from `state`."""
-        pendings = matcher.string_pendings(state)
-        if pendings is not None:
-            keep = self.in_string[sorted(pendings)].any(0)
+        rooms = matcher.string_rooms(state)
+        if rooms is not None:
+            keep = torch.zeros(self.width, dtype=torch.bool)
+            for pending, room in rooms:
+                keep |= self.in_string[pending] if room is None else \
+                    self.in_string[pending] & (self.string_starts[pending] <= room)
             for i in self.quoted:
                 if matcher.advance_bytes(state, self.token_bytes[i]) is not None:
                     keep[i] = True
