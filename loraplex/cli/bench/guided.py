@@ -28,7 +28,8 @@ from loraplex.engine.core import Completion, EngineCore
 from loraplex.engine.models.loader import load_model, resolve_model
 
 PERSON = {"type": "object", "properties": {
-    "name": {"type": "string"}, "age": {"type": "integer"}, "city": {"type": "string"},
+    "name": {"type": "string", "maxLength": 40}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    "city": {"type": "string"},
     "skills": {"type": "array", "items": {"type": "string"}, "maxItems": 4},
     "employed": {"type": "boolean"}}, "required": ["name", "age", "city", "skills", "employed"]}
 JSON_MODE = {"type": "object"}
