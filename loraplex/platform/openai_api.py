@@ -21,8 +21,8 @@ from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from loraplex.billing.usage import utcnow
-from loraplex.engine.api import GenerateRequest, ModelNotFoundError
-from loraplex.platform import auto_route
+from loraplex.engine.api import GenerateRequest, InvalidRequestError, ModelNotFoundError
+from loraplex.platform import auto_route, tool_calls
 from loraplex.platform import openai_convert as conv
 from loraplex.platform import openai_format as fmt
 from loraplex.platform import schemas as s
@@ -53,24 +53,33 @@ def _principal(request: Request) -> Principal:
 
 
 async def _generate(request: Request, platform: Platform, data: s.ChatCompletionRequest | s.CompletionRequest,
-                    prompt: dict, max_tokens: int | None, fmt_cls: type[fmt.Format], endpoint: str) -> Response:
+                    prompt: dict, max_tokens: int | None, fmt_cls: type[fmt.Format], endpoint: str,
+                    call: tool_calls.ToolPlan | None = None) -> Response:
     who = caller_of(request)
     principal = who.principal
     conv.check_supported(data)
     priority = effective_priority(principal.max_priority, request.headers.get("x-priority"))
     rid = request_hex(request.scope)
     sampling = conv.sampling(data, max_tokens)
+    if call is not None:  # the answer is the call: its schema holds the output
+        sampling = dataclasses.replace(sampling, json_schema=call.schema)
     cap = principal.default_max_tokens or platform.settings.default_max_tokens
 
     def request_for(model: str, adapter: str | None = None) -> GenerateRequest:
         return GenerateRequest(request_id=f"req_{rid}", model=model, adapter=adapter, sampling=sampling,
                                priority=priority, cache_salt=principal.cache_salt, **prompt)
 
-    if data.model == AUTO:
-        routed = await auto_route.route(platform.router, platform.engine, principal,
-                                        auto_route.request_text(prompt, max_tokens), request_for, max_tokens or cap)
-    else:
-        routed = await _resolve(platform, principal, data.model, request_for)
+    try:
+        if data.model == AUTO:
+            routed = await auto_route.route(platform.router, platform.engine, principal,
+                                            auto_route.request_text(prompt, max_tokens), request_for, max_tokens or cap)
+        else:
+            routed = await _resolve(platform, principal, data.model, request_for)
+    except InvalidRequestError as e:
+        if call is not None and e.param == "response_format":  # the schema was the tools' parameters
+            raise InvalidRequestError(e.message.replace("invalid JSON schema", "invalid tool parameters"),
+                                      "tools") from None
+        raise
     target, gen, prompt_tokens = routed.target, routed.request, routed.prompt_tokens
     context = next((m.max_model_len for m in platform.engine.models() if m.name == target.base_model), prompt_tokens)
     room = max(0, context - prompt_tokens)
@@ -126,8 +135,12 @@ def _note_route(platform: Platform, target: Target) -> dict[str, str]:
 @post("/chat/completions", status_code=200, summary="Create a chat completion")
 async def chat_completions(request: Request, platform: PlatformDep,
                            data: JSONBody[s.ChatCompletionRequest]) -> Response:
-    return await _generate(request, platform, data, {"messages": conv.chat_messages(data)},
-                           conv.chat_max_tokens(data), fmt.ChatFormat, "/v1/chat/completions")
+    call = tool_calls.plan(data)
+    messages = conv.chat_messages(data)
+    if call is not None:
+        messages = tool_calls.with_prompt(messages, call)
+    return await _generate(request, platform, data, {"messages": messages}, conv.chat_max_tokens(data),
+                           fmt.ChatFormat if call is None else tool_calls.ToolCallFormat, "/v1/chat/completions", call)
 
 
 @post("/completions", status_code=200, summary="Create a text completion")

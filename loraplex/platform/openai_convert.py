@@ -6,6 +6,7 @@ import json
 
 from loraplex.engine.api import MAX_LOGPROBS, SamplingParams
 from loraplex.platform import schemas as s
+from loraplex.platform import tool_calls
 from loraplex.platform.errors import invalid
 
 MAX_STOP = 4
@@ -16,14 +17,6 @@ JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's JSON mode: the output is o
 def check_supported(data: s.ChatCompletionRequest | s.CompletionRequest) -> None:
     if data.n != 1:
         raise invalid("only n=1 is supported", "n")
-    if isinstance(data, s.ChatCompletionRequest):
-        for name in ("tools", "functions", "function_call"):
-            if getattr(data, name):
-                raise invalid(f"tool calling is not supported by this server: remove {name}, or use "
-                              "response_format with a JSON schema for structured answers", name)
-        if data.tool_choice not in (None, "none"):
-            raise invalid("tool calling is not supported by this server: tool_choice may only be \"none\"",
-                          "tool_choice")
     if data.stream_options is not None and not data.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
 
@@ -98,7 +91,9 @@ def completion_max_tokens(data: s.CompletionRequest) -> int:
 
 
 def chat_messages(data: s.ChatCompletionRequest) -> tuple[dict, ...]:
-    """Messages as the chat template wants them; content parts other than text are refused."""
+    """Messages as the chat template wants them; content parts other than text are refused. Earlier
+    tool calls are written back as the model was asked to write them (tool_calls.py), and a tool's
+    result becomes a user turn that names its call, which every chat template can render."""
     out = []
     for i, m in enumerate(data.messages):
         content = m.content
@@ -106,7 +101,13 @@ def chat_messages(data: s.ChatCompletionRequest) -> tuple[dict, ...]:
             if any(p.type != "text" or p.text is None for p in content):
                 raise invalid("only text content parts are supported", f"messages[{i}].content")
             content = "".join(p.text for p in content)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content or ""})
+        content = content or ""
+        role = {"developer": "system", "tool": "user"}.get(m.role, m.role)
+        if m.role == "tool":
+            content = f"Result of function call {m.tool_call_id or ''}:\n{content}"
+        if m.tool_calls:
+            content = "\n".join(([content] if content else []) + [tool_calls.call_text(c) for c in m.tool_calls])
+        out.append({"role": role, "content": content})
     return tuple(out)
 
 

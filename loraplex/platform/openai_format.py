@@ -65,7 +65,7 @@ class ChatFormat:
     def first(self) -> bytes | None:
         return self._chunk(s.ChatDelta(role="assistant", content=""))
 
-    def delta(self, text: str, logprobs: Logprobs = ()) -> bytes:
+    def delta(self, text: str, logprobs: Logprobs = ()) -> bytes | None:
         return self._chunk(s.ChatDelta(content=text), logprobs=self._lp(logprobs))
 
     def last(self, finish_reason: str) -> bytes:
@@ -102,7 +102,7 @@ class TextFormat:
     def first(self) -> bytes | None:
         return None
 
-    def delta(self, text: str, logprobs: Logprobs = ()) -> bytes:
+    def delta(self, text: str, logprobs: Logprobs = ()) -> bytes | None:
         choice = s.TextChoice(0, text, None, self._lp(logprobs))
         return sse(s.Completion(self.id, self.created, self.model, [choice], usage=self._usage))
 
@@ -142,8 +142,9 @@ async def stream(run: GenerationRun, fmt: Format, include_usage: bool) -> AsyncI
         if first is not None:
             yield first
         async for event in run.events():
-            if event.text or event.logprobs:
-                yield fmt.delta(event.text, event.logprobs)
+            chunk = fmt.delta(event.text, event.logprobs) if event.text or event.logprobs else None
+            if chunk is not None:
+                yield chunk
             if event.finished and run.status == "ok":
                 yield fmt.last(event.finish_reason)
         if run.status != "ok":

@@ -1,7 +1,8 @@
 """OpenAI request and response bodies as msgspec structs (validated by Litestar, shown in /schema).
 
 Fields OpenAI has and we do not use are accepted and ignored, as OpenAI-compatible servers do;
-fields whose meaning we cannot honour (n > 1, echo, tools) are refused with a 400.
+fields whose meaning we cannot honour (n > 1, echo, tool_choice "auto", the deprecated functions)
+are refused with a 400.
 """
 
 from __future__ import annotations
@@ -20,10 +21,44 @@ class ContentPart(Struct):
     text: str | None = None
 
 
+class FunctionCall(Struct):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(Struct, kw_only=True):
+    id: str
+    function: FunctionCall
+    type: Literal["function"] = "function"
+
+
 class ChatMessage(Struct):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_call_id: str | None = None  # a tool turn: the call it answers
+
+
+class FunctionDef(Struct, kw_only=True):
+    name: str
+    description: str | None = None
+    parameters: dict | None = None  # a JSON Schema; None: no parameters
+    strict: bool | None = None
+
+
+class Tool(Struct, kw_only=True):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(Struct):
+    name: str
+
+
+class ToolChoiceFunction(Struct, kw_only=True):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class StreamOptions(Struct):
@@ -65,10 +100,11 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     messages: list[ChatMessage]
     max_completion_tokens: PositiveInt | None = None
     top_logprobs: int | None = None  # with logprobs: true, the alternatives per token (0-20)
-    # Tool calling is not served: these are declared only so that a request using them gets a 400
-    # instead of a plain-text answer that silently ignored its tools.
-    tools: list | None = None
-    tool_choice: str | dict | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
+    parallel_tool_calls: bool | None = None  # one call is made either way
+    # The deprecated function calling: declared only so that a request using it gets a 400 instead of
+    # a plain-text answer that silently ignored its functions.
     functions: list | None = None
     function_call: str | dict | None = None
 
@@ -93,9 +129,22 @@ class UsageBody(Struct):
 
 
 class AssistantMessage(Struct):
-    content: str
+    content: str | None
     role: str = "assistant"
     refusal: None = None
+    tool_calls: list[ToolCall] | UnsetType = UNSET
+
+
+class FunctionDelta(Struct):
+    name: str | UnsetType = UNSET
+    arguments: str = ""
+
+
+class ToolCallDelta(Struct, kw_only=True):
+    index: int
+    function: FunctionDelta
+    id: str | UnsetType = UNSET
+    type: str | UnsetType = UNSET
 
 
 class TopLogprob(Struct):
@@ -142,7 +191,8 @@ class ChatCompletion(Struct):
 
 class ChatDelta(Struct):
     role: str | UnsetType = UNSET
-    content: str | UnsetType = UNSET
+    content: str | None | UnsetType = UNSET
+    tool_calls: list[ToolCallDelta] | UnsetType = UNSET
 
 
 class ChatChunkChoice(Struct):

@@ -1,5 +1,5 @@
-"""Structured output and log-probabilities from the real server process, as OpenAI's own client
-asks for them and parses them.
+"""Structured output, forced tool calls and log-probabilities from the real server process, as
+OpenAI's own client asks for them and parses them.
 
 Why: `client.chat.completions.parse(response_format=<pydantic model>)` sends the schema pydantic and
 the client build (`$defs`/`$ref`, `additionalProperties: false`, `strict: true`) and validates the
@@ -86,3 +86,22 @@ def test_logprobs_parse_into_the_clients_types(demo):  # noqa: F811
     lp = text.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.text_offset) == text.usage.completion_tokens
     assert all(t in top for t, top in zip(lp.tokens, lp.top_logprobs, strict=True))
+
+
+class Lookup(BaseModel):
+    """Look a city up."""
+
+    city: str = Field(max_length=10)
+    days: int = Field(ge=1, le=7)
+
+
+def test_a_forced_tool_call_parses_into_the_pydantic_arguments(demo):  # noqa: F811
+    tools = [openai.pydantic_function_tool(Lookup), openai.pydantic_function_tool(Person)]
+    answer = demo.chat.completions.parse(model="synthetic:tiny", messages=MESSAGES, tools=tools, max_tokens=400,
+                                         tool_choice={"type": "function", "function": {"name": "Lookup"}},
+                                         temperature=1.0, seed=2)
+    (choice,) = answer.choices
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "Lookup" and isinstance(call.function.parsed_arguments, Lookup)
+    assert 1 <= call.function.parsed_arguments.days <= 7

@@ -239,17 +239,3 @@ def test_logit_bias_reaches_the_sampler_and_bad_maps_are_400(api):
     _error(api.chat(key, logit_bias={"A": 1}), 400, "invalid_value", "logit_bias")
     _error(api.chat(key, logit_bias={"65": 101}), 400, "invalid_request", "logit_bias")
     _error(api.chat(key, logit_bias={"999999": 1}), 400, "invalid_request", "logit_bias")
-
-
-@pytest.mark.parametrize(("fields", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
-    ({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
-    ({"tool_choice": "auto"}, "tool_choice"),
-    ({"function_call": "auto"}, "function_call"),
-])
-def test_tool_calling_is_refused_rather_than_silently_ignored(api, fields, param):
-    key = api.key(api.tenant())
-    r = api.chat(key, **fields)
-    _error(r, 400, "invalid_value", param)
-    assert "tool calling is not supported" in r.json()["error"]["message"]
-    assert api.chat(key, tool_choice="none").status_code == 200

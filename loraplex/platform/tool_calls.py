@@ -1,0 +1,212 @@
+"""Tool calling: `tools` with `tool_choice` "required" or a named function, held exact by guided decoding.
+
+Why only forced calls: whether and how a model calls a tool on its own ("auto") is written in each
+model family's own format, which a model-agnostic server cannot parse reliably; a forced call is a
+JSON Schema like any other. The model answers `{"name": ..., "arguments": {...}}`, constrained to the
+candidate tools' names and each one's parameters schema (`$ref`s rebased under one root), after a
+system message that lists the tools. The answer becomes `message.tool_calls`; streamed, the name comes
+in one delta and the arguments' text in pieces as it is generated.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+
+from msgspec import UNSET
+
+from loraplex.platform import schemas as s
+from loraplex.platform.errors import invalid
+from loraplex.platform.openai_format import ChatFormat, Logprobs
+
+TOOLS_PROMPT = ("Call one of these functions. Answer with a JSON object {\"name\": <the function's name>, "
+                "\"arguments\": <an object of its parameters>} and nothing else.\n")
+NO_PARAMETERS = {"type": "object", "additionalProperties": False}
+_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+# The call's text up to its arguments' first character (which must have come: whitespace before it may grow)
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    schema: str  # the JSON Schema text of the call
+    prompt: str  # the system text that lists the tools
+
+
+def plan(data: s.ChatCompletionRequest) -> ToolPlan | None:
+    """The forced call this request asks for, or None for a plain answer; 400s for what cannot be served."""
+    for name in ("functions", "function_call"):
+        if getattr(data, name):
+            raise invalid(f"the deprecated {name} is not supported: use tools with tool_choice", name)
+    choice, tools = data.tool_choice, data.tools or []
+    if not tools:
+        if choice not in (None, "none"):
+            raise invalid("tool_choice needs tools", "tool_choice")
+        return None
+    if choice == "none":
+        return None
+    if choice in (None, "auto"):
+        raise invalid('tool_choice "auto" is not supported: set tool_choice to "required" or name a function '
+                      "to have the model call one", "tool_choice")
+    names = [t.function.name for t in tools]
+    bad = next((n for n in names if not _NAME.match(n)), None)
+    if bad is not None:
+        raise invalid(f"function names are 1-64 letters, digits, '_' or '-', got {bad!r}", "tools")
+    if len(set(names)) != len(names):
+        raise invalid("function names must be unique", "tools")
+    if isinstance(choice, s.ToolChoiceFunction):
+        if choice.function.name not in names:
+            raise invalid(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
+        candidates = [t for t in tools if t.function.name == choice.function.name]
+    else:
+        candidates = tools
+    if data.response_format is not None and data.response_format.type != "text":
+        raise invalid("response_format cannot be combined with a forced tool call", "response_format")
+    return ToolPlan(json.dumps(call_schema(candidates), ensure_ascii=False), _prompt(tools))
+
+
+def call_schema(tools: list[s.Tool]) -> dict:
+    """`{"name": <one of the tools>, "arguments": <its parameters>}` as one JSON Schema document: each
+    tool's parameters (and their `$defs`) move under `$defs`, their `$ref`s rewritten to follow."""
+    defs: dict = {}
+    alternatives = []
+    for i, tool in enumerate(tools):
+        prefix = f"tool{i}"
+        params = tool.function.parameters if tool.function.parameters is not None else NO_PARAMETERS
+        if not isinstance(params, dict):
+            raise invalid(f"the parameters of {tool.function.name!r} must be a JSON Schema object", "tools")
+        for key in ("$defs", "definitions"):
+            for name, sub in (params.get(key) or {}).items():
+                defs[f"{prefix}.{name}"] = _rebase(sub, prefix)
+        defs[prefix] = _rebase(params, prefix)
+        alternatives.append({"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                             "properties": {"name": {"const": tool.function.name},
+                                            "arguments": {"$ref": f"#/$defs/{prefix}"}}})
+    root = alternatives[0] if len(alternatives) == 1 else {"anyOf": alternatives}
+    return {**root, "$defs": defs}
+
+
+def _rebase(node, prefix: str):
+    """A copy of a tool's schema whose `$ref`s point where call_schema moved their targets."""
+    if isinstance(node, list):
+        return [_rebase(x, prefix) for x in node]
+    if not isinstance(node, dict):
+        return node
+    out = {}
+    for key, value in node.items():
+        if key in ("$defs", "definitions"):
+            continue
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            parts = value[1:].split("/", 3)  # "", "$defs", name, rest
+            if len(parts) >= 3 and parts[1] in ("$defs", "definitions"):
+                value = f"#/$defs/{prefix}.{parts[2]}" + (f"/{parts[3]}" if len(parts) > 3 else "")
+            else:
+                value = f"#/$defs/{prefix}{value[1:]}"
+        out[key] = _rebase(value, prefix)
+    return out
+
+
+def _prompt(tools: list[s.Tool]) -> str:
+    listed = [{"name": t.function.name, "description": t.function.description,
+               "parameters": t.function.parameters if t.function.parameters is not None else NO_PARAMETERS}
+              for t in tools]
+    return TOOLS_PROMPT + "\n".join(json.dumps(t, ensure_ascii=False) for t in listed)
+
+
+def with_prompt(messages: tuple[dict, ...], tools_plan: ToolPlan) -> tuple[dict, ...]:
+    """The tools' system text before the conversation (after the caller's own system text, if any)."""
+    if messages and messages[0]["role"] == "system":
+        first = {"role": "system", "content": f"{messages[0]['content']}\n\n{tools_plan.prompt}"}
+        return (first, *messages[1:])
+    return ({"role": "system", "content": tools_plan.prompt}, *messages)
+
+
+def call_text(call: s.ToolCall) -> str:
+    """An earlier assistant turn's call, written back as the model was asked to write it."""
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        arguments = call.function.arguments
+    return json.dumps({"name": call.function.name, "arguments": arguments}, ensure_ascii=False)
+
+
+class CallText:
+    """Follows the generated call's text and splits it into the function name and the arguments' text.
+    Streaming holds back trailing whitespace and one "}", which may be the wrapper's own close."""
+
+    def __init__(self) -> None:
+        self.text = ""
+        self.name: str | None = None
+        self._start = 0
+        self.sent = 0  # characters of the arguments already given out
+
+    def push(self, text: str) -> tuple[str | None, str]:
+        """(the name, the first time it is known; the arguments' text that is now certain)."""
+        self.text += text
+        named = None
+        if self.name is None:
+            head = _HEAD.match(self.text)
+            if head is None:
+                return None, ""
+            self.name, self._start, named = json.loads(head.group(1)), head.end(), json.loads(head.group(1))
+        safe = self.text[self._start:].rstrip()
+        if safe.endswith("}"):
+            safe = safe[:-1].rstrip()
+        return named, self._take(len(safe))
+
+    def finish(self, complete: bool) -> str:
+        """The rest of the arguments' text: without the wrapper's close when the call is complete."""
+        if self.name is None:
+            return ""
+        args = self.text[self._start:]
+        if complete:
+            args = args.rstrip()[:-1].rstrip()
+        return self._take(len(args))
+
+    @classmethod
+    def parse(cls, text: str, complete: bool) -> tuple[str | None, str]:
+        """A whole answer's (function name, arguments' text); (None, "") when it was cut before both."""
+        call = cls()
+        call.push(text)
+        call.finish(complete)
+        return call.name, call.text[call._start:call._start + call.sent]
+
+    def _take(self, end: int) -> str:
+        piece = self.text[self._start + self.sent:self._start + end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return piece
+
+
+class ToolCallFormat(ChatFormat):
+    """A chat completion whose answer is one tool call."""
+
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool = False, logprobs: bool = False):
+        super().__init__(rid, created, model, include_usage, logprobs)
+        self.call_id = f"call_{rid}"
+        self._call = CallText()
+
+    def _call_chunk(self, name: str | None, arguments: str, logprobs: Logprobs = ()) -> bytes | None:
+        if name is None and not arguments and not logprobs:
+            return None
+        delta = s.ToolCallDelta(index=0, function=s.FunctionDelta(arguments=arguments))
+        if name is not None:
+            delta = s.ToolCallDelta(index=0, id=self.call_id, type="function",
+                                    function=s.FunctionDelta(name=name, arguments=arguments))
+        return self._chunk(s.ChatDelta(tool_calls=[delta]), logprobs=self._lp(logprobs))
+
+    def delta(self, text: str, logprobs: Logprobs = ()) -> bytes | None:
+        return self._call_chunk(*self._call.push(text), logprobs)
+
+    def last(self, finish_reason: str) -> bytes:
+        rest = self._call.finish(finish_reason == "stop")
+        tail = self._call_chunk(None, rest) or b""
+        return tail + self._chunk(s.ChatDelta(), "tool_calls" if finish_reason == "stop" else finish_reason)
+
+    def body(self, text: str, logprobs: Logprobs, finish_reason: str, usage: s.UsageBody) -> s.ChatCompletion:
+        name, arguments = CallText.parse(text, finish_reason == "stop")
+        calls = [s.ToolCall(id=self.call_id, function=s.FunctionCall(name, arguments))] if name else UNSET
+        message = s.AssistantMessage(None if name else text, tool_calls=calls)
+        reason = "tool_calls" if finish_reason == "stop" else finish_reason
+        choice = s.ChatChoice(0, message, reason, self._lp(logprobs))
+        return s.ChatCompletion(self.id, self.created, self.model, [choice], usage)
