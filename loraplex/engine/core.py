@@ -191,8 +191,8 @@ class EngineCore:
             return self._finish(r, "stop", text, (token,), lps)
         if r.guide is not None:
             if not r.guide.accept(token):
-                return self._finish(r, "error", text, (token,), lps, error=f"token {token} was sampled outside "
-                                    "the JSON schema's mask (the model's logits held no finite allowed value)")
+                return self._finish(r, "error", text, (token,), lps,
+                                    error=f"token {token} was sampled outside the JSON schema's mask")
             if r.guide.complete:  # the schema's value is whole: nothing may follow, so stop without EOS
                 return self._finish(r, "stop", text + detok.flush(), (token,), lps)
         if len(r.output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len:

@@ -32,7 +32,7 @@ class Guide:
 
     def accept(self, token_id: int) -> bool:
         """Moves past a sampled token (end-of-sequence ends the request elsewhere). False, and no
-        move, for a token the mask did not allow: only logits without a finite value (NaN) get one."""
+        move, for a token the mask did not allow (a sampler fault: the core ends that request)."""
         if self.vocab.is_eos(token_id):
             return True
         state = self.matcher.advance_bytes(self.state, self.vocab.token_bytes[token_id])
