@@ -7,7 +7,6 @@ waits for the load. Nothing here touches engine state: callers may run it on the
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 from loraplex.engine.api import (
@@ -20,7 +19,7 @@ from loraplex.engine.api import (
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.guided.guide import Guide
 from loraplex.engine.guided.schema import SchemaError
-from loraplex.engine.guided.vocab import GuideVocabulary
+from loraplex.engine.guided.vocab import GuideVocabulary, vocabulary_for
 from loraplex.engine.models.llama import LlamaConfig
 from loraplex.engine.models.tokenizer import Tokenizer
 from loraplex.engine.sched.request import Request
@@ -49,8 +48,6 @@ class RequestFrontend:
         self.kv_capacity = kv_blocks(config, model) * config.block_size
         self.adapter_available = adapter_available
         self.device = config.torch_device
-        self._guide_vocab: GuideVocabulary | None = None  # built on the first request with a schema
-        self._guide_lock = threading.Lock()
 
     def info(self) -> ModelInfo:
         return ModelInfo(self.name, self.max_model_len, self.vocab_size)
@@ -75,15 +72,15 @@ class RequestFrontend:
             raise InvalidRequestError("prompt encodes to no tokens", "prompt")
         return ids
 
+    def guide_vocabulary(self) -> GuideVocabulary:
+        """The tokenizer's index for guided decoding. The pool builds it when it registers a model, so
+        that the first request with a schema does not pay for it on the caller's (event-loop) thread."""
+        return vocabulary_for(self.tokenizer, self.vocab_size, self.device)
+
     def guide(self, schema_text: str) -> Guide:
         """A request's guide for its JSON schema; InvalidRequestError names what the schema does wrong."""
-        with self._guide_lock:
-            if self._guide_vocab is None:
-                tok = self.tokenizer
-                self._guide_vocab = GuideVocabulary(tok.token_bytes(), tok.special_ids, tok.eos_token_ids,
-                                                    self.vocab_size, self.device)
         try:
-            return Guide(self._guide_vocab, schema_text)
+            return Guide(self.guide_vocabulary(), schema_text)
         except SchemaError as e:
             raise InvalidRequestError(f"invalid JSON schema: {e}", "response_format") from None
 

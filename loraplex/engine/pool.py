@@ -138,6 +138,7 @@ class ModelPool:
         entry = ModelEntry(name, src, cfg, loaded.config, device_bytes, adapter_bytes, weight_bytes, pinned=pinned)
         entry.frontend = RequestFrontend(name, loaded.tokenizer, loaded.config, cfg,
                                          lambda a, e=entry: a in e.adapters and a not in e.removing)
+        entry.frontend.guide_vocabulary()  # now, not on the first schema request's (event-loop) thread
         with self._lock:
             self.models[name] = entry
             self._to_host_tier(entry, loaded)
@@ -278,6 +279,7 @@ class ModelPool:
                            pinned=pinned, tier="device", core=core, last_used=time.monotonic())
         entry.frontend = RequestFrontend(name, core.tokenizer, mcfg, core.config,
                                          lambda a, e=entry: a in e.adapters and a not in e.removing)
+        entry.frontend.guide_vocabulary()  # now, not on the first schema request's (event-loop) thread
         with self._lock:
             self.models[name] = entry
         return entry

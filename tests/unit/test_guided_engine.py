@@ -115,3 +115,19 @@ def test_default_model_fills_a_schema_from_a_chat_prompt():
     value = json.loads(done.text)
     jsonschema.validate(value, schema)
     assert value["name"] == "Ann"  # the model read the prompt: the mask chose the shape, not the words
+
+
+def test_the_vocabulary_index_is_built_at_registration_and_shared_by_a_models_frontends():
+    """The first request with a schema must not build the index on the caller's thread (the platform's
+    event loop): registering the model builds it, once per tokenizer."""
+    from loraplex.engine.guided import vocab
+    from loraplex.engine.pool import ModelPool
+    from tests.unit.test_model_pool import make_pool
+
+    pool = make_pool()
+    for entry in pool.models.values():
+        assert entry.frontend.tokenizer in vocab._BY_TOKENIZER
+    core = make_core()
+    adopted = ModelPool(memory_budget=1 << 30, device="cpu").adopt(core)
+    assert adopted.frontend.guide_vocabulary() is core.frontend.guide_vocabulary()
+    pool.shutdown()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import re
 import threading
+import weakref
 from bisect import bisect_left
 from collections import OrderedDict
 
@@ -119,3 +120,19 @@ class GuideVocabulary:
             if nxt is not None:
                 self._walk(matcher, nxt, i, j, depth + 1, out)
             i = j
+
+
+_BY_TOKENIZER: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_BY_TOKENIZER_LOCK = threading.Lock()
+
+
+def vocabulary_for(tokenizer, width: int, device: torch.device | str = "cpu") -> GuideVocabulary:
+    """The one index of `tokenizer` for logits `width` wide on `device`, built on first use (a few
+    hundred ms for a 49K vocabulary) and shared by every frontend of that tokenizer."""
+    with _BY_TOKENIZER_LOCK:
+        per_tokenizer = _BY_TOKENIZER.setdefault(tokenizer, {})
+        key = (width, str(torch.device(device)))
+        if key not in per_tokenizer:
+            per_tokenizer[key] = GuideVocabulary(tokenizer.token_bytes(), tokenizer.special_ids,
+                                                 tokenizer.eos_token_ids, width, device)
+        return per_tokenizer[key]
