@@ -158,6 +158,9 @@ class Metrics:
                                           ["model"], registry=r))
         self.auto_complexity = Histogram("loraplex_auto_request_complexity", "Complexity scores of `auto` requests",
                                          buckets=_COMPLEXITY_BUCKETS, registry=r)
+        self.structured = Family(Counter(
+            "loraplex_structured_requests", "Admitted requests whose output guided decoding holds, by kind "
+            "(json_object, json_schema, tool_call)", ["kind"], registry=r))
         r.register(EngineCollector(engine))
 
     def watch_billing(self, ledger, quota) -> None:

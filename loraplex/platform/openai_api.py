@@ -97,6 +97,8 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
         raise
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     headers = {**ticket.headers, **_note_route(platform, target)}
+    if sampling.json_schema is not None:
+        platform.metrics.structured.labels(_structured_kind(data, call)).inc()
     formatter = fmt_cls(rid, int(time.time()), target.base_model if target.routed_from else data.model,
                         include_usage, sampling.logprobs is not None)
     if data.stream:
@@ -120,6 +122,10 @@ async def _resolve(platform: Platform, principal: Principal, model: str,
     except ModelNotFoundError:
         raise model_not_found(model) from None
     return auto_route.Routed(target, gen, prompt_tokens)
+
+
+def _structured_kind(data: s.ChatCompletionRequest | s.CompletionRequest, call: tool_calls.ToolPlan | None) -> str:
+    return "tool_call" if call is not None else data.response_format.type
 
 
 def _note_route(platform: Platform, target: Target) -> dict[str, str]:

@@ -129,3 +129,21 @@ def test_what_cannot_be_served_answers_400(api, fields, param, says):
     code = "invalid_request" if "invalid tool parameters" in says else "invalid_value"
     _error(r, 400, code, param)
     assert says in r.json()["error"]["message"]
+
+
+def _structured(api, kind: str) -> float:
+    line = f'loraplex_structured_requests_total{{kind="{kind}"}} '
+    found = [x for x in api.client.get("/metrics").text.splitlines() if x.startswith(line)]
+    return float(found[0].split()[-1]) if found else 0.0
+
+
+def test_structured_requests_are_counted_by_kind_once_admitted(api):
+    key = api.key(api.tenant())
+    kinds = ("json_object", "json_schema", "tool_call")
+    before = {k: _structured(api, k) for k in kinds}
+    api.chat(key, max_tokens=4, response_format={"type": "json_object"})
+    api.chat(key, max_tokens=4, response_format={"type": "json_schema", "json_schema": {"name": "n", "schema": {}}})
+    api.chat(key, max_tokens=4, tools=[ADD], tool_choice="required")
+    api.chat(key, max_tokens=4, tools=[ADD], tool_choice="auto")  # refused: not counted
+    api.chat(key, max_tokens=4, response_format={"type": "text"})  # free text: not counted
+    assert {k: _structured(api, k) - before[k] for k in kinds} == dict.fromkeys(kinds, 1.0)
