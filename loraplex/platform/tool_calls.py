@@ -63,6 +63,8 @@ def plan(data: s.ChatCompletionRequest) -> ToolPlan | None:
         candidates = tools
     if data.response_format is not None and data.response_format.type != "text":
         raise invalid("response_format cannot be combined with a forced tool call", "response_format")
+    if data.stop:  # a stop string could end the call mid-JSON, where "stop" must mean a whole call
+        raise invalid("stop cannot be combined with a forced tool call", "stop")
     return ToolPlan(json.dumps(call_schema(candidates), ensure_ascii=False), _prompt(tools))
 
 
@@ -149,7 +151,8 @@ class CallText:
             head = _HEAD.match(self.text)
             if head is None:
                 return None, ""
-            self.name, self._start, named = json.loads(head.group(1)), head.end(), json.loads(head.group(1))
+            self.name = named = json.loads(head.group(1))
+            self._start = head.end()
         safe = self.text[self._start:].rstrip()
         if safe.endswith("}"):
             safe = safe[:-1].rstrip()

@@ -122,6 +122,7 @@ def test_earlier_calls_and_their_results_reach_the_model_as_text(api):
         "type": "object", "properties": {"s": {"type": "string", "pattern": "x"}}}}}], "tool_choice": "required"},
      "tools", "invalid tool parameters: #/$defs/tool0/properties/s: `pattern` is not supported"),
     ({"functions": [{"name": "f"}]}, "functions", "use tools with tool_choice"),
+    ({"tools": [ADD], "tool_choice": "required", "stop": ["}"]}, "stop", "cannot be combined"),
 ])
 def test_what_cannot_be_served_answers_400(api, fields, param, says):
     key = api.key(api.tenant())
