@@ -83,6 +83,9 @@ class SamplingParams:
     json_schema: str | None = None
     # None: no log-probabilities; k >= 0: each generated token's, with the k most likely at its step.
     logprobs: int | None = None
+    # The same for every prompt token (as OpenAI's echo with logprobs reports them); such a request does
+    # not reuse the prefix cache, whose blocks hold no logits.
+    prompt_logprobs: int | None = None
     # (token id, bias) pairs added to the logits before sampling, as OpenAI's logit_bias: -100 bans a
     # token, 100 all but forces it.
     logit_bias: tuple[tuple[int, float], ...] = ()
@@ -105,8 +108,10 @@ class SamplingParams:
             raise InvalidRequestError("stop strings must not be empty", "stop")
         if any(t < 0 for t in self.stop_token_ids):
             raise InvalidRequestError("stop_token_ids must be >= 0", "stop_token_ids")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise InvalidRequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}", "logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_LOGPROBS:
+                raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}", "logprobs")
         for token, bias in self.logit_bias:
             if token < 0:
                 raise InvalidRequestError(f"logit_bias token ids must be >= 0, got {token}", "logit_bias")
@@ -169,7 +174,7 @@ class TokenLogprob:
 
     token_id: int
     token: bytes  # the bytes it adds to the text (a token may hold part of a UTF-8 character)
-    logprob: float
+    logprob: float | None  # None only for a prompt's first token, which nothing before it predicts
     top: tuple[tuple[int, bytes, float], ...] = ()
 
 
@@ -183,7 +188,8 @@ class GenerateEvent:
     finish_reason: FinishReason | None = None
     usage: Usage | None = None
     error: str | None = None
-    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id, when the request asked for them
+    logprobs: tuple[TokenLogprob, ...] = ()  # one per token id when asked, but none for a stop token
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on the first event: one per prompt token, when asked
 
     @property
     def finished(self) -> bool:

@@ -176,6 +176,16 @@ class EngineCore:
         names = self.token_bytes
         return (TokenLogprob(token, names[token], step[0], tuple((i, names[i], lp) for i, lp in step[1])),)
 
+    def _prompt_logprobs(self, r: Request) -> tuple[TokenLogprob, ...]:
+        """Every prompt token's entry, for the first event: the first has no log-probability."""
+        if r.prompt_logprobs is None or len(r.output_ids) != 1:
+            return ()
+        first = r.prompt_ids[0]
+        entries = [TokenLogprob(first, self.token_bytes[first], None)]
+        for token, step in zip(r.prompt_ids[1:], r.prompt_logprobs, strict=True):
+            entries.extend(self._logprob(token, step))
+        return tuple(entries)
+
     def _append(self, r: Request, token: int, step_logprobs: StepLogprobs | None = None) -> GenerateEvent:
         now = time.monotonic()
         if r.first_token_time is None:
@@ -183,24 +193,25 @@ class EngineCore:
         r.output_ids.append(token)
         self.generated_tokens += 1
         detok = self._detok[r.request_id]
-        lps = self._logprob(token, step_logprobs)
-        if token in r.stop_ids:
-            return self._finish(r, "stop", detok.flush(), (token,), lps)
+        lps = {"logprobs": self._logprob(token, step_logprobs), "prompt_logprobs": self._prompt_logprobs(r)}
+        if token in r.stop_ids:  # not part of the text: OpenAI reports no log-probability for it either
+            return self._finish(r, "stop", detok.flush(), (token,), prompt_logprobs=lps["prompt_logprobs"])
         text = detok.push(token)
         if detok.stopped:
-            return self._finish(r, "stop", text, (token,), lps)
+            return self._finish(r, "stop", text, (token,), **lps)
         if r.guide is not None:
             if not r.guide.accept(token):
-                return self._finish(r, "error", text, (token,), lps,
+                return self._finish(r, "error", text, (token,), **lps,
                                     error=f"token {token} was sampled outside the JSON schema's mask")
             if r.guide.complete:  # the schema's value is whole: nothing may follow, so stop without EOS
-                return self._finish(r, "stop", text + detok.flush(), (token,), lps)
+                return self._finish(r, "stop", text + detok.flush(), (token,), **lps)
         if len(r.output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len:
-            return self._finish(r, "length", text + detok.flush(), (token,), lps)
-        return GenerateEvent(r.request_id, text, (token,), logprobs=lps)
+            return self._finish(r, "length", text + detok.flush(), (token,), **lps)
+        return GenerateEvent(r.request_id, text, (token,), **lps)
 
     def _finish(self, r: Request, reason: str, text: str, token_ids: tuple[int, ...] = (),
-                logprobs: tuple[TokenLogprob, ...] = (), error: str | None = None) -> GenerateEvent:
+                logprobs: tuple[TokenLogprob, ...] = (), prompt_logprobs: tuple[TokenLogprob, ...] = (),
+                error: str | None = None) -> GenerateEvent:
         self.scheduler.finish(r, reason)
         del self.requests[r.request_id]
         del self._detok[r.request_id]
@@ -208,7 +219,7 @@ class EngineCore:
             self._reap_adapter(r.adapter)
         ttft = None if r.first_token_time is None else r.first_token_time - r.arrival
         usage = Usage(len(r.prompt_ids), len(r.output_ids), r.num_cached, ttft)
-        return GenerateEvent(r.request_id, text, token_ids, reason, usage, error, logprobs)
+        return GenerateEvent(r.request_id, text, token_ids, reason, usage, error, logprobs, prompt_logprobs)
 
     def stats(self) -> EngineStats:
         sched, counters = self.scheduler, self.scheduler.counters

@@ -13,7 +13,7 @@ from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.attention import build_metadata
 from loraplex.engine.models.llama import LlamaModel
-from loraplex.engine.sampler import StepLogprobs, sample
+from loraplex.engine.sampler import StepLogprobs, sample, token_logprobs
 from loraplex.engine.sched.scheduler import ScheduledBatch
 
 
@@ -82,9 +82,15 @@ class ModelRunner:
         logits_rows: list[int] = []
         sampled = []
         token_slots: list[int] = []
+        prompt_rows: list[int] = []  # rows whose logits predict a prompt token (prompt log-probabilities)
+        prompt_targets: list[tuple] = []  # (request, the prompt token those logits predict)
         for req, n in batch.entries:
             token_slots.extend([req.lora_slot] * n)
             start = req.num_computed
+            if req.needs_prompt_logits:  # position p's logits predict prompt token p + 1; each is recorded once
+                for p in range(max(start, len(req.prompt_logprobs)), min(start + n, len(req.prompt_ids) - 1)):
+                    prompt_rows.append(len(ids) + p - start)
+                    prompt_targets.append((req, req.prompt_ids[p + 1]))
             ids.extend(req.token_ids(start, start + n))
             positions.extend(range(start, start + n))
             seqs.append((start, n, req.blocks))
@@ -98,9 +104,15 @@ class ModelRunner:
             torch.tensor(positions, dtype=torch.long, device=dev),
             meta,
             self.kv_caches,
-            torch.tensor(logits_rows, dtype=torch.long, device=dev),
+            torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev),
             lora=self._step_lora(token_slots),
-        )  # [sampled, vocab]
+        )  # [sampled + prompt rows, vocab]
+        if prompt_rows:
+            found = token_logprobs(logits[len(logits_rows):], [t for _, t in prompt_targets],
+                                   [r.sampling.prompt_logprobs for r, _ in prompt_targets])
+            for (req, _), step in zip(prompt_targets, found, strict=True):
+                req.prompt_logprobs.append(step)
+            logits = logits[:len(logits_rows)]
         if not sampled:
             return [], []
         return sample(logits, sampled)

@@ -59,15 +59,26 @@ def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[S
     """logits: [reqs, vocab] fp32 -> one token id per request, and the log-probabilities of those
     that asked (None for the others), taken from the logits before anything below changes them."""
     wanted = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
-    raw = logits[wanted].log_softmax(-1) if wanted else None  # [wanted, vocab], a copy
+    raw = logits[wanted] if wanted else None  # [wanted, vocab], a copy
     tokens = _choose(logits, reqs)
     logprobs: list[StepLogprobs | None] = [None] * len(reqs)
-    for j, i in enumerate(wanted):
-        k = reqs[i].sampling.logprobs
-        top = torch.topk(raw[j], k) if k else None
-        logprobs[i] = (float(raw[j, tokens[i]]),
-                       list(zip(top.indices.tolist(), top.values.tolist(), strict=True)) if top is not None else [])
+    if raw is not None:
+        found = token_logprobs(raw, [tokens[i] for i in wanted], [reqs[i].sampling.logprobs for i in wanted])
+        for i, step in zip(wanted, found, strict=True):
+            logprobs[i] = step
     return tokens, logprobs
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[StepLogprobs]:
+    """logits: [rows, vocab] fp32; each row's log-probability of its token, with its ks[row] most likely
+    tokens (generated tokens, and prompt tokens for echo)."""
+    lp = logits.log_softmax(-1)  # [rows, vocab]
+    chosen = lp[torch.arange(len(tokens)), torch.tensor(tokens)].tolist()
+    k_max = max(ks)
+    top = torch.topk(lp, k_max) if k_max else None
+    ids = top.indices.tolist() if top is not None else []
+    values = top.values.tolist() if top is not None else []
+    return [(chosen[r], list(zip(ids[r][:k], values[r][:k], strict=True)) if k else []) for r, k in enumerate(ks)]
 
 
 def _choose(logits: torch.Tensor, reqs: list[Request]) -> list[int]:

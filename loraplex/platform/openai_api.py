@@ -10,6 +10,7 @@ LORAPLEX_DEFAULT_MAX_TOKENS), and that cap is what it reserves of its budgets.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable
 
@@ -29,7 +30,7 @@ from loraplex.platform import schemas as s
 from loraplex.platform.admission import effective_priority
 from loraplex.platform.auth import CALLER_KEY, Caller, Principal, caller_of
 from loraplex.platform.db.tables import as_utc
-from loraplex.platform.errors import invalid, model_not_found
+from loraplex.platform.errors import model_not_found
 from loraplex.platform.generation import GenerationRun
 from loraplex.platform.middleware import request_hex
 from loraplex.platform.routing import Target
@@ -53,7 +54,7 @@ def _principal(request: Request) -> Principal:
 
 
 async def _generate(request: Request, platform: Platform, data: s.ChatCompletionRequest | s.CompletionRequest,
-                    prompt: dict, max_tokens: int | None, fmt_cls: type[fmt.Format], endpoint: str,
+                    prompt: dict, max_tokens: int | None, fmt_cls: Callable[..., fmt.Format], endpoint: str,
                     call: tool_calls.ToolPlan | None = None) -> Response:
     who = caller_of(request)
     principal = who.principal
@@ -151,10 +152,8 @@ async def chat_completions(request: Request, platform: PlatformDep,
 
 @post("/completions", status_code=200, summary="Create a text completion")
 async def completions(request: Request, platform: PlatformDep, data: JSONBody[s.CompletionRequest]) -> Response:
-    if data.echo:
-        raise invalid("echo is not supported", "echo")
     return await _generate(request, platform, data, conv.completion_prompt(data), conv.completion_max_tokens(data),
-                           fmt.TextFormat, "/v1/completions")
+                           functools.partial(fmt.TextFormat, echo=conv.echo_text(data)), "/v1/completions")
 
 
 def _served(platform: Platform) -> set[str]:

@@ -37,7 +37,27 @@ def sampling(data: s.ChatCompletionRequest | s.CompletionRequest, max_tokens: in
         ignore_eos=data.ignore_eos,
         json_schema=json_schema(data.response_format),
         logprobs=logprobs(data),
+        prompt_logprobs=echo_logprobs(data),
         logit_bias=logit_bias(data.logit_bias))
+
+
+def echo_logprobs(data: s.ChatCompletionRequest | s.CompletionRequest) -> int | None:
+    """What an echo needs of the prompt's log-probabilities: as many alternatives as the completion's
+    when it asks for logprobs, the tokens alone (k = 0) to echo a prompt given as token ids, else none."""
+    if not isinstance(data, s.CompletionRequest) or not data.echo:
+        return None
+    if data.logprobs is not None and not isinstance(data.logprobs, bool):
+        return data.logprobs
+    return None if isinstance(data.prompt, str) or (len(data.prompt) == 1 and isinstance(data.prompt[0], str)) \
+        else 0
+
+
+def echo_text(data: s.CompletionRequest) -> str | bool | None:
+    """The text an echo puts first: the prompt string, True to take it from the prompt's tokens, or None."""
+    if not data.echo:
+        return None
+    prompt = completion_prompt(data)
+    return prompt.get("prompt", True)
 
 
 def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:

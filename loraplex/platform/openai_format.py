@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 from msgspec import UNSET
 
-from loraplex.engine.api import TokenLogprob
+from loraplex.engine.api import GenerateEvent, TokenLogprob
 from loraplex.platform import schemas as s
 from loraplex.platform.errors import PlatformError
 from loraplex.platform.generation import GenerationRun
@@ -65,6 +65,9 @@ class ChatFormat:
     def first(self) -> bytes | None:
         return self._chunk(s.ChatDelta(role="assistant", content=""))
 
+    def echoed(self, event: GenerateEvent) -> tuple[str, Logprobs]:
+        return "", ()
+
     def delta(self, text: str, logprobs: Logprobs = ()) -> bytes | None:
         return self._chunk(s.ChatDelta(content=text), logprobs=self._lp(logprobs))
 
@@ -80,11 +83,23 @@ class ChatFormat:
 
 
 class TextFormat:
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool = False, logprobs: bool = False):
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool = False, logprobs: bool = False,
+                 echo: str | bool | None = None):
         self.id, self.created, self.model = f"cmpl-{rid}", created, model
         self._usage = None if include_usage else UNSET
         self._logprobs = logprobs
         self._offset = 0  # characters of token text so far: text_offset continues across chunks
+        self._echo = echo  # the prompt text to put first, True to take it from the prompt's tokens, None
+
+    def echoed(self, event: GenerateEvent) -> tuple[str, Logprobs]:
+        """What an echo puts before the first event's text: the prompt, and its tokens' log-probabilities
+        when the completion asked for logprobs."""
+        if self._echo is None:
+            return "", ()
+        echo, self._echo = self._echo, None
+        entries = event.prompt_logprobs
+        text = echo if isinstance(echo, str) else token_text(b"".join(e.token for e in entries))
+        return text, entries if self._logprobs else ()
 
     def _lp(self, entries: Logprobs) -> s.TextLogprobs | None:
         """OpenAI's legacy shape: each token's top alternatives as a dict, the chosen token included."""
@@ -95,7 +110,7 @@ class TextFormat:
         for t in tokens:
             offsets.append(self._offset)
             self._offset += len(t)
-        tops = [{**{token_text(b): lp for _, b, lp in e.top}, t: e.logprob}
+        tops = [None if e.logprob is None else {**{token_text(b): lp for _, b, lp in e.top}, t: e.logprob}
                 for t, e in zip(tokens, entries, strict=True)]
         return s.TextLogprobs(tokens, [e.logprob for e in entries], tops, offsets)
 
@@ -126,7 +141,9 @@ async def collect(run: GenerationRun, fmt: Format):
     logprobs: list[TokenLogprob] = []
     try:
         async for event in run.events():
-            parts.append(event.text)
+            echo, echo_logprobs = fmt.echoed(event)
+            parts.append(echo + event.text)
+            logprobs.extend(echo_logprobs)
             logprobs.extend(event.logprobs)
     finally:
         await run.close()
@@ -142,7 +159,9 @@ async def stream(run: GenerationRun, fmt: Format, include_usage: bool) -> AsyncI
         if first is not None:
             yield first
         async for event in run.events():
-            chunk = fmt.delta(event.text, event.logprobs) if event.text or event.logprobs else None
+            echo, echo_logprobs = fmt.echoed(event)
+            text, logprobs = echo + event.text, (*echo_logprobs, *event.logprobs)
+            chunk = fmt.delta(text, logprobs) if text or logprobs else None
             if chunk is not None:
                 yield chunk
             if event.finished and run.status == "ok":

@@ -1,8 +1,8 @@
 """OpenAI request and response bodies as msgspec structs (validated by Litestar, shown in /schema).
 
 Fields OpenAI has and we do not use are accepted and ignored, as OpenAI-compatible servers do;
-fields whose meaning we cannot honour (n > 1, echo, tool_choice "auto", the deprecated functions)
-are refused with a 400.
+fields whose meaning we cannot honour (n > 1, tool_choice "auto", the deprecated functions) are
+refused with a 400.
 """
 
 from __future__ import annotations
@@ -167,8 +167,8 @@ class ChatLogprobs(Struct):
 
 class TextLogprobs(Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -105,3 +105,12 @@ def test_a_forced_tool_call_parses_into_the_pydantic_arguments(demo):  # noqa: F
     (call,) = choice.message.tool_calls
     assert call.function.name == "Lookup" and isinstance(call.function.parsed_arguments, Lookup)
     assert 1 <= call.function.parsed_arguments.days <= 7
+
+
+def test_echo_scores_a_prompt_as_evaluation_harnesses_ask(demo):  # noqa: F811
+    """lm-eval's loglikelihood requests: echo, logprobs 1, one new token."""
+    scored = demo.completions.create(model="synthetic:tiny", prompt="Paris is the capital of", echo=True,
+                                     logprobs=1, max_tokens=1, temperature=0)
+    lp = scored.choices[0].logprobs
+    assert scored.choices[0].text.startswith("Paris is the capital of")
+    assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:scored.usage.prompt_tokens])

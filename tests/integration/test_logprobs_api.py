@@ -75,3 +75,41 @@ def test_logprobs_that_fit_neither_shape_answer_400(api, path, body, param):
     base.update({"messages": [{"role": "user", "content": "x"}]} if "chat" in path else {"prompt": "x"})
     r = api.post(path, key, {**base, **body})
     _error(r, 400, "invalid_request" if body.get("logprobs") == 21 else "invalid_value", param)
+
+
+def _complete(api, key, **fields):
+    r = api.post("/v1/completions", key, {"model": "synthetic:tiny", "max_tokens": 5, "temperature": 0, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_echo_puts_the_prompt_first_and_scores_its_tokens(api):
+    key = api.key(api.tenant())
+    plain = _complete(api, key, prompt="The cat sat")
+    echoed = _complete(api, key, prompt="The cat sat", echo=True)
+    assert echoed["choices"][0]["text"] == "The cat sat" + plain["choices"][0]["text"]
+    assert echoed["choices"][0]["logprobs"] is None
+    scored = _complete(api, key, prompt="The cat sat", echo=True, logprobs=1)
+    (choice,) = scored["choices"]
+    lp, usage = choice["logprobs"], scored["usage"]
+    ended_by_eos = choice["finish_reason"] == "stop"  # the end token has no entry, as OpenAI leaves it out
+    assert len(lp["tokens"]) == usage["prompt_tokens"] + usage["completion_tokens"] - ended_by_eos
+    assert "".join(lp["tokens"]) == choice["text"] == echoed["choices"][0]["text"]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None  # nothing predicts the first token
+    assert all(v <= 0 for v in lp["token_logprobs"][1:])  # the prompt's loglikelihood is their sum
+    assert lp["text_offset"] == [sum(len(t) for t in lp["tokens"][:i]) for i in range(len(lp["tokens"]))]
+    assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # scored prompts skip the prefix cache
+
+
+def test_echo_of_token_ids_and_streamed_echo(api):
+    key = api.key(api.tenant())
+    ids = list(b"Hi there")  # the byte-level model's token ids are bytes
+    assert _complete(api, key, prompt=ids, echo=True)["choices"][0]["text"].startswith("Hi there")
+    whole = _complete(api, key, prompt="stream me", echo=True, logprobs=2)["choices"][0]
+    chunks = sse_events(api.post("/v1/completions", key, {"model": "synthetic:tiny", "prompt": "stream me",
+                                                          "max_tokens": 5, "temperature": 0, "echo": True,
+                                                          "logprobs": 2, "stream": True}).text)
+    assert chunks[0]["choices"][0]["text"].startswith("stream me")
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["text"]
+    tokens = [t for c in chunks if c["choices"][0]["logprobs"] for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert tokens == whole["logprobs"]["tokens"]

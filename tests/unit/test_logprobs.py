@@ -17,9 +17,9 @@ from tests.conftest import _loaded, make_core
 from tests.unit.test_engine_core import MODEL, mixed_prompts
 
 
-def reference_logprobs(prompt: list[int], output: list[int]) -> torch.Tensor:
-    """[len(output), vocab]: log_softmax of the logits that preceded each output token, from one
-    forward pass of the whole sequence."""
+def reference_logprobs(prompt: list[int], output: list[int], first_row: int | None = None) -> torch.Tensor:
+    """[rows, vocab]: log_softmax of the logits that preceded each output token (or, from `first_row`
+    on, each later token of the sequence), from one forward pass of the whole sequence."""
     loaded = _loaded(MODEL)
     cfg = loaded.config
     model = LlamaModel(cfg, loaded.weights)
@@ -28,7 +28,7 @@ def reference_logprobs(prompt: list[int], output: list[int]) -> torch.Tensor:
     blocks = list(range((n + 15) // 16))
     kv = allocate_kv_tensors(cfg.num_layers, len(blocks), 16, cfg.num_kv_heads, cfg.head_dim, torch.float32,
                              torch.device("cpu"))
-    rows = torch.arange(len(prompt) - 1, n)
+    rows = torch.arange(len(prompt) - 1 if first_row is None else first_row, n)
     with torch.inference_mode():
         logits = model.forward(torch.tensor(ids), torch.arange(n), build_metadata([(0, n, blocks)], 16, "cpu"), kv,
                                rows)
@@ -94,3 +94,50 @@ def test_out_of_range_counts_are_refused(k):
     with pytest.raises(InvalidRequestError, match=r"logprobs must be in \[0, 20\]") as info:
         make_core().add_request(request("bad", [1, 2], k))
     assert info.value.param == "logprobs"
+
+
+def prompt_entries(core, req):
+    events = events_of(core, [req])[req.request_id]
+    assert all(not ev.prompt_logprobs for ev in events[1:])
+    return events[0].prompt_logprobs
+
+
+@pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 16}])  # whole, and chunked prefill
+def test_prompt_logprobs_cover_every_prompt_token(overrides):
+    prompt = mixed_prompts(1, seed=13)[0][:90]
+    entries = prompt_entries(make_core(**overrides), request("p", prompt, None, temperature=0.0, max_tokens=2,
+                                                             prompt_logprobs=3))
+    assert [e.token_id for e in entries] == prompt
+    assert entries[0].logprob is None and entries[0].top == ()
+    ref = reference_logprobs(prompt, [0], first_row=0)  # row p predicts token p + 1
+    for p, e in enumerate(entries[1:]):
+        assert e.logprob == pytest.approx(ref[p, e.token_id].item(), abs=1e-4)
+        assert [i for i, _, _ in e.top] == torch.topk(ref[p], 3).indices.tolist()
+
+
+def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_preemption():
+    prompts = mixed_prompts(6, seed=4)
+    core = make_core()
+    plain = request("warm", prompts[0], None, temperature=0.0, max_tokens=2)
+    events_of(core, [plain])  # the prompt's blocks are now in the prefix cache
+    again = events_of(core, [request("again", prompts[0], None, temperature=0.0, max_tokens=2)])["again"]
+    assert again[-1].usage.cached_tokens > 0
+    asked = events_of(core, [request("lp", prompts[0], None, temperature=0.0, max_tokens=2, prompt_logprobs=0)])["lp"]
+    assert asked[-1].usage.cached_tokens == 0 and len(asked[0].prompt_logprobs) == len(prompts[0])
+    reqs = [request(f"r{i}", p, None, temperature=0.0, max_tokens=40, prompt_logprobs=1) for i, p in enumerate(prompts)]
+    roomy = events_of(make_core(enable_prefix_caching=False), reqs)
+    tight = make_core(num_kv_blocks=14, preemption_mode="recompute")
+    squeezed = events_of(tight, reqs)
+    assert sum(tight.stats().preemptions_by_class.values()) > 0
+    for r in reqs:
+        assert squeezed[r.request_id][0].prompt_logprobs == roomy[r.request_id][0].prompt_logprobs
+
+
+def test_a_stop_token_gets_no_entry():
+    prompt = mixed_prompts(1, seed=21)[0]
+    free = [t for ev in events_of(make_core(), [request("f", prompt, 1, temperature=0.0)])["f"] for t in ev.token_ids]
+    stop = free[2]
+    events = events_of(make_core(), [request("s", prompt, 1, temperature=0.0, stop_token_ids=(stop,))])["s"]
+    ids = [t for ev in events for t in ev.token_ids]
+    entries = [e.token_id for ev in events for e in ev.logprobs]
+    assert ids == free[:free.index(stop) + 1] and entries == ids[:-1]

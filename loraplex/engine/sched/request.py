@@ -47,8 +47,12 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG for seeded sampling
     guide: Guide | None = None  # holds the output to `sampling.json_schema`
+    # (logprob, top) of prompt tokens 1.. as their positions are computed; None when not asked for
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
 
     def __post_init__(self) -> None:
+        if self.sampling.prompt_logprobs is not None:
+            self.prompt_logprobs = []
         if self.sampling.temperature > 0:
             self.generator = torch.Generator()
             if self.sampling.seed is not None:
@@ -68,6 +72,11 @@ class Request:
         if start >= n_prompt:
             return self.output_ids[start - n_prompt:end - n_prompt]
         return self.prompt_ids[start:] + self.output_ids[: end - n_prompt]
+
+    @property
+    def needs_prompt_logits(self) -> bool:
+        """Prompt log-probabilities were asked for and some positions are not recorded yet."""
+        return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
 
     @property
     def finished(self) -> bool:

@@ -198,7 +198,7 @@ class Scheduler:
     def _start(self, req: Request, n: int) -> bool:
         """Reuses the longest cached prefix, then allocates for the first chunk (or takes nothing)."""
         hits: list[int] = []
-        if self.prefix_caching and req.num_computed == 0:
+        if self.prefix_caching and req.num_computed == 0 and not req.needs_prompt_logits:
             usable = (req.num_tokens - 1) // self.pool.block_size  # the last token is always computed
             hits = self.pool.lookup(self._hashes(req, usable)[:usable])
             self.pool.take(hits)
