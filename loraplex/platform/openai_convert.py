@@ -48,8 +48,7 @@ def echo_logprobs(data: s.ChatCompletionRequest | s.CompletionRequest) -> int | 
         return None
     if data.logprobs is not None and not isinstance(data.logprobs, bool):
         return data.logprobs
-    return None if isinstance(data.prompt, str) or (len(data.prompt) == 1 and isinstance(data.prompt[0], str)) \
-        else 0
+    return None if "prompt" in completion_prompt(data) else 0
 
 
 def echo_text(data: s.CompletionRequest) -> str | bool | None:

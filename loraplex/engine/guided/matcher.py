@@ -51,6 +51,9 @@ class Matcher:
         self.nodes = grammar.nodes
         self.start: State = frozenset({(END, ("pre", grammar.root, 0))})
         self._memo: dict[tuple[State, int], State | None] = {}
+        self._by_kind = {"pre": self._before_value, "obj": self._object, "key": self._key, "arr": self._array,
+                         "num": self._number, "lstr": self._bounded_string, "int": self._bounded_integer,
+                         "lit": self._literal_frame}  # frame kind -> its transition (rest, top, byte)
 
     # --- the state API ------------------------------------------------------------------------
 
@@ -112,28 +115,18 @@ class Matcher:
 
     def _step(self, stack: tuple, b: int) -> list[tuple]:
         top, rest = stack[-1], stack[:-1]
-        kind = top[0]
-        if kind == "str":
+        if top[0] == "str":  # the most frequent frame: inside a plain string
             return self._string(stack, rest, top, b)
-        if kind == "pre":
-            if b in WS:
-                return [rest + (("pre", top[1], top[2] + 1),)] if top[2] < MAX_WS else []
-            return self._dispatch(rest, top[1], b)
-        if kind == "obj":
-            return self._object(rest, top, b)
-        if kind == "key":
-            return self._key(rest, top, b)
-        if kind == "arr":
-            return self._array(rest, top, b)
-        if kind == "num":
-            return self._number(rest, top, b)
-        if kind == "lstr":
-            return self._bounded_string(rest, top, b)
-        if kind == "int":
-            return self._bounded_integer(rest, top, b)
-        if kind == "lit":
-            return self._literal(rest, top[1], top[2], top[3], b)
-        return []  # "end"
+        handler = self._by_kind.get(top[0])
+        return [] if handler is None else handler(rest, top, b)  # "end" takes nothing
+
+    def _before_value(self, rest: tuple, top: tuple, b: int) -> list[tuple]:
+        if b in WS:
+            return [rest + (("pre", top[1], top[2] + 1),)] if top[2] < MAX_WS else []
+        return self._dispatch(rest, top[1], b)
+
+    def _literal_frame(self, rest: tuple, top: tuple, b: int) -> list[tuple]:
+        return self._literal(rest, top[1], top[2], top[3], b)
 
     def _dispatch(self, rest: tuple, n: int, b: int) -> list[tuple]:
         """The first byte of a value of node `n`."""
