@@ -179,6 +179,48 @@ def test_cached_blocks_are_evicted_lru_and_blocks_in_use_never():
         pool.allocate(1)  # the block in use is never taken
 
 
+@pytest.mark.parametrize("chunk", [512, 32])
+def test_a_prompt_arriving_several_times_at_once_is_computed_once(chunk):
+    """The choices of an n > 1 request share their prompt: the followers wait for the first one's
+    blocks and take them from the cache, whether its prefill takes one step or several chunks."""
+    prompt = SYSTEM + [200, 201, 202]  # 5 full blocks and a partial one
+    core = make_core(max_num_batched_tokens=chunk)
+    reqs = [req(f"c{i}", prompt, max_tokens=8) for i in range(4)]
+    for r in reqs:
+        core.add_request(r)
+    done: dict[str, list[int]] = {}
+    cached: dict[str, int] = {}
+    while core.has_work():
+        for ev in core.step():
+            done.setdefault(ev.request_id, []).extend(ev.token_ids)
+            if ev.finished:
+                cached[ev.request_id] = ev.usage.cached_tokens
+    assert cached == {"c0": 0, "c1": 80, "c2": 80, "c3": 80}
+    assert core.stats().prefix_hit_tokens == 240
+    alone = make_core(enable_prefix_caching=False).run([req("a", prompt, max_tokens=8)])[0].token_ids
+    assert all(tokens == alone for tokens in done.values())
+
+
+def test_only_requests_sharing_the_block_in_prefill_wait():
+    core = make_core()
+    core.add_request(req("first", SYSTEM + [1, 2]))
+    core.add_request(req("same", SYSTEM + [3]))  # shares all 5 blocks: waits one step
+    core.add_request(req("other", [7] * 40))  # shares nothing: starts at once
+    core.step()
+    assert sorted(r.request_id for r in core.scheduler.running) == ["first", "other"]
+    core.step()
+    same = core.requests["same"]
+    assert same in core.scheduler.running and same.num_cached == 80
+
+
+def test_no_request_waits_for_a_prefix_when_the_cache_is_off():
+    core = make_core(enable_prefix_caching=False)
+    for i in range(3):
+        core.add_request(req(f"c{i}", SYSTEM + [1]))
+    core.step()
+    assert len(core.scheduler.running) == 3
+
+
 # --- aborts ---------------------------------------------------------------------------------------------
 
 

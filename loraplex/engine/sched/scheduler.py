@@ -10,6 +10,11 @@ back). A step that preempts for blocks admits nobody. A waiting request may also
 requests of a lower class to get a sequence slot or blocks (priority preemption). The runner copies
 swap-outs before swap-ins, and swap space freed by a swap-in is only reused after the step.
 
+A prefix is computed once even when several requests bring it at the same time (the choices of an
+`n > 1` request, a fleet's shared system prompt at a cold start): a waiting request whose next
+uncached prompt block is one a running request is computing now waits, keeping its place, until
+that block is in the cache, and then takes it as a hit instead of computing it again.
+
 A request for a LoRA adapter holds a device slot while it runs. A step never needs more distinct
 adapters than there are slots: a waiting request whose adapter finds no free slot is passed over
 (keeping its place) until a running request releases one. A request whose adapter cannot be loaded
@@ -81,6 +86,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
         self._admitted_now: set[int] = set()  # ids of requests admitted during the current schedule()
+        self._in_prefill: set[bytes] = set()  # hashes of the prompt blocks running requests are computing
         self._failed: list[tuple[Request, str]] = []  # (request, why) whose adapter could not be loaded
 
     @property
@@ -146,9 +152,12 @@ class Scheduler:
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         """Moves waiting requests to running in weighted class order while sequences, tokens and
         blocks last. A request that finds no room may preempt running requests of a lower class."""
+        self._in_prefill = self._blocks_in_prefill()
         for req in list(self.waiting.in_admission_order()):
             if budget <= 0:
                 break
+            if self._awaits_prefix(req):
+                continue  # a running request is computing its next block: it takes it from the cache
             while len(self.running) >= self.max_num_seqs and (freed := self._make_room(req, batch)) is not None:
                 budget += freed
             if len(self.running) >= self.max_num_seqs:
@@ -165,10 +174,34 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             self._admitted_now.add(id(req))
+            self._in_prefill.update(self._prompt_blocks_to_compute(req))
             n = min(budget, req.num_tokens - req.num_computed)
             batch.entries.append((req, n))
             budget -= n
         return budget
+
+    def _blocks_in_prefill(self) -> set[bytes]:
+        if not (self.prefix_caching and self.waiting):
+            return set()
+        return {h for r in self.running for h in self._prompt_blocks_to_compute(r)}
+
+    def _prompt_blocks_to_compute(self, req: Request) -> list[bytes]:
+        """The hashes of the full prompt blocks a running request has still to compute (and will cache)."""
+        if not self.prefix_caching:
+            return []
+        full = len(req.prompt_ids) // self.pool.block_size
+        if req.num_registered >= full:
+            return []
+        return self._hashes(req, full)[req.num_registered:full]
+
+    def _awaits_prefix(self, req: Request) -> bool:
+        """A fresh request whose first block missing from the cache is being computed by a running one."""
+        if not self._in_prefill or req.num_computed or req.status is not Status.WAITING or req.needs_prompt_logits:
+            return False
+        usable = (req.num_tokens - 1) // self.pool.block_size
+        hashes = self._hashes(req, usable)[:usable]
+        hits = len(self.pool.lookup(hashes))
+        return hits < usable and hashes[hits] in self._in_prefill
 
     def _place(self, req: Request, budget: int, batch: ScheduledBatch) -> bool:
         n = min(req.num_tokens - req.num_computed, budget)
