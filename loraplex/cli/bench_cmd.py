@@ -49,7 +49,7 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--auto", {"action": "store_true",
                     "help": "also measure `model: auto` over a pool of three models, beside the named model"}),
     ]),
-    "prefix": ("scheduling", "TTFT with a shared system prompt, prefix cache on vs off", [
+    "prefix": ("scheduling", "TTFT with a shared system prompt, prefix cache on vs off, one by one and in a burst", [
         ("--model", {"default": DEFAULT_MODEL}),
         ("--requests", {"type": int, "default": 32}),
         ("--system-tokens", {"type": int, "default": 500}),

@@ -100,6 +100,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}", "top_k")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**64:
+            raise InvalidRequestError(f"seed must fit in 64 bits, got {self.seed}", "seed")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not (math.isfinite(value) and -2.0 <= value <= 2.0):

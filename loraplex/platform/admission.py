@@ -1,9 +1,10 @@
 """Admission: the priority class a request runs at, and its budget and RPM/TPM reservation.
 
-A request reserves its prompt plus the most it may generate (max_tokens, else what fits in the
-context, capped by the tenant's default) on its budget counters, and the same capped at the key's
-TPM in its token bucket, so that any request fits an idle key; both are checked and taken in one
-store operation (billing.quota), and settled with the tokens actually used when the request ends.
+A request reserves its prompt (once) plus the most its n choices may generate (each max_tokens,
+else what fits in the context, capped by the tenant's default) on its budget counters, and the
+same capped at the key's TPM in its token bucket, so that any request fits an idle key; both are
+checked and taken in one store operation (billing.quota), and settled with the tokens actually
+used when the request ends.
 Over a budget: 429 insufficient_quota; over a rate: 429 rate_limit_exceeded with retry-after.
 """
 
@@ -106,7 +107,7 @@ class Admission:
             raise PlatformError(
                 429, f"You exceeded your token budget: the {budget_label(principal, verdict.rule)} budget allows "
                      f"{verdict.rule.limit_tokens} tokens, {verdict.held} are used or reserved, and this request "
-                     f"needs up to {tokens} (prompt + max_tokens).",
+                     f"needs up to {tokens} (prompt + max_tokens for each choice).",
                 code="insufficient_quota", type="insufficient_quota", headers=headers)
         if verdict.refused:
             kind = verdict.refused

@@ -88,27 +88,28 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
         max_tokens = min(room, cap)
         gen = dataclasses.replace(gen, sampling=dataclasses.replace(gen.sampling, max_tokens=max_tokens))
     ticket = await platform.admission.admit(principal, gen.request_id, who.arrived_at, prompt_tokens,
-                                            max_tokens or room)
+                                            (max_tokens or room) * data.n)
     run = GenerationRun(platform.runs, gen, principal, target, ticket, prompt_tokens, endpoint, who.arrived,
-                        who.arrived_at)
+                        who.arrived_at, n=data.n)
     try:
         run.start()
     except BaseException:
-        await platform.admission.settle(ticket, 0)
+        await run.discard()
         raise
     include_usage = bool(data.stream_options and data.stream_options.include_usage)
     headers = {**ticket.headers, **_note_route(platform, target)}
     if sampling.json_schema is not None:
         platform.metrics.structured.labels(_structured_kind(data, call)).inc()
-    formatter = fmt_cls(rid, int(time.time()), target.base_model if target.routed_from else data.model,
-                        include_usage, sampling.logprobs is not None)
+    created, shown = int(time.time()), target.base_model if target.routed_from else data.model
+    formats = [fmt_cls(rid, created, shown, include_usage, sampling.logprobs is not None, index=i)
+               for i in range(data.n)]
     if data.stream:
-        body = fmt.stream(run, formatter, include_usage)
+        body = fmt.stream(run, formats, include_usage)
         # Litestar stops iterating when the client disconnects; the background task then closes
         # the generator, whose `finally` aborts the engine request.
         return Stream(body, media_type="text/event-stream", headers={**headers, **SSE_HEADERS},
                       background=BackgroundTask(body.aclose))
-    return Response(await fmt.collect(run, formatter), headers=headers)
+    return Response(await fmt.collect(run, formats), headers=headers)
 
 
 async def _resolve(platform: Platform, principal: Principal, model: str,

@@ -12,11 +12,12 @@ from loraplex.platform.errors import invalid
 MAX_STOP = 4
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's JSON mode: the output is one JSON object
+MAX_CHOICES = 16  # n: each choice is a sequence in the engine's batch
 
 
 def check_supported(data: s.ChatCompletionRequest | s.CompletionRequest) -> None:
-    if data.n != 1:
-        raise invalid("only n=1 is supported", "n")
+    if not 1 <= data.n <= MAX_CHOICES:
+        raise invalid(f"n must be in [1, {MAX_CHOICES}], got {data.n}", "n")
     if data.stream_options is not None and not data.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
 

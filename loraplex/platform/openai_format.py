@@ -1,7 +1,9 @@
 """Turns a run's events into OpenAI bodies: one JSON response, or SSE chunks ending in [DONE].
 
 Chat and text completions differ only in how a piece of text is wrapped, so the two `Format`
-classes hold those differences and the streaming and collecting loops are shared.
+classes hold those differences and the streaming and collecting loops are shared. A request with
+`n` choices has one `Format` per choice (each holds its choice's state: its index, the echo still
+to put first, the text offset, a tool call's text so far); the body is the first one's.
 """
 
 from __future__ import annotations
@@ -47,8 +49,9 @@ Logprobs = Sequence[TokenLogprob]
 
 
 class ChatFormat:
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool = False, logprobs: bool = False):
-        self.id, self.created, self.model = f"chatcmpl-{rid}", created, model
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool = False, logprobs: bool = False,
+                 index: int = 0):
+        self.id, self.created, self.model, self.index = f"chatcmpl-{rid}", created, model, index
         self._usage = None if include_usage else UNSET
         self._logprobs = logprobs
 
@@ -60,7 +63,7 @@ class ChatFormat:
 
     def _chunk(self, delta: s.ChatDelta, finish: str | None = None, logprobs: s.ChatLogprobs | None = None) -> bytes:
         return sse(s.ChatCompletionChunk(self.id, self.created, self.model,
-                                         [s.ChatChunkChoice(0, delta, finish, logprobs)], usage=self._usage))
+                                         [s.ChatChunkChoice(self.index, delta, finish, logprobs)], usage=self._usage))
 
     def first(self) -> bytes | None:
         return self._chunk(s.ChatDelta(role="assistant", content=""))
@@ -77,15 +80,17 @@ class ChatFormat:
     def usage(self, usage: s.UsageBody) -> bytes:
         return sse(s.ChatCompletionChunk(self.id, self.created, self.model, [], usage=usage))
 
-    def body(self, text: str, logprobs: Logprobs, finish_reason: str, usage: s.UsageBody) -> s.ChatCompletion:
-        choice = s.ChatChoice(0, s.AssistantMessage(text), finish_reason, self._lp(logprobs))
-        return s.ChatCompletion(self.id, self.created, self.model, [choice], usage)
+    def choice(self, text: str, logprobs: Logprobs, finish_reason: str) -> s.ChatChoice:
+        return s.ChatChoice(self.index, s.AssistantMessage(text), finish_reason, self._lp(logprobs))
+
+    def body(self, choices: list[s.ChatChoice], usage: s.UsageBody) -> s.ChatCompletion:
+        return s.ChatCompletion(self.id, self.created, self.model, choices, usage)
 
 
 class TextFormat:
     def __init__(self, rid: str, created: int, model: str, include_usage: bool = False, logprobs: bool = False,
-                 echo: str | bool | None = None):
-        self.id, self.created, self.model = f"cmpl-{rid}", created, model
+                 index: int = 0, echo: str | bool | None = None):
+        self.id, self.created, self.model, self.index = f"cmpl-{rid}", created, model, index
         self._usage = None if include_usage else UNSET
         self._logprobs = logprobs
         self._offset = 0  # characters of token text so far: text_offset continues across chunks
@@ -118,59 +123,66 @@ class TextFormat:
         return None
 
     def delta(self, text: str, logprobs: Logprobs = ()) -> bytes | None:
-        choice = s.TextChoice(0, text, None, self._lp(logprobs))
+        choice = s.TextChoice(self.index, text, None, self._lp(logprobs))
         return sse(s.Completion(self.id, self.created, self.model, [choice], usage=self._usage))
 
     def last(self, finish_reason: str) -> bytes:
-        return sse(s.Completion(self.id, self.created, self.model, [s.TextChoice(0, "", finish_reason)],
+        return sse(s.Completion(self.id, self.created, self.model, [s.TextChoice(self.index, "", finish_reason)],
                                 usage=self._usage))
 
     def usage(self, usage: s.UsageBody) -> bytes:
         return sse(s.Completion(self.id, self.created, self.model, [], usage=usage))
 
-    def body(self, text: str, logprobs: Logprobs, finish_reason: str, usage: s.UsageBody) -> s.Completion:
-        choice = s.TextChoice(0, text, finish_reason, self._lp(logprobs))
-        return s.Completion(self.id, self.created, self.model, [choice], usage=usage)
+    def choice(self, text: str, logprobs: Logprobs, finish_reason: str) -> s.TextChoice:
+        return s.TextChoice(self.index, text, finish_reason, self._lp(logprobs))
+
+    def body(self, choices: list[s.TextChoice], usage: s.UsageBody) -> s.Completion:
+        return s.Completion(self.id, self.created, self.model, choices, usage=usage)
 
 
 Format = ChatFormat | TextFormat
 
 
-async def collect(run: GenerationRun, fmt: Format):
-    parts: list[str] = []
-    logprobs: list[TokenLogprob] = []
+async def collect(run: GenerationRun, formats: Sequence[Format]):
+    parts: list[list[str]] = [[] for _ in formats]
+    logprobs: list[list[TokenLogprob]] = [[] for _ in formats]
     try:
-        async for event in run.events():
-            echo, echo_logprobs = fmt.echoed(event)
-            parts.append(echo + event.text)
-            logprobs.extend(echo_logprobs)
-            logprobs.extend(event.logprobs)
+        async for i, event in run.events():
+            echo, echo_logprobs = formats[i].echoed(event)
+            parts[i].append(echo + event.text)
+            logprobs[i].extend(echo_logprobs)
+            logprobs[i].extend(event.logprobs)
     finally:
         await run.close()
     if run.status != "ok":
         raise _failure(run)
-    return fmt.body("".join(parts), logprobs, run.finish_reason, usage_body(run))
+    choices = [f.choice("".join(p), lp, reason)
+               for f, p, lp, reason in zip(formats, parts, logprobs, run.finish_reasons, strict=True)]
+    return formats[0].body(choices, usage_body(run))
 
 
-async def stream(run: GenerationRun, fmt: Format, include_usage: bool) -> AsyncIterator[bytes]:
-    """SSE chunks. Leaving early (client gone) runs `finally`, whose close() aborts the request."""
+async def stream(run: GenerationRun, formats: Sequence[Format], include_usage: bool) -> AsyncIterator[bytes]:
+    """SSE chunks, each choice's under its index as they come. Leaving early (client gone) runs
+    `finally`, whose close() aborts the request."""
     try:
-        first = fmt.first()
-        if first is not None:
-            yield first
-        async for event in run.events():
+        for fmt in formats:
+            first = fmt.first()
+            if first is not None:
+                yield first
+        async for i, event in run.events():
+            fmt = formats[i]
             echo, echo_logprobs = fmt.echoed(event)
             text, logprobs = echo + event.text, (*echo_logprobs, *event.logprobs)
             chunk = fmt.delta(text, logprobs) if text or logprobs else None
             if chunk is not None:
                 yield chunk
-            if event.finished and run.status == "ok":
+            if run.ended_well(event):
                 yield fmt.last(event.finish_reason)
         if run.status != "ok":
             err = _failure(run)
             yield sse({"error": {"message": err.message, "type": err.type, "param": None, "code": err.code}})
         elif include_usage:
-            yield fmt.usage(usage_body(run))
+            yield formats[0].usage(usage_body(run))
         yield DONE
     finally:
         await run.close()

@@ -1,7 +1,7 @@
 """OpenAI request and response bodies as msgspec structs (validated by Litestar, shown in /schema).
 
 Fields OpenAI has and we do not use are accepted and ignored, as OpenAI-compatible servers do;
-fields whose meaning we cannot honour (n > 1, tool_choice "auto", the deprecated functions) are
+fields whose meaning we cannot honour (tool_choice "auto", the deprecated functions, best_of) are
 refused with a 400.
 """
 

@@ -184,9 +184,10 @@ class CallText:
 class ToolCallFormat(ChatFormat):
     """A chat completion whose answer is one tool call."""
 
-    def __init__(self, rid: str, created: int, model: str, include_usage: bool = False, logprobs: bool = False):
-        super().__init__(rid, created, model, include_usage, logprobs)
-        self.call_id = f"call_{rid}"
+    def __init__(self, rid: str, created: int, model: str, include_usage: bool = False, logprobs: bool = False,
+                 index: int = 0):
+        super().__init__(rid, created, model, include_usage, logprobs, index)
+        self.call_id = f"call_{rid}" if index == 0 else f"call_{rid}_{index}"
         self._call = CallText()
 
     def _call_chunk(self, name: str | None, arguments: str, logprobs: Logprobs = ()) -> bytes | None:
@@ -206,10 +207,9 @@ class ToolCallFormat(ChatFormat):
         tail = self._call_chunk(None, rest) or b""
         return tail + self._chunk(s.ChatDelta(), "tool_calls" if finish_reason == "stop" else finish_reason)
 
-    def body(self, text: str, logprobs: Logprobs, finish_reason: str, usage: s.UsageBody) -> s.ChatCompletion:
+    def choice(self, text: str, logprobs: Logprobs, finish_reason: str) -> s.ChatChoice:
         name, arguments = CallText.parse(text, finish_reason == "stop")
         calls = [s.ToolCall(id=self.call_id, function=s.FunctionCall(name, arguments))] if name else UNSET
         message = s.AssistantMessage(None if name else text, tool_calls=calls)
         reason = "tool_calls" if finish_reason == "stop" else finish_reason
-        choice = s.ChatChoice(0, message, reason, self._lp(logprobs))
-        return s.ChatCompletion(self.id, self.created, self.model, [choice], usage)
+        return s.ChatChoice(self.index, message, reason, self._lp(logprobs))

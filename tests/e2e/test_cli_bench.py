@@ -28,6 +28,9 @@ def test_bench_prefix_and_priority_compare_both_sides(tmp_path):
                   "--question-tokens", "8")
     assert set(r["ttft_ms"]) == {"uncached_p50", "cached_p50"}
     assert r["cached_prompt_tokens_total"]["cached"] > 0 == r["cached_prompt_tokens_total"]["uncached"]
+    # the burst: 4 prompts of 72 tokens at once; with the cache, the 64 shared ones are computed once
+    assert r["burst"]["uncached"]["prompt_tokens_computed"] == 4 * 72
+    assert r["burst"]["cached"]["prompt_tokens_computed"] == 72 + 3 * 8
     r = run_bench(tmp_path, "priority", "--model", "synthetic:tiny", "--max-num-seqs", "2", "--batch-tokens", "8",
                   "--realtime-requests", "2", "--interval", "0.05")
     assert {"with_priority_p99", "fcfs_p99"} <= set(r["realtime_ttft_ms"])

@@ -1,5 +1,5 @@
-"""Structured output, forced tool calls and log-probabilities from the real server process, as
-OpenAI's own client asks for them and parses them.
+"""Structured output, forced tool calls, log-probabilities and n choices from the real server
+process, as OpenAI's own client asks for them and parses them.
 
 Why: `client.chat.completions.parse(response_format=<pydantic model>)` sends the schema pydantic and
 the client build (`$defs`/`$ref`, `additionalProperties: false`, `strict: true`) and validates the
@@ -114,3 +114,18 @@ def test_echo_scores_a_prompt_as_evaluation_harnesses_ask(demo):  # noqa: F811
     lp = scored.choices[0].logprobs
     assert scored.choices[0].text.startswith("Paris is the capital of")
     assert lp.token_logprobs[0] is None and all(v <= 0 for v in lp.token_logprobs[1:scored.usage.prompt_tokens])
+
+
+def test_n_choices_parse_whole_and_streamed(demo):  # noqa: F811
+    fields = {"model": "synthetic:tiny", "messages": MESSAGES, "max_tokens": 6, "temperature": 1.0, "seed": 9, "n": 3}
+    whole = demo.chat.completions.create(**fields)
+    assert [c.index for c in whole.choices] == [0, 1, 2]
+    texts: dict[int, str] = {}
+    finished: dict[int, str] = {}
+    for chunk in demo.chat.completions.create(**fields, stream=True):
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + (c.delta.content or "")
+            if c.finish_reason:
+                finished[c.index] = c.finish_reason
+    assert [texts[c.index] for c in whole.choices] == [c.message.content for c in whole.choices]
+    assert finished == {c.index: c.finish_reason for c in whole.choices}

@@ -23,6 +23,7 @@ from tests.integration.billing_support import (
 )
 
 
+@pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize(("ending", "status", "code", "ledger_status"), [
     ("stop", 200, None, "ok"),
     ("error", 503, "generation_failed", "error"),
@@ -31,7 +32,9 @@ from tests.integration.billing_support import (
     ("hang", 504, "request_timeout", "timeout"),
 ])
 def test_every_ending_charges_what_was_generated_and_releases_the_rest(postgres_backend, ending, status, code,
-                                                                       ledger_status, caplog, request):
+                                                                       ledger_status, n, caplog, request):
+    """With n choices, one choice's failure fails the request: the others are stopped, and what all
+    of them generated is charged, the prompt once."""
     engine = ScriptedEngine(ending, tokens=3)
     logger = logging.getLogger("loraplex.platform")  # (the app's logger does not propagate to caplog's)
     logger.addHandler(caplog.handler)
@@ -42,7 +45,7 @@ def test_every_ending_charges_what_was_generated_and_releases_the_rest(postgres_
         tenant, tenant_id, key = new_tenant(client, f"end-{ending}")
         set_budget(client, tenant, 1000)
         for stream in (False, True):
-            r = complete(client, key, FAKE_MODEL, max_tokens=50, stream=stream)
+            r = complete(client, key, FAKE_MODEL, max_tokens=50, stream=stream, n=n)
             if stream:
                 assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
                 if code:
@@ -51,10 +54,12 @@ def test_every_ending_charges_what_was_generated_and_releases_the_rest(postgres_
                 assert r.status_code == status, r.text
                 assert code is None or r.json()["error"]["code"] == code
         rows = assert_counters_match_ledger(client, tenant, tenant_id)
-        assert [(r.status, r.prompt_tokens, r.completion_tokens) for r in rows] == \
-            [(ledger_status, FAKE_PROMPT_TOKENS, 3)] * 2
-        if ending in ("raise", "hang"):  # the engine was told to stop the request
-            assert {r.request_id for r in rows} <= set(engine.aborted)
+        assert [(r.status, r.prompt_tokens) for r in rows] == [(ledger_status, FAKE_PROMPT_TOKENS)] * 2
+        for row in rows:  # a failure may stop the other choices before their last tokens
+            assert row.completion_tokens == 3 * n if ending == "stop" else 3 <= row.completion_tokens <= 3 * n
+        if ending in ("raise", "hang"):  # the engine was told to stop every choice of the request
+            ids = [r.request_id if n == 1 else f"{r.request_id}-{i}" for r in rows for i in range(n)]
+            assert set(ids) <= set(engine.aborted)
         if ending == "error":  # the tenant sees a generic 503; the operator's log has the engine's reason
             assert sum("failed in the engine: boom" in m for m in caplog.messages) == 2
 
@@ -80,7 +85,7 @@ def test_a_client_that_leaves_mid_stream_is_charged_what_was_generated(postgres_
             from loraplex.platform.openai_format import TextFormat, stream
 
             run = await _run(platform, key)
-            body = stream(run, TextFormat("x", 0, FAKE_MODEL), False)
+            body = stream(run, [TextFormat("x", 0, FAKE_MODEL)], False)
             got = [await anext(body) for _ in range(2)]
             await body.aclose()  # what Litestar does when the client is gone
             return got, run.status

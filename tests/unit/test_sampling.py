@@ -118,3 +118,14 @@ def test_bad_logit_bias_is_refused_naming_the_field(bias, says):
     with pytest.raises(InvalidRequestError) as info:
         make_core().add_request(greedy("x", [1, 2], logit_bias=bias))
     assert info.value.param == "logit_bias" and says in info.value.message
+
+
+@pytest.mark.parametrize("seed", [2**64, -(2**63) - 1])
+def test_a_seed_beyond_64_bits_is_refused_and_the_engine_serves_on(seed):
+    core = make_core()
+    with pytest.raises(InvalidRequestError) as info:
+        core.add_request(sampled("x", [1, 2], seed=seed))
+    assert info.value.param == "seed" and "64 bits" in info.value.message
+    assert not core.has_work()
+    (done,) = core.run([sampled("ok", [1, 2], seed=2**64 - 1)])  # the edges are valid seeds
+    assert len(done.token_ids) == 20

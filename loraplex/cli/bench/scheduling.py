@@ -1,6 +1,8 @@
 """Scheduling benchmarks, each side by side in one run.
 
-prefix:   TTFT of requests sharing a long system prompt, prefix cache on vs off.
+prefix:   TTFT of requests sharing a long system prompt, prefix cache on vs off: one after another
+          (the cache serves each from the first), and all at once at a cold cache (a burst: the
+          prompt is computed once, the others wait for its blocks).
 priority: TTFT of realtime requests sent into an engine saturated by batch-class work, with
           priority classes vs the same load all `standard` (first come, first served).
 """
@@ -49,19 +51,40 @@ def run_prefix_bench(model: str, requests: int, system_tokens: int, question_tok
     results: dict = {"model": model, "requests": requests, "system_tokens": system_tokens,
                      "question_tokens": question_tokens}
     ttft: dict[str, list[float]] = {}
+    burst: dict[str, dict] = {}
     for label, caching in (("uncached", False), ("cached", True)):
-        core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", enable_prefix_caching=caching),
-                          loaded=loaded)
-        core.run([GenerateRequest("warm", model, prompt_token_ids=tuple(questions[0]), sampling=sp)])
+        def fresh_core(caching: bool = caching) -> EngineCore:
+            config = EngineConfig(model=model, device="cpu", dtype="float32", enable_prefix_caching=caching)
+            core = EngineCore(config, loaded=loaded)
+            core.run([GenerateRequest("warm", model, prompt_token_ids=tuple(questions[0]), sampling=sp)])
+            return core
+
+        core = fresh_core()
         ttft[label] = []
         for i, q in enumerate(questions):
             (done,) = core.run([GenerateRequest(f"{label}{i}", model, prompt_token_ids=tuple(system + q), sampling=sp)])
             ttft[label].append(done.usage.ttft_s * 1000)
         results.setdefault("cached_prompt_tokens_total", {})[label] = core.stats().prefix_hit_tokens
+        burst[label] = _burst(fresh_core(), model, [system + q for q in questions], sp)
     results["ttft_ms"] = {f"{k}_p50": round(statistics.median(v), 2) for k, v in ttft.items()}
     ms = results["ttft_ms"]
     results["ratio_uncached_over_cached"] = round(ms["uncached_p50"] / ms["cached_p50"], 2)
+    results["burst"] = burst
+    results["burst_ratio_uncached_over_cached"] = round(burst["uncached"]["wall_ms"] / burst["cached"]["wall_ms"], 2)
     return results
+
+
+def _burst(core: EngineCore, model: str, prompts: list[list[int]], sp: SamplingParams) -> dict:
+    """Every prompt at once into a cold cache: wall time to the last first token, TTFT p50, and the
+    prompt tokens the engine computed rather than took from the cache."""
+    hits = core.stats().prefix_hit_tokens
+    t0 = time.perf_counter()
+    done = core.run([GenerateRequest(f"burst{i}", model, prompt_token_ids=tuple(p), sampling=sp)
+                     for i, p in enumerate(prompts)])
+    wall = time.perf_counter() - t0
+    computed = sum(len(p) for p in prompts) - (core.stats().prefix_hit_tokens - hits)
+    return {"wall_ms": round(wall * 1000, 1), "ttft_p50_ms": round(statistics.median(
+        c.usage.ttft_s * 1000 for c in done), 1), "prompt_tokens_computed": computed}
 
 
 async def _priority_round(engine: AsyncEngine, model: str, with_priority: bool, batch_requests: int,
