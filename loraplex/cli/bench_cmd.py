@@ -49,11 +49,13 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--auto", {"action": "store_true",
                     "help": "also measure `model: auto` over a pool of three models, beside the named model"}),
     ]),
-    "prefix": ("scheduling", "TTFT with a shared system prompt, prefix cache on vs off, one by one and in a burst", [
+    "prefix": ("scheduling", "TTFT with a shared system prompt, and n choices of one prompt at once, cache on vs off", [
         ("--model", {"default": DEFAULT_MODEL}),
         ("--requests", {"type": int, "default": 32}),
         ("--system-tokens", {"type": int, "default": 500}),
         ("--question-tokens", {"type": int, "default": 50}),
+        ("--choices", {"type": int, "default": 8, "help": "requests of one prompt sent at once (n choices)"}),
+        ("--choice-prompt-tokens", {"type": int, "default": 200}),
     ]),
     "priority": ("scheduling", "realtime TTFT under batch load, priority classes vs FCFS", [
         ("--model", {"default": DEFAULT_MODEL}),

@@ -87,10 +87,11 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
     if max_tokens is None and cap and room:  # the engine must stop where the reservation ends
         max_tokens = min(room, cap)
         gen = dataclasses.replace(gen, sampling=dataclasses.replace(gen.sampling, max_tokens=max_tokens))
+    generated = conv.generated_choices(data)
     ticket = await platform.admission.admit(principal, gen.request_id, who.arrived_at, prompt_tokens,
-                                            (max_tokens or room) * data.n)
+                                            (max_tokens or room) * generated)
     run = GenerationRun(platform.runs, gen, principal, target, ticket, prompt_tokens, endpoint, who.arrived,
-                        who.arrived_at, n=data.n)
+                        who.arrived_at, n=generated)
     try:
         run.start()
     except BaseException:
@@ -101,15 +102,15 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
     if sampling.json_schema is not None:
         platform.metrics.structured.labels(_structured_kind(data, call)).inc()
     created, shown = int(time.time()), target.base_model if target.routed_from else data.model
-    formats = [fmt_cls(rid, created, shown, include_usage, sampling.logprobs is not None, index=i)
-               for i in range(data.n)]
+    formats = [fmt_cls(rid, created, shown, include_usage, conv.logprobs(data) is not None, index=i)
+               for i in range(generated)]
     if data.stream:
         body = fmt.stream(run, formats, include_usage)
         # Litestar stops iterating when the client disconnects; the background task then closes
         # the generator, whose `finally` aborts the engine request.
         return Stream(body, media_type="text/event-stream", headers={**headers, **SSE_HEADERS},
                       background=BackgroundTask(body.aclose))
-    return Response(await fmt.collect(run, formats), headers=headers)
+    return Response(await fmt.collect(run, formats, keep=data.n), headers=headers)
 
 
 async def _resolve(platform: Platform, principal: Principal, model: str,

@@ -18,8 +18,19 @@ MAX_CHOICES = 16  # n: each choice is a sequence in the engine's batch
 def check_supported(data: s.ChatCompletionRequest | s.CompletionRequest) -> None:
     if not 1 <= data.n <= MAX_CHOICES:
         raise invalid(f"n must be in [1, {MAX_CHOICES}], got {data.n}", "n")
+    best_of = getattr(data, "best_of", None)
+    if best_of is not None:
+        if not data.n <= best_of <= MAX_CHOICES:
+            raise invalid(f"best_of must be in [n, {MAX_CHOICES}] (n is {data.n}), got {best_of}", "best_of")
+        if data.stream and best_of > data.n:
+            raise invalid("best_of cannot be streamed: the best choices are known only at the end", "best_of")
     if data.stream_options is not None and not data.stream:
         raise invalid("stream_options is only allowed when stream is true", "stream_options")
+
+
+def generated_choices(data: s.ChatCompletionRequest | s.CompletionRequest) -> int:
+    """How many choices the engine generates: best_of when given (the best n are returned), else n."""
+    return getattr(data, "best_of", None) or data.n
 
 
 def sampling(data: s.ChatCompletionRequest | s.CompletionRequest, max_tokens: int | None) -> SamplingParams:
@@ -37,7 +48,7 @@ def sampling(data: s.ChatCompletionRequest | s.CompletionRequest, max_tokens: in
         stop=stops,
         ignore_eos=data.ignore_eos,
         json_schema=json_schema(data.response_format),
-        logprobs=logprobs(data),
+        logprobs=_engine_logprobs(data),
         prompt_logprobs=echo_logprobs(data),
         logit_bias=logit_bias(data.logit_bias))
 
@@ -68,6 +79,13 @@ def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
             raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
         out.append((int(key), float(value)))
     return tuple(out)
+
+
+def _engine_logprobs(data: s.ChatCompletionRequest | s.CompletionRequest) -> int | None:
+    """What the engine reports: what the caller asked for, and at least each token's own when best_of
+    must rank the choices by it."""
+    asked = logprobs(data)
+    return (asked or 0) if generated_choices(data) > data.n else asked
 
 
 def logprobs(data: s.ChatCompletionRequest | s.CompletionRequest) -> int | None:

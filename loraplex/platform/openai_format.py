@@ -8,6 +8,7 @@ to put first, the text offset, a tool call's text so far); the body is the first
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Sequence
 
 import msgspec
@@ -143,21 +144,29 @@ class TextFormat:
 Format = ChatFormat | TextFormat
 
 
-async def collect(run: GenerationRun, formats: Sequence[Format]):
+async def collect(run: GenerationRun, formats: Sequence[Format], keep: int | None = None):
+    """The whole body. With fewer choices to `keep` than were generated (best_of), the ones whose
+    generated tokens have the highest mean log-probability, best first."""
     parts: list[list[str]] = [[] for _ in formats]
     logprobs: list[list[TokenLogprob]] = [[] for _ in formats]
+    scores: list[list[float]] = [[] for _ in formats]  # generated tokens' log-probabilities
     try:
         async for i, event in run.events():
             echo, echo_logprobs = formats[i].echoed(event)
             parts[i].append(echo + event.text)
             logprobs[i].extend(echo_logprobs)
             logprobs[i].extend(event.logprobs)
+            scores[i].extend(e.logprob for e in event.logprobs)
     finally:
         await run.close()
     if run.status != "ok":
         raise _failure(run)
     choices = [f.choice("".join(p), lp, reason)
                for f, p, lp, reason in zip(formats, parts, logprobs, run.finish_reasons, strict=True)]
+    if keep is not None and keep < len(choices):
+        mean = [sum(v) / len(v) if v else -math.inf for v in scores]
+        best = sorted(range(len(choices)), key=lambda i: -mean[i])[:keep]
+        choices = [msgspec.structs.replace(choices[i], index=rank) for rank, i in enumerate(best)]
     return formats[0].body(choices, usage_body(run))
 
 

@@ -1,8 +1,8 @@
 """OpenAI request and response bodies as msgspec structs (validated by Litestar, shown in /schema).
 
 Fields OpenAI has and we do not use are accepted and ignored, as OpenAI-compatible servers do;
-fields whose meaning we cannot honour (tool_choice "auto", the deprecated functions, best_of) are
-refused with a 400.
+fields whose meaning we cannot honour (tool_choice "auto", the deprecated functions) are refused
+with a 400.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[str | int]
     echo: bool = False
+    best_of: int | None = None  # generate this many, return the n with the highest log-probability per token
 
 
 # --- responses --------------------------------------------------------------------------------

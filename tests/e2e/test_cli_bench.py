@@ -25,12 +25,14 @@ def test_bench_engine_reports_ours_and_roofline(tmp_path):
 
 def test_bench_prefix_and_priority_compare_both_sides(tmp_path):
     r = run_bench(tmp_path, "prefix", "--model", "synthetic:tiny", "--requests", "4", "--system-tokens", "64",
-                  "--question-tokens", "8")
+                  "--question-tokens", "8", "--choices", "4", "--choice-prompt-tokens", "72")
     assert set(r["ttft_ms"]) == {"uncached_p50", "cached_p50"}
     assert r["cached_prompt_tokens_total"]["cached"] > 0 == r["cached_prompt_tokens_total"]["uncached"]
-    # the burst: 4 prompts of 72 tokens at once; with the cache, the 64 shared ones are computed once
-    assert r["burst"]["uncached"]["prompt_tokens_computed"] == 4 * 72
-    assert r["burst"]["cached"]["prompt_tokens_computed"] == 72 + 3 * 8
+    # 4 choices of a 72-token prompt at once: with the cache, its 4 full blocks are computed and held once
+    burst = r["choices_at_once"]
+    assert burst["uncached"]["prompt_tokens_computed"] == 4 * 72
+    assert burst["cached"]["prompt_tokens_computed"] == 72 + 3 * 8
+    assert burst["cached"]["peak_kv_blocks"] == burst["uncached"]["peak_kv_blocks"] - 3 * 4
     r = run_bench(tmp_path, "priority", "--model", "synthetic:tiny", "--max-num-seqs", "2", "--batch-tokens", "8",
                   "--realtime-requests", "2", "--interval", "0.05")
     assert {"with_priority_p99", "fcfs_p99"} <= set(r["realtime_ttft_ms"])

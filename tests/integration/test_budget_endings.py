@@ -73,8 +73,10 @@ def test_an_engine_that_refuses_charges_nothing(postgres_backend):
         assert len(platform_of(client).quota.tail) == 0
 
 
-def test_a_client_that_leaves_mid_stream_is_charged_what_was_generated(postgres_backend):
-    """The disconnect itself: GenerationRun.close() with the stream left early, as Litestar does."""
+@pytest.mark.parametrize("n", [1, 3])
+def test_a_client_that_leaves_mid_stream_is_charged_what_was_generated(postgres_backend, n):
+    """The disconnect itself: GenerationRun.close() with the stream left early, as Litestar does;
+    every choice's engine request is stopped."""
     engine = ScriptedEngine("hang", tokens=2)
     with app_client(postgres_backend, engine) as client:
         tenant, tenant_id, key = new_tenant(client, "leaver")
@@ -84,8 +86,8 @@ def test_a_client_that_leaves_mid_stream_is_charged_what_was_generated(postgres_
         async def leave_after_two_tokens():
             from loraplex.platform.openai_format import TextFormat, stream
 
-            run = await _run(platform, key)
-            body = stream(run, [TextFormat("x", 0, FAKE_MODEL)], False)
+            run = await _run(platform, key, n)
+            body = stream(run, [TextFormat("x", 0, FAKE_MODEL, index=i) for i in range(n)], False)
             got = [await anext(body) for _ in range(2)]
             await body.aclose()  # what Litestar does when the client is gone
             return got, run.status
@@ -94,11 +96,12 @@ def test_a_client_that_leaves_mid_stream_is_charged_what_was_generated(postgres_
         assert len(got) == 2 and status == "client_disconnected"
         rows = assert_counters_match_ledger(client, tenant, tenant_id)
         assert [(r.status, r.completion_tokens) for r in rows] == [("client_disconnected", 2)]
-        assert rows[0].request_id in engine.aborted
+        rid = rows[0].request_id
+        assert set(engine.aborted) == ({rid} if n == 1 else {f"{rid}-{i}" for i in range(n)})
 
 
-async def _run(platform, key):
-    """A started GenerationRun for a 50-token request of `key`, admitted as the API would."""
+async def _run(platform, key, n=1):
+    """A started GenerationRun for a 50-token request of `key` with n choices, admitted as the API would."""
     import secrets
     import time
 
@@ -110,8 +113,8 @@ async def _run(platform, key):
     principal = await platform.auth.authenticate(f"Bearer {key}")
     request = GenerateRequest(f"req_{secrets.token_hex(12)}", FAKE_MODEL, prompt="hello",
                               sampling=SamplingParams(max_tokens=50))
-    ticket = await platform.admission.admit(principal, request.request_id, utcnow(), FAKE_PROMPT_TOKENS, 50)
+    ticket = await platform.admission.admit(principal, request.request_id, utcnow(), FAKE_PROMPT_TOKENS, 50 * n)
     run = GenerationRun(platform.runs, request, principal, Target(FAKE_MODEL, FAKE_MODEL), ticket,
-                        FAKE_PROMPT_TOKENS, "/v1/completions", time.perf_counter(), utcnow())
+                        FAKE_PROMPT_TOKENS, "/v1/completions", time.perf_counter(), utcnow(), n=n)
     run.start()
     return run

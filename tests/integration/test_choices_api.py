@@ -124,3 +124,34 @@ def test_each_choice_is_its_own_tool_call(api):
 def test_n_out_of_range_is_refused(api, n):
     r = api.chat(api.key(api.tenant()), n=n)
     assert r.status_code == 400 and r.json()["error"]["param"] == "n"
+
+
+def test_best_of_returns_the_choices_with_the_highest_log_probability_per_token(api):
+    key = api.key(api.tenant())
+    body = _text(api, key, best_of=4, n=2, temperature=1.0, seed=21)
+    assert [c["index"] for c in body["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in body["choices"])  # ranked by them, shown only when asked
+    assert body["usage"]["completion_tokens"] == 4 * 6  # every generated choice is billed
+
+    def scored(seed: int) -> tuple[float, str]:
+        choice = _text(api, key, temperature=1.0, seed=seed, logprobs=0)["choices"][0]
+        values = choice["logprobs"]["token_logprobs"]
+        return sum(values) / len(values), choice["text"]
+
+    ranked = sorted((scored(21 + i) for i in range(4)), reverse=True)
+    assert [c["text"] for c in body["choices"]] == [text for _, text in ranked[:2]]
+    shown = _text(api, key, best_of=4, n=2, temperature=1.0, seed=21, logprobs=1)
+    assert [c["text"] for c in shown["choices"]] == [c["text"] for c in body["choices"]]
+    assert all(len(c["logprobs"]["tokens"]) == 6 for c in shown["choices"])
+
+
+@pytest.mark.parametrize(("fields", "says"), [
+    ({"best_of": 1, "n": 2}, "best_of must be in [n, 16]"),
+    ({"best_of": 17}, "best_of must be in [n, 16]"),
+    ({"best_of": 3, "stream": True}, "cannot be streamed"),
+])
+def test_bad_best_of_is_refused(api, fields, says):
+    r = api.post("/v1/completions", api.key(api.tenant()), {"model": "synthetic:tiny", "prompt": "x", **fields})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "best_of" and says in err["message"]
