@@ -68,6 +68,12 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--requests", {"type": int, "default": 8}),
         ("--new-tokens", {"type": int, "default": 32}),
     ]),
+    "speculative": ("speculative", "n-gram speculative decoding vs plain greedy decoding, quoting and free text", [
+        ("--model", {"default": DEFAULT_MODEL}),
+        ("--tokens", {"type": int, "default": 4, "help": "draft tokens per step"}),
+        ("--new-tokens", {"type": int, "default": 128}),
+        ("--rounds", {"type": int, "default": 3}),
+    ]),
     "guided": ("guided", "JSON Schema guided decoding vs free decoding of the same batch shapes", [
         ("--model", {"default": DEFAULT_MODEL}),
         ("--batch", {"type": int, "default": 32}),

@@ -37,6 +37,9 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache size in MiB")
+    p.add_argument("--speculative-tokens", type=int,
+                   help="n-gram speculative decoding: draft tokens per step for a greedy request running alone "
+                        "(0: off; default: the engine's, 4)")
     p.add_argument("--no-demo", action="store_true", help="do not create the demo tenant and key")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every request (paths only, never keys)")
@@ -77,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
     if args.memory_budget_mb is not None and args.memory_budget_mb <= 0:
         raise ValueError(f"--memory-budget-mb must be positive, got {args.memory_budget_mb}")
     config = EngineConfig(model=args.model[0], device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                          kv_cache_bytes=args.kv_cache_mb * 1024 * 1024)
+                          kv_cache_bytes=args.kv_cache_mb * 1024 * 1024,
+                          **_speculation(args))
     _check_port(args.host, args.port)
     run_db(upgrade, settings)
     from loraplex.engine.models.loader import resolve_model
@@ -89,6 +93,11 @@ def run(args: argparse.Namespace) -> int:
         return _serve(args, settings, engine)
     finally:
         engine.shutdown()
+
+
+def _speculation(args: argparse.Namespace) -> dict:
+    """--speculative-tokens when given; else the engine's default."""
+    return {} if args.speculative_tokens is None else {"speculative_tokens": args.speculative_tokens}
 
 
 def _engine(args: argparse.Namespace, config):

@@ -232,6 +232,8 @@ class EngineStats:
     adapter_evictions: int = 0
     adapter_merges: int = 0  # adapters merged into a copy of the weights for steps wholly on them
     adapter_merged_bytes: int = 0  # memory of the merged copies held now
+    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
+    spec_accepted_tokens: int = 0  # of which the model agreed with (each saved a step)
     models_resident: int = 0  # base models on the device (the rest wait on the CPU tier or disk)
     model_loads: int = 0
     model_evictions: int = 0
@@ -247,7 +249,7 @@ class EngineStats:
 ENGINE_COUNTERS = ("num_steps", "generated_tokens", "prompt_tokens_computed", "preemptions_by_class",
                    "swapped_out_blocks", "swapped_in_blocks", "prefix_query_tokens", "prefix_hit_tokens",
                    "adapter_loads", "adapter_disk_loads", "adapter_load_seconds", "adapter_evictions",
-                   "adapter_merges")
+                   "adapter_merges", "spec_draft_tokens", "spec_accepted_tokens")
 
 
 def add_stats(total: dict, values: dict) -> None:

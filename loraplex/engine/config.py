@@ -56,6 +56,13 @@ class EngineConfig:
     # it is merged into a copy of the projection weights and such steps run without LoRA work
     # (lora/merged.py; one copy, about the size of the projections). 0: never.
     lora_merge_after_steps: int = 16
+    # Speculative decoding by n-gram lookup (sched/ngram.py): up to this many draft tokens per greedy
+    # request and step, verified in that step; only while at most speculative_max_seqs requests run.
+    # A step with drafts leaves the fused CPU decode step, and a batch's steps are as many as its
+    # slowest request needs, so beside other requests drafts cost more than they save (bench/RESULTS.md,
+    # "Speculative decoding"). 0: off.
+    speculative_tokens: int = 4
+    speculative_max_seqs: int = 1
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -66,6 +73,9 @@ class EngineConfig:
                      "max_lora_rank", "max_cpu_loras"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
+        if self.speculative_tokens < 0 or self.speculative_max_seqs < 1:
+            raise ValueError(f"engine config: speculative_tokens must be >= 0 and speculative_max_seqs >= 1, got "
+                             f"{self.speculative_tokens} and {self.speculative_max_seqs}")
         if self.lora_merge_after_steps < 0:
             raise ValueError(f"engine config: lora_merge_after_steps must be >= 0, got {self.lora_merge_after_steps}")
         if self.preemption_mode not in ("recompute", "swap"):

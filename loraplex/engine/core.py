@@ -7,6 +7,7 @@ before anything is queued.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -73,7 +74,8 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.pool, config.max_num_seqs, config.max_num_batched_tokens, model=config.model,
             priority_weights=config.priority_weights, aging_s=config.priority_aging_s, swap_pool=swap_pool,
-            prefix_caching=config.enable_prefix_caching)
+            prefix_caching=config.enable_prefix_caching, speculative_tokens=config.speculative_tokens,
+            speculative_max_seqs=config.speculative_max_seqs)
         self.runner = ModelRunner(model, num_blocks, bs, swap_pool.num_blocks if swap_pool else 0)
         self.requests: dict[str, Request] = {}
         self._detok: dict[str, IncrementalDetokenizer] = {}
@@ -82,6 +84,8 @@ class EngineCore:
         self.num_steps = 0
         self.generated_tokens = 0
         self.prompt_tokens_computed = 0
+        self.spec_draft_tokens = 0  # drafts verified (speculative decoding)
+        self.spec_accepted_tokens = 0  # of which the model agreed with
 
     # --- admission -------------------------------------------------------------------------
 
@@ -162,12 +166,30 @@ class EngineCore:
         if batch.empty:
             return failed
         sampled = batch.sampled()
+        self.spec_draft_tokens += sum(len(r.spec_ids) for r in sampled)
         tokens, logprobs = self.runner.execute(batch)
         self.prompt_tokens_computed += sum(
             min(n, len(r.prompt_ids) - r.num_computed) for r, n in batch.entries if r.num_computed < len(r.prompt_ids))
         self.scheduler.update(batch)
         self.num_steps += 1
-        return failed + [self._append(req, tok, lp) for req, tok, lp in zip(sampled, tokens, logprobs, strict=True)]
+        return failed + [self._append_all(req, toks, lps)
+                         for req, toks, lps in zip(sampled, tokens, logprobs, strict=True)]
+
+    def _append_all(self, r: Request, tokens: list[int], steps: list[StepLogprobs | None]) -> GenerateEvent:
+        """A step's new tokens for one request (several when drafts were kept) as one event; a token
+        that ends the request ends it there, and any after it are dropped."""
+        if len(tokens) == 1:
+            return self._append(r, tokens[0], steps[0])
+        self.spec_accepted_tokens += len(tokens) - 1
+        events = []
+        for token, step in zip(tokens, steps, strict=True):
+            events.append(self._append(r, token, step))
+            if events[-1].finished:
+                break
+        return dataclasses.replace(events[-1], text="".join(e.text for e in events),
+                                   token_ids=tuple(t for e in events for t in e.token_ids),
+                                   logprobs=tuple(lp for e in events for lp in e.logprobs),
+                                   prompt_logprobs=events[0].prompt_logprobs)
 
     def _logprob(self, token: int, step: StepLogprobs | None) -> tuple[TokenLogprob, ...]:
         """The sampler's numbers for one token, with the token bytes the platform shows."""
@@ -245,7 +267,8 @@ class EngineCore:
             adapter_disk_loads=lora.stats.disk_loads if lora else 0,
             adapter_load_seconds=lora.stats.load_seconds if lora else 0.0,
             adapter_evictions=lora.stats.evictions if lora else 0,
-            adapter_merges=merge.builds if merge else 0, adapter_merged_bytes=merge.nbytes() if merge else 0)
+            adapter_merges=merge.builds if merge else 0, adapter_merged_bytes=merge.nbytes() if merge else 0,
+            spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens)
 
     # --- synchronous convenience -----------------------------------------------------------
 

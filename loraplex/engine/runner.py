@@ -13,7 +13,7 @@ from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.attention import build_metadata
 from loraplex.engine.models.llama import LlamaModel
-from loraplex.engine.sampler import StepLogprobs, sample, token_logprobs
+from loraplex.engine.sampler import StepLogprobs, sample_steps, token_logprobs
 from loraplex.engine.sched.scheduler import ScheduledBatch
 
 
@@ -71,9 +71,10 @@ class ModelRunner:
             self.kv_storage[:, :, dst] = self.swap_storage[:, :, torch.tensor(cpu_ids)].to(self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[int], list[StepLogprobs | None]]:
-        """Computes the batch's tokens; returns the sampled token of each `batch.sampled()` request, and
-        its log-probabilities where it asked for them."""
+    def execute(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[StepLogprobs | None]]]:
+        """Computes the batch's tokens; returns the new tokens of each `batch.sampled()` request (one, or
+        with drafts the ones the model agreed with and its own next), and their log-probabilities where
+        it asked for them."""
         if batch.swap_out or batch.swap_in:
             self._swap(batch)
         ids: list[int] = []
@@ -91,11 +92,12 @@ class ModelRunner:
                 for p in range(max(start, len(req.prompt_logprobs)), min(start + n, len(req.prompt_ids) - 1)):
                     prompt_rows.append(len(ids) + p - start)
                     prompt_targets.append((req, req.prompt_ids[p + 1]))
-            ids.extend(req.token_ids(start, start + n))
+            ids.extend(req.token_ids(start, start + n - len(req.spec_ids)))
+            ids.extend(req.spec_ids)
             positions.extend(range(start, start + n))
             seqs.append((start, n, req.blocks))
-            if start + n == req.num_tokens:
-                logits_rows.append(len(ids) - 1)
+            if start + n >= req.num_tokens:  # the last token's logits, and each draft's
+                logits_rows.extend(range(len(ids) - 1 - len(req.spec_ids), len(ids)))
                 sampled.append(req)
         dev = self.device
         meta = build_metadata(seqs, self.block_size, dev, self.model.dtype)
@@ -115,7 +117,7 @@ class ModelRunner:
             logits = logits[:len(logits_rows)]
         if not sampled:
             return [], []
-        return sample(logits, sampled)
+        return sample_steps(logits, sampled)
 
     def _step_lora(self, token_slots: list[int]) -> StepLora | None:
         if self.lora_slots is None or max(token_slots) < 0:

@@ -3,7 +3,9 @@
 Greedy rows are one argmax over the batch (on the CPU in C, kernels/cpu/argmax.c: torch's took 1.3-1.9
 ms of a 32-row decode step). Sampled rows draw from their own request's
 torch.Generator, one draw per step, so a seeded request gives the same tokens whatever else
-shares its batch.
+shares its batch. A greedy request with drafts (speculative decoding) has a row per draft too: the
+drafts up to the first the argmax disagrees with are kept, then the argmax after them, which is
+exactly what decoding one token at a time would have given.
 """
 
 from __future__ import annotations
@@ -55,6 +57,54 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 StepLogprobs = tuple[float, list[tuple[int, float]]]
 
 
+def sample_steps(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[list[int]], list[list[StepLogprobs | None]]]:
+    """logits: [rows, vocab], one row per request and one more per draft it carries (r.spec_ids), in
+    order -> each request's new tokens and their log-probabilities (None where not asked). Sets each
+    drafting request's `num_rejected`."""
+    if not any(r.spec_ids for r in reqs):
+        tokens, logprobs = sample(logits, reqs)
+        return [[t] for t in tokens], [[lp] for lp in logprobs]
+    tokens_out: list[list[int]] = [[] for _ in reqs]
+    logprobs_out: list[list[StepLogprobs | None]] = [[] for _ in reqs]
+    plain, row = [], 0
+    for i, r in enumerate(reqs):
+        if r.spec_ids:
+            tokens_out[i], logprobs_out[i] = _verify(logits[row:row + 1 + len(r.spec_ids)], r)
+            row += 1 + len(r.spec_ids)
+        else:
+            plain.append((i, row))
+            row += 1
+    if plain:
+        tokens, logprobs = sample(logits[[row for _, row in plain]], [reqs[i] for i, _ in plain])
+        for (i, _), t, lp in zip(plain, tokens, logprobs, strict=True):
+            tokens_out[i], logprobs_out[i] = [t], [lp]
+    return tokens_out, logprobs_out
+
+
+def _verify(rows: torch.Tensor, r: Request) -> tuple[list[int], list[StepLogprobs | None]]:
+    """rows: [1 + drafts, vocab], the logits after the request's last token and after each draft ->
+    the drafts the argmax agrees with, then the argmax after the last of them."""
+    k = r.sampling.logprobs
+    raw = rows.clone() if k is not None else None  # [1 + drafts, vocab]
+    _bias(rows, r)
+    best = greedy_tokens(rows)
+    kept = 0
+    while kept < len(r.spec_ids) and r.spec_ids[kept] == best[kept]:
+        kept += 1
+    r.num_rejected = len(r.spec_ids) - kept
+    tokens = best[:kept + 1]
+    if raw is None:
+        return tokens, [None] * len(tokens)
+    return tokens, list(token_logprobs(raw[:kept + 1], tokens, [k] * len(tokens)))
+
+
+def _bias(rows: torch.Tensor, r: Request) -> None:
+    """Adds the request's logit_bias to rows: [rows, vocab], in place."""
+    if r.sampling.logit_bias:
+        ids, bias = zip(*r.sampling.logit_bias, strict=True)
+        rows[:, list(ids)] += torch.tensor(bias, dtype=rows.dtype, device=rows.device)
+
+
 def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[StepLogprobs | None]]:
     """logits: [reqs, vocab] fp32 -> one token id per request, and the log-probabilities of those
     that asked (None for the others), taken from the logits before anything below changes them."""
@@ -84,9 +134,7 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
 def _choose(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
     """logits: [reqs, vocab] fp32, changed in place -> one token id per request."""
     for i, r in enumerate(reqs):
-        if r.sampling.logit_bias:
-            ids, bias = zip(*r.sampling.logit_bias, strict=True)
-            logits[i, list(ids)] += torch.tensor(bias, dtype=logits.dtype, device=logits.device)
+        _bias(logits[i:i + 1], r)
         if r.guide is not None:
             r.guide.mask(logits[i])  # before penalties and filters: they only ever see allowed tokens
     apply_penalties(logits, reqs)

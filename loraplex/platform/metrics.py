@@ -66,6 +66,10 @@ class EngineCollector:
         yield CounterMetricFamily("loraplex_engine_generated_tokens", "Tokens the engine generated",
                                   value=s.generated_tokens)
         yield CounterMetricFamily("loraplex_engine_steps", "Engine steps run", value=s.num_steps)
+        yield CounterMetricFamily("loraplex_spec_draft_tokens", "Speculative decoding: draft tokens verified",
+                                  value=s.spec_draft_tokens)
+        yield CounterMetricFamily("loraplex_spec_accepted_tokens", "Speculative decoding: draft tokens the model "
+                                  "agreed with (over the drafts: the acceptance rate)", value=s.spec_accepted_tokens)
 
 
 class BillingCollector:

@@ -33,10 +33,9 @@ def test_generate_streams_events_until_finish(engine):
         events = [e async for e in engine.generate(greedy("a", [1, 2, 3], max_tokens=9))]
         return events
 
-    events = asyncio.run(go())
-    assert len(events) == 9
-    assert all(len(e.token_ids) == 1 for e in events)
-    assert [e.finished for e in events] == [False] * 8 + [True]
+    events = asyncio.run(go())  # one token per event, or several where speculation kept drafts
+    assert sum(len(e.token_ids) for e in events) == 9 and all(e.token_ids for e in events)
+    assert [e.finished for e in events] == [False] * (len(events) - 1) + [True]
     last = events[-1]
     assert last.finish_reason == "length" and last.usage.completion_tokens == 9
 

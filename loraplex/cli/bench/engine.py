@@ -156,7 +156,10 @@ def run_engine_bench(model: str, new_tokens: int, batch1_prompts: int, batch: in
                      rounds: int = 3) -> dict:
     torch.manual_seed(0)
     loaded = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
+    # Speculation off: the roofline and HF are one token per pass over the weights (`bench speculative`
+    # measures speculation against this plain path).
     core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=max(batch, 1),
+                                   speculative_tokens=0,
                                    max_num_batched_tokens=2048), loaded=loaded)
     cfg = loaded.config
     weight_bytes = core.runner.model.weight_bytes()

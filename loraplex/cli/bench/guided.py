@@ -93,7 +93,10 @@ def run_guided_bench(model: str, batch: int, new_tokens: int, rounds: int) -> di
     loaded = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
 
     def core_for(seqs: int):
+        # Speculation off: guided requests cannot speculate, and their free twins at batch 1 would, so the
+        # ratio would mix the masks' cost with speculation's gain (`bench speculative` measures that).
         return lambda: EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=seqs,
+                                               speculative_tokens=0,
                                                max_num_batched_tokens=2048), loaded=loaded)
 
     results: dict = {"model": model, "new_tokens": new_tokens, "batch": batch, "threads": torch.get_num_threads()}

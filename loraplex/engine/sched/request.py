@@ -49,6 +49,8 @@ class Request:
     guide: Guide | None = None  # holds the output to `sampling.json_schema`
     # (logprob, top) of prompt tokens 1.. as their positions are computed; None when not asked for
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
+    spec_ids: list[int] = field(default_factory=list)  # draft tokens this step verifies after its last token
+    num_rejected: int = 0  # of this step's drafts, those the model did not agree with (set by the sampler)
 
     def __post_init__(self) -> None:
         if self.sampling.prompt_logprobs is not None:
@@ -77,6 +79,14 @@ class Request:
     def needs_prompt_logits(self) -> bool:
         """Prompt log-probabilities were asked for and some positions are not recorded yet."""
         return self.prompt_logprobs is not None and len(self.prompt_logprobs) < len(self.prompt_ids) - 1
+
+    @property
+    def can_speculate(self) -> bool:
+        """Drafts are verified exactly for greedy requests whose next token depends on nothing the
+        drafts would change: no penalties over the output, no schema to advance, no prompt logits."""
+        sp = self.sampling
+        return (sp.temperature == 0 and sp.presence_penalty == 0 and sp.frequency_penalty == 0
+                and self.guide is None and not self.needs_prompt_logits)
 
     @property
     def finished(self) -> bool:

@@ -15,6 +15,11 @@ A prefix is computed once even when several requests bring it at the same time (
 uncached prompt block is one a running request is computing now waits, keeping its place, until
 that block is in the cache, and then takes it as a hit instead of computing it again.
 
+Speculative decoding (`speculative_tokens` > 0, while at most `speculative_max_seqs` run): a greedy
+request in decode gets the tokens of an n-gram lookup in its own text (ngram.py) as drafts after its
+last token, in the same step; the runner keeps the drafts the model agrees with, and `update`
+counts only those as computed (the rejected drafts' KV lies past `num_computed`, to be overwritten).
+
 A request for a LoRA adapter holds a device slot while it runs. A step never needs more distinct
 adapters than there are slots: a waiting request whose adapter finds no free slot is passed over
 (keeping its place) until a running request releases one. A request whose adapter cannot be loaded
@@ -31,6 +36,7 @@ from typing import Protocol
 from loraplex.engine.api import PRIORITY_CLASSES, EngineError
 from loraplex.engine.kv.block_pool import BlockPool
 from loraplex.engine.kv.prefix_cache import chain_hashes, root_hash
+from loraplex.engine.sched.ngram import propose
 from loraplex.engine.sched.queues import RANK, PriorityQueues
 from loraplex.engine.sched.request import Request, Status
 
@@ -50,8 +56,9 @@ class ScheduledBatch:
         return not self.entries
 
     def sampled(self) -> list[Request]:
-        """Requests whose chunk reaches their last token, so this step samples their next one."""
-        return [r for r, n in self.entries if r.num_computed + n == r.num_tokens]
+        """Requests whose chunk reaches their last token (and their drafts), so this step samples their
+        next token(s)."""
+        return [r for r, n in self.entries if r.num_computed + n >= r.num_tokens]
 
 
 class AdapterSlots(Protocol):
@@ -74,13 +81,16 @@ class SchedulerCounters:
 class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, *,
                  model: str = "", priority_weights: tuple[float, ...] = (10.0, 5.0, 1.0),
-                 aging_s: float = 30.0, swap_pool: BlockPool | None = None, prefix_caching: bool = True):
+                 aging_s: float = 30.0, swap_pool: BlockPool | None = None, prefix_caching: bool = True,
+                 speculative_tokens: int = 0, speculative_max_seqs: int = 4):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.model = model
         self.swap_pool = swap_pool  # None: preemption recomputes
         self.prefix_caching = prefix_caching
+        self.speculative_tokens = speculative_tokens
+        self.speculative_max_seqs = speculative_max_seqs
         self.adapters: AdapterSlots | None = None  # set when the engine first registers an adapter
         self.waiting = PriorityQueues(priority_weights, aging_s)
         self.running: list[Request] = []
@@ -113,10 +123,15 @@ class Scheduler:
         self._admitted_now: set[int] = set()
         self.running.sort(key=lambda r: (RANK[r.priority], r.arrival))
         preempted = False
+        speculate = self.speculative_tokens and len(self.running) <= self.speculative_max_seqs
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
+            req.spec_ids = self._drafts(req, budget) if speculate else []
+            if req.spec_ids and not self._grow(req, n + len(req.spec_ids)):
+                req.spec_ids = []  # no blocks to spare for guesses
+            n += len(req.spec_ids)
             if not self._grow(req, n):
                 # Out of blocks: preempt the lowest class's newest (the sort put it last) and retry;
                 # if that is this request itself, the ones after it in the list are tried next.
@@ -139,10 +154,12 @@ class Scheduler:
             self.swap_pool.free(cpu_ids)
         bs = self.pool.block_size
         for req, n in batch.entries:
-            req.num_computed += n
+            req.num_computed += n - req.num_rejected
+            kept = req.spec_ids[:len(req.spec_ids) - req.num_rejected]  # join the output after this
+            req.spec_ids, req.num_rejected = [], 0
             full = req.num_computed // bs
             if self.prefix_caching and full > req.num_registered:
-                self._hashes(req, full)
+                self._hashes(req, full, kept)
                 for idx in range(req.num_registered, full):
                     self.pool.register(req.blocks[idx], req.block_hashes[idx])
                 req.num_registered = full
@@ -179,6 +196,13 @@ class Scheduler:
             batch.entries.append((req, n))
             budget -= n
         return budget
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Guesses at a decoding request's next tokens, within the step budget and its max_tokens."""
+        if req.num_computed != req.num_tokens - 1 or not req.can_speculate:
+            return []
+        k = min(self.speculative_tokens, budget - 1, req.max_tokens - len(req.output_ids) - 1)
+        return propose(req.prompt_ids + req.output_ids, k) if k > 0 else []
 
     def _blocks_in_prefill(self) -> set[bytes]:
         if not (self.prefix_caching and self.waiting):
@@ -258,12 +282,16 @@ class Scheduler:
         req.blocks, req.swap_blocks, req.num_registered = device, [], 0
         return self._grow(req, n)
 
-    def _hashes(self, req: Request, n_blocks: int) -> list[bytes]:
-        """The content hashes of the request's first n_blocks full blocks (computed once each)."""
+    def _hashes(self, req: Request, n_blocks: int, kept: list[int] = ()) -> list[bytes]:
+        """The content hashes of the request's first n_blocks full blocks (computed once each); `kept`:
+        tokens past the request's own, this step's kept drafts."""
         have = len(req.block_hashes)
         if n_blocks > have:
             parent = req.block_hashes[-1] if have else self._root_hash(req)
-            tokens = req.token_ids(have * self.pool.block_size, n_blocks * self.pool.block_size)
+            start, end = have * self.pool.block_size, n_blocks * self.pool.block_size
+            tokens = req.token_ids(start, end)
+            if end > req.num_tokens:
+                tokens = tokens + list(kept[max(0, start - req.num_tokens):end - req.num_tokens])
             req.block_hashes.extend(chain_hashes(parent, tokens, self.pool.block_size, 0, n_blocks - have))
         return req.block_hashes
 
@@ -304,6 +332,7 @@ class Scheduler:
 
     def _preempt(self, req: Request, batch: ScheduledBatch) -> None:
         self.running.remove(req)
+        req.spec_ids = []
         self._drop_adapter_slot(req)
         swap = self.swap_pool
         if swap is not None and req.blocks and swap.can_allocate(len(req.blocks)):

@@ -1,0 +1,158 @@
+"""Speculative decoding by n-gram lookup: the drafts it proposes, and an engine that verifies them
+giving exactly the tokens (and log-probabilities) of one-token-at-a-time greedy decoding, in fewer
+steps, with its KV blocks, prefix cache and preemption intact."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from loraplex.engine.api import GenerateRequest, SamplingParams
+from loraplex.engine.sched.ngram import propose
+from tests.conftest import make_core
+from tests.unit.test_engine_core import MODEL, greedy
+
+
+def test_propose_follows_the_last_earlier_occurrence_of_the_longest_suffix():
+    assert propose([5, 6, 7, 8, 1, 6, 7, 9, 2, 5, 6, 7], 3) == [8, 1, 6]  # "5 6 7" beats the later "6 7"
+    assert propose([1, 6, 7, 9, 2, 3, 6, 7], 3) == [9, 2, 3]  # only "6 7" occurs earlier
+    assert propose([6, 7, 1, 6, 7, 2, 4, 6, 7], 3) == [2, 4, 6]  # its last occurrence, not its first
+    assert propose([1, 2, 3, 4], 4) == []  # no suffix of 2+ tokens occurs earlier
+    assert propose([1, 2, 1, 2], 4) == [1, 2]  # only what follows exists
+    assert propose([4, 4, 4, 4, 4], 3) == [4]
+    assert propose([1, 2, 3, 1, 2], 0) == []
+
+
+def test_propose_matches_whole_tokens_only():
+    # 256 = 00 01 00 00 and 1 = 01 00 00 00: the byte pattern of [1, 0] appears inside [256, 0, ...]
+    # at an odd offset, which is no token boundary
+    tokens = [256, 0, 0, 9, 1, 0]
+    assert propose(tokens, 2) == []
+    assert propose([7, 1, 0, 3, 256, 1, 0], 2) == [3, 256]
+
+
+def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    """Prompts that repeat a phrase, as quoting and editing do, so that lookups find drafts."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        phrase = [rng.randrange(1, 256) for _ in range(rng.randrange(4, 12))]
+        out.append((phrase * rng.randrange(2, 6))[: rng.randrange(10, 60)] + [rng.randrange(1, 256)])
+    return out
+
+
+def _run(core, reqs):
+    done = core.run(reqs)
+    return [(c.token_ids, c.finish_reason) for c in done]
+
+
+@pytest.mark.parametrize("k", [1, 4, 7])
+def test_drafts_give_the_tokens_of_one_token_at_a_time_in_fewer_steps(k):
+    reqs = [greedy(f"r{i}", p, max_tokens=40) for i, p in enumerate(repetitive_prompts(4, seed=k))]
+    plain = make_core(speculative_tokens=0)
+    want = _run(plain, reqs)
+    spec = make_core(speculative_tokens=k, speculative_max_seqs=4)
+    assert _run(spec, reqs) == want
+    stats = spec.stats()
+    assert stats.spec_draft_tokens > 0 and 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
+    assert stats.num_steps < plain.stats().num_steps
+    assert stats.generated_tokens == plain.stats().generated_tokens == 160
+    assert stats.kv_blocks_used == 0
+
+
+def test_only_small_batches_of_greedy_requests_speculate():
+    prompts = repetitive_prompts(6, seed=3)
+    sampled = [GenerateRequest(f"s{i}", MODEL, prompt_token_ids=tuple(p),
+                               sampling=SamplingParams(max_tokens=20, temperature=0.8, seed=i, ignore_eos=True))
+               for i, p in enumerate(prompts[:2])]
+    penalized = [greedy("p", prompts[2], max_tokens=20, frequency_penalty=0.5)]
+    core = make_core(speculative_tokens=4, speculative_max_seqs=4)
+    core.run(sampled + penalized)
+    assert core.stats().spec_draft_tokens == 0
+    crowded = make_core(speculative_tokens=4, speculative_max_seqs=2)
+    crowded.run([greedy(f"g{i}", p, max_tokens=20) for i, p in enumerate(prompts)])
+    assert crowded.stats().spec_draft_tokens == 0  # six running: above the limit every step
+    default = make_core()  # the default: 4 drafts while one request runs alone
+    default.run([greedy(f"g{i}", p, max_tokens=20) for i, p in enumerate(prompts[:2])])
+    assert default.stats().spec_draft_tokens == 0
+    (alone,) = default.run([greedy("alone", prompts[0], max_tokens=20)])
+    assert default.stats().spec_draft_tokens > 0
+
+
+def test_logprobs_stop_tokens_and_max_tokens_are_those_of_plain_decoding():
+    prompt = repetitive_prompts(1, seed=5)[0]
+    plain = make_core(speculative_tokens=0).run([greedy("a", prompt, max_tokens=30, logprobs=2)])[0]
+    stop = plain.token_ids[17]  # a token the output reaches: the request must end exactly there
+    kinds = [greedy("lp", prompt, max_tokens=30, logprobs=2),
+             GenerateRequest("stop", MODEL, prompt_token_ids=tuple(prompt), sampling=SamplingParams(
+                 max_tokens=30, temperature=0.0, stop_token_ids=(stop,))),
+             greedy("short", prompt, max_tokens=5)]
+    want = make_core(speculative_tokens=0)
+    got = make_core(speculative_tokens=6)
+    for req in kinds:
+        (a,) = want.run([req])
+        events = []
+        got.add_request(req)
+        while got.has_work():
+            events += got.step()
+        assert [t for e in events for t in e.token_ids] == a.token_ids
+        assert events[-1].finish_reason == a.finish_reason
+        if req.sampling.logprobs is not None:
+            ref = [e for ev in _events(want, req) for e in ev.logprobs]
+            mine = [e for ev in events for e in ev.logprobs]
+            assert [e.token_id for e in mine] == [e.token_id for e in ref]
+            assert all(abs(x.logprob - y.logprob) < 1e-4 and [t for t, _, _ in x.top] == [t for t, _, _ in y.top]
+                       for x, y in zip(mine, ref, strict=True))
+    assert got.stats().spec_accepted_tokens > 0
+
+
+def _events(core, req):
+    core.add_request(req)
+    events = []
+    while core.has_work():
+        events += core.step()
+    return events
+
+
+def test_the_prefix_cache_holds_only_accepted_tokens():
+    """Blocks filled by kept drafts are cached under their tokens; a follow-up prompt that extends the
+    whole conversation hits them and continues exactly as without speculation."""
+    prompt = repetitive_prompts(1, seed=8)[0]
+    spec, plain = make_core(speculative_tokens=4), make_core(speculative_tokens=0)
+    (first,) = spec.run([greedy("1", prompt, max_tokens=48)])
+    assert first.token_ids == plain.run([greedy("1", prompt, max_tokens=48)])[0].token_ids
+    follow = prompt + first.token_ids + [3, 4, 5]
+    (again,) = spec.run([greedy("2", follow, max_tokens=16)])
+    # every block the first request filled (all but its last token was computed) is a hit
+    assert again.usage.cached_tokens == (len(prompt) + 47) // 16 * 16
+    assert again.token_ids == plain.run([greedy("2", follow, max_tokens=16)])[0].token_ids
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_under_speculation_still_gives_the_same_tokens(mode):
+    reqs = [greedy(f"r{i}", p, max_tokens=40) for i, p in enumerate(repetitive_prompts(4, seed=11))]
+    want = _run(make_core(speculative_tokens=0), reqs)
+    tight = make_core(num_kv_blocks=12, preemption_mode=mode, speculative_tokens=4, speculative_max_seqs=4)
+    assert _run(tight, reqs) == want
+    stats = tight.stats()
+    assert sum(stats.preemptions_by_class.values()) > 0 and stats.spec_accepted_tokens > 0
+    assert stats.kv_blocks_used == 0 and stats.swap_blocks_used == 0
+
+
+def test_adapter_requests_speculate_and_keep_their_tokens(tmp_path):
+    from tests.conftest import _loaded
+    from tests.lora_factory import make_peft_dir
+
+    config = _loaded(MODEL).config
+    paths = [make_peft_dir(tmp_path / f"a{i}", config, rank=8, alpha=16, targets="all", seed=i + 1) for i in range(2)]
+    prompts = repetitive_prompts(3, seed=13)
+    sp = SamplingParams(max_tokens=32, temperature=0.0, ignore_eos=True)
+    reqs = [GenerateRequest(f"r{i}", MODEL, prompt_token_ids=tuple(p), adapter=adapter, sampling=sp)
+            for i, (p, adapter) in enumerate(zip(prompts, ["a0", "a1", None], strict=True))]
+    cores = {k: make_core(speculative_tokens=k, speculative_max_seqs=4) for k in (0, 4)}
+    for core in cores.values():
+        for i, path in enumerate(paths):
+            core.add_adapter(f"a{i}", str(path))
+    assert _run(cores[4], reqs) == _run(cores[0], reqs)
+    assert cores[4].stats().spec_accepted_tokens > 0
