@@ -82,7 +82,7 @@ class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, *,
                  model: str = "", priority_weights: tuple[float, ...] = (10.0, 5.0, 1.0),
                  aging_s: float = 30.0, swap_pool: BlockPool | None = None, prefix_caching: bool = True,
-                 speculative_tokens: int = 0, speculative_max_seqs: int = 4):
+                 speculative_tokens: int = 0, speculative_max_seqs: int = 1):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
