@@ -62,7 +62,7 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
     priority = effective_priority(principal.max_priority, request.headers.get("x-priority"))
     rid = request_hex(request.scope)
     sampling = conv.sampling(data, max_tokens)
-    if call is not None:  # the answer is the call: its schema holds the output
+    if call is not None and call.schema is not None:  # a forced call: its schema holds the output
         sampling = dataclasses.replace(sampling, json_schema=call.schema)
     cap = principal.default_max_tokens or platform.settings.default_max_tokens
 
@@ -149,7 +149,7 @@ async def chat_completions(request: Request, platform: PlatformDep,
     if call is not None:
         messages = tool_calls.with_prompt(messages, call)
     return await _generate(request, platform, data, {"messages": messages}, conv.chat_max_tokens(data),
-                           fmt.ChatFormat if call is None else tool_calls.ToolCallFormat, "/v1/chat/completions", call)
+                           fmt.ChatFormat if call is None else call.format_class(), "/v1/chat/completions", call)
 
 
 @post("/completions", status_code=200, summary="Create a text completion")

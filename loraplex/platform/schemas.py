@@ -1,8 +1,7 @@
 """OpenAI request and response bodies as msgspec structs (validated by Litestar, shown in /schema).
 
 Fields OpenAI has and we do not use are accepted and ignored, as OpenAI-compatible servers do;
-fields whose meaning we cannot honour (tool_choice "auto", the deprecated functions) are refused
-with a 400.
+fields whose meaning we cannot honour (the deprecated functions) are refused with a 400.
 """
 
 from __future__ import annotations
@@ -102,7 +101,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
     top_logprobs: int | None = None  # with logprobs: true, the alternatives per token (0-20)
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
-    parallel_tool_calls: bool | None = None  # one call is made either way
+    parallel_tool_calls: bool | None = None  # a forced call is one; an "auto" answer may list several
     # The deprecated function calling: declared only so that a request using it gets a 400 instead of
     # a plain-text answer that silently ignored its functions.
     functions: list | None = None

@@ -1,15 +1,16 @@
-"""Tool calling: `tools` with `tool_choice` "required" or a named function, held exact by guided decoding.
+"""Tool calling: `tools` with `tool_choice` "required" or a named function, held exact by guided
+decoding; "auto" (the default with tools) in tool_auto.py.
 
-Why only forced calls: whether and how a model calls a tool on its own ("auto") is written in each
-model family's own format, which a model-agnostic server cannot parse reliably; a forced call is a
-JSON Schema like any other. The model answers `{"name": ..., "arguments": {...}}`, constrained to the
-candidate tools' names and each one's parameters schema (`$ref`s rebased under one root), after a
-system message that lists the tools. The answer becomes `message.tool_calls`; streamed, the name comes
-in one delta and the arguments' text in pieces as it is generated.
+A forced call is a JSON Schema like any other. The model answers `{"name": ..., "arguments": {...}}`,
+constrained to the candidate tools' names and each one's parameters schema (`$ref`s rebased under one
+root), after a system message that lists the tools. The answer becomes `message.tool_calls`;
+streamed, the name comes in one delta and the arguments' text in pieces as it is generated. (A
+model family's own tool-call format is not parsed: the server asks every model for the same JSON.)
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ from msgspec import UNSET
 from loraplex.platform import schemas as s
 from loraplex.platform.errors import invalid
 from loraplex.platform.openai_format import ChatFormat, Logprobs
+from loraplex.platform.tool_auto import AutoToolFormat, auto_prompt
 
 TOOLS_PROMPT = ("Call one of these functions. Answer with a JSON object {\"name\": <the function's name>, "
                 "\"arguments\": <an object of its parameters>} and nothing else.\n")
@@ -30,12 +32,21 @@ _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\
 
 @dataclass(frozen=True)
 class ToolPlan:
-    schema: str  # the JSON Schema text of the call
+    schema: str | None  # the JSON Schema text of a forced call; None: "auto", the output is free
     prompt: str  # the system text that lists the tools
+    names: frozenset[str] = frozenset()
+    parallel: bool = True  # "auto": an answer may call several tools
+
+    def format_class(self):
+        """The response format of this request's choices."""
+        if self.schema is None:
+            return functools.partial(AutoToolFormat, names=self.names, parallel=self.parallel)
+        return ToolCallFormat
 
 
 def plan(data: s.ChatCompletionRequest) -> ToolPlan | None:
-    """The forced call this request asks for, or None for a plain answer; 400s for what cannot be served."""
+    """The tool call this request asks for (forced, or "auto"), or None for a plain answer; 400s for what
+    cannot be served."""
     for name in ("functions", "function_call"):
         if getattr(data, name):
             raise invalid(f"the deprecated {name} is not supported: use tools with tool_choice", name)
@@ -46,26 +57,27 @@ def plan(data: s.ChatCompletionRequest) -> ToolPlan | None:
         return None
     if choice == "none":
         return None
-    if choice in (None, "auto"):
-        raise invalid('tool_choice "auto" is not supported: set tool_choice to "required" or name a function '
-                      "to have the model call one", "tool_choice")
     names = [t.function.name for t in tools]
     bad = next((n for n in names if not _NAME.match(n)), None)
     if bad is not None:
         raise invalid(f"function names are 1-64 letters, digits, '_' or '-', got {bad!r}", "tools")
     if len(set(names)) != len(names):
         raise invalid("function names must be unique", "tools")
+    if data.response_format is not None and data.response_format.type != "text":
+        raise invalid("response_format cannot be combined with tools (unless tool_choice is none)", "response_format")
+    if choice in (None, "auto"):
+        parallel = data.parallel_tool_calls is not False
+        return ToolPlan(None, _prompt(auto_prompt(parallel), tools), frozenset(names), parallel)
     if isinstance(choice, s.ToolChoiceFunction):
         if choice.function.name not in names:
             raise invalid(f"tool_choice names {choice.function.name!r}, which is not among the tools", "tool_choice")
         candidates = [t for t in tools if t.function.name == choice.function.name]
     else:
         candidates = tools
-    if data.response_format is not None and data.response_format.type != "text":
-        raise invalid("response_format cannot be combined with a forced tool call", "response_format")
     if data.stop:  # a stop string could end the call mid-JSON, where "stop" must mean a whole call
         raise invalid("stop cannot be combined with a forced tool call", "stop")
-    return ToolPlan(json.dumps(call_schema(candidates), ensure_ascii=False), _prompt(tools))
+    return ToolPlan(json.dumps(call_schema(candidates), ensure_ascii=False), _prompt(TOOLS_PROMPT, tools),
+                    frozenset(names))
 
 
 def call_schema(tools: list[s.Tool]) -> dict:
@@ -109,11 +121,11 @@ def _rebase(node, prefix: str):
     return out
 
 
-def _prompt(tools: list[s.Tool]) -> str:
+def _prompt(header: str, tools: list[s.Tool]) -> str:
     listed = [{"name": t.function.name, "description": t.function.description,
                "parameters": t.function.parameters if t.function.parameters is not None else NO_PARAMETERS}
               for t in tools]
-    return TOOLS_PROMPT + "\n".join(json.dumps(t, ensure_ascii=False) for t in listed)
+    return header + "\n".join(json.dumps(t, ensure_ascii=False) for t in listed)
 
 
 def with_prompt(messages: tuple[dict, ...], tools_plan: ToolPlan) -> tuple[dict, ...]:
