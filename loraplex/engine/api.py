@@ -68,7 +68,9 @@ class SamplingParams:
     """Per-request sampling. temperature 0 is greedy; the seed makes sampling reproducible
     for this request whatever else shares its batch."""
 
-    max_tokens: int | None = None  # None: up to the model's context length
+    # None: up to the model's context length; 0: the prompt is computed (for its log-probabilities,
+    # prompt_logprobs) and nothing generated
+    max_tokens: int | None = None
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
@@ -92,8 +94,8 @@ class SamplingParams:
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the first bad field."""
-        if self.max_tokens is not None and self.max_tokens < 1:
-            raise InvalidRequestError(f"max_tokens must be at least 1, got {self.max_tokens}", "max_tokens")
+        if self.max_tokens is not None and self.max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be at least 0, got {self.max_tokens}", "max_tokens")
         if not (math.isfinite(self.temperature) and self.temperature >= 0):
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):

@@ -178,6 +178,8 @@ class EngineCore:
     def _append_all(self, r: Request, tokens: list[int], steps: list[StepLogprobs | None]) -> GenerateEvent:
         """A step's new tokens for one request (several when drafts were kept) as one event; a token
         that ends the request ends it there, and any after it are dropped."""
+        if r.max_tokens == 0:  # the prompt is computed (scored): nothing is generated
+            return self._finish(r, "length", "", prompt_logprobs=self._prompt_logprobs(r))
         if len(tokens) == 1:
             return self._append(r, tokens[0], steps[0])
         self.spec_accepted_tokens += len(tokens) - 1
@@ -200,7 +202,7 @@ class EngineCore:
 
     def _prompt_logprobs(self, r: Request) -> tuple[TokenLogprob, ...]:
         """Every prompt token's entry, for the first event: the first has no log-probability."""
-        if r.prompt_logprobs is None or len(r.output_ids) != 1:
+        if r.prompt_logprobs is None or len(r.output_ids) > 1:
             return ()
         first = r.prompt_ids[0]
         entries = [TokenLogprob(first, self.token_bytes[first], None)]

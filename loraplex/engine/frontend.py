@@ -108,5 +108,6 @@ class RequestFrontend:
         guide = self.guide(sp.json_schema) if sp.json_schema is not None else None
         return Request(
             request_id=req.request_id, prompt_ids=ids, sampling=sp,
-            max_tokens=sp.max_tokens or min(limit, self.kv_capacity) - len(ids), stop_ids=stop_ids,
+            max_tokens=min(limit, self.kv_capacity) - len(ids) if sp.max_tokens is None else sp.max_tokens,
+            stop_ids=stop_ids,
             priority=req.priority, adapter=req.adapter, cache_salt=req.cache_salt, guide=guide)

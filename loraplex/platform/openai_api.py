@@ -73,7 +73,8 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
     try:
         if data.model == AUTO:
             routed = await auto_route.route(platform.router, platform.engine, principal,
-                                            auto_route.request_text(prompt, max_tokens), request_for, max_tokens or cap)
+                                            auto_route.request_text(prompt, max_tokens), request_for,
+                                            cap if max_tokens is None else max_tokens)
         else:
             routed = await _resolve(platform, principal, data.model, request_for)
     except InvalidRequestError as e:
@@ -89,7 +90,7 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
         gen = dataclasses.replace(gen, sampling=dataclasses.replace(gen.sampling, max_tokens=max_tokens))
     generated = conv.generated_choices(data)
     ticket = await platform.admission.admit(principal, gen.request_id, who.arrived_at, prompt_tokens,
-                                            (max_tokens or room) * generated)
+                                            (room if max_tokens is None else max_tokens) * generated)
     run = GenerationRun(platform.runs, gen, principal, target, ticket, prompt_tokens, endpoint, who.arrived,
                         who.arrived_at, n=generated)
     try:

@@ -110,6 +110,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 class CompletionRequest(_Sampling, kw_only=True):
     prompt: str | list[str | int]
+    max_tokens: NonNegInt | None = None  # 0: nothing generated (with echo and logprobs: the prompt scored)
     echo: bool = False
     best_of: int | None = None  # generate this many, return the n with the highest log-probability per token
 

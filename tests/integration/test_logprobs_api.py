@@ -101,6 +101,20 @@ def test_echo_puts_the_prompt_first_and_scores_its_tokens(api):
     assert usage["prompt_tokens_details"]["cached_tokens"] == 0  # scored prompts skip the prefix cache
 
 
+def test_max_tokens_0_with_echo_scores_the_prompt_alone(api):
+    """The older evaluation harnesses' request: the prompt's log-probabilities, nothing generated."""
+    key = api.key(api.tenant())
+    scored = _complete(api, key, prompt="The cat sat", echo=True, logprobs=1, max_tokens=0)
+    (choice,) = scored["choices"]
+    assert choice["text"] == "The cat sat" and choice["finish_reason"] == "length"
+    assert "".join(choice["logprobs"]["tokens"]) == "The cat sat"
+    assert scored["usage"]["completion_tokens"] == 0
+    longer = _complete(api, key, prompt="The cat sat", echo=True, logprobs=1, max_tokens=3)["choices"][0]["logprobs"]
+    n = len(choice["logprobs"]["tokens"])
+    assert choice["logprobs"]["token_logprobs"] == longer["token_logprobs"][:n]
+    assert _complete(api, key, prompt="The cat sat", max_tokens=0)["choices"][0]["text"] == ""
+
+
 def test_echo_of_token_ids_and_streamed_echo(api):
     key = api.key(api.tenant())
     ids = list(b"Hi there")  # the byte-level model's token ids are bytes

@@ -91,7 +91,7 @@ def test_kv_pool_pressure_preempts_and_keeps_outputs():
         ({"prompt": ""}, InvalidRequestError, "prompt"),
         ({"prompt_token_ids": ()}, InvalidRequestError, "prompt"),
         ({"prompt_token_ids": (1, 99999)}, InvalidRequestError, "prompt"),
-        ({"prompt": "hi", "sampling": SamplingParams(max_tokens=0)}, InvalidRequestError, "max_tokens"),
+        ({"prompt": "hi", "sampling": SamplingParams(max_tokens=-1)}, InvalidRequestError, "max_tokens"),
         ({"prompt": "hi", "sampling": SamplingParams(temperature=-0.5)}, InvalidRequestError, "temperature"),
         ({"prompt": "hi", "sampling": SamplingParams(top_p=0.0)}, InvalidRequestError, "top_p"),
         ({"prompt": "hi", "sampling": SamplingParams(top_p=1.5)}, InvalidRequestError, "top_p"),

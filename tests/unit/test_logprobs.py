@@ -115,6 +115,18 @@ def test_prompt_logprobs_cover_every_prompt_token(overrides):
         assert [i for i, _, _ in e.top] == torch.topk(ref[p], 3).indices.tolist()
 
 
+def test_max_tokens_0_scores_the_prompt_and_generates_nothing():
+    prompt = mixed_prompts(1, seed=21)[0][:40]
+    core = make_core()
+    want = prompt_entries(core, request("one", prompt, None, temperature=0.0, max_tokens=1, prompt_logprobs=2))
+    (event,) = events_of(core, [request("zero", prompt, None, temperature=0.0, max_tokens=0, prompt_logprobs=2)])[
+        "zero"]
+    assert event.finish_reason == "length" and event.token_ids == () and event.text == ""
+    assert event.usage.completion_tokens == 0 and event.usage.prompt_tokens == len(prompt)
+    assert [(e.token_id, e.logprob) for e in event.prompt_logprobs] == [(e.token_id, e.logprob) for e in want]
+    assert core.stats().kv_blocks_used == 0
+
+
 def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_preemption():
     prompts = mixed_prompts(6, seed=4)
     core = make_core()
