@@ -55,6 +55,8 @@ def _schema(args) -> str | None:
 
 
 def _request(args, prompt: str, chat: bool) -> GenerateRequest:
+    if args.max_tokens < 1:  # (the engine's 0 scores a prompt for the API's echo; here it would print nothing)
+        raise ValueError(f"--max-tokens: max_tokens must be at least 1, got {args.max_tokens}")
     sampling = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
         seed=args.seed, stop=tuple(args.stop), json_schema=_schema(args))

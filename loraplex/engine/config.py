@@ -57,12 +57,11 @@ class EngineConfig:
     # (lora/merged.py; one copy, about the size of the projections). 0: never.
     lora_merge_after_steps: int = 16
     # Speculative decoding by n-gram lookup (sched/ngram.py): up to this many draft tokens per greedy
-    # request and step, verified in that step; only while at most speculative_max_seqs requests run.
-    # A step with drafts leaves the fused CPU decode step, and a batch's steps are as many as its
-    # slowest request needs, so beside other requests drafts cost more than they save (bench/RESULTS.md,
-    # "Speculative decoding"). 0: off.
+    # request and step, verified in that step; only while at most speculative_max_seqs requests run
+    # (each draft is one more row in every GEMM, and at 16 rows those cost more than the steps saved;
+    # bench/RESULTS.md, "Speculative decoding"). 0: off.
     speculative_tokens: int = 4
-    speculative_max_seqs: int = 1
+    speculative_max_seqs: int = 8
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):

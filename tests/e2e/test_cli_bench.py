@@ -60,3 +60,12 @@ def test_bench_gateway_measures_auto_beside_the_named_model(tmp_path):
         assert result["requests"] == 50 and result["max_rps"] > 0
     assert set(r["auto_vs_named"]["added_latency_ms_diff"]) == {"p50", "p90", "p99"}
     assert r["auto_vs_named"]["max_rps_ratio"] == round(r["auto"]["max_rps"] / r["max_rps"], 3)
+
+
+def test_bench_speculative_compares_both_engines_on_the_same_tokens(tmp_path):
+    r = run_bench(tmp_path, "speculative", "--model", "synthetic:tiny", "--new-tokens", "12", "--rounds", "1")
+    sections = [k for k in r if k.startswith(("quote_", "free_"))]
+    assert sorted(sections) == sorted(f"{w}_batch{b}" for w in ("quote", "free") for b in (1, 4, 8, "16_forced"))
+    for key in sections:
+        assert r[key]["same_tokens"] is True and r[key]["plain_tok_s"] > 0 and r[key]["spec_tok_s"] > 0
+        assert 0 <= r[key]["acceptance"] <= 1

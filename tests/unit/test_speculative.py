@@ -33,12 +33,14 @@ def test_propose_matches_whole_tokens_only():
 
 
 def repetitive_prompts(n: int, seed: int = 0) -> list[list[int]]:
-    """Prompts that repeat a phrase, as quoting and editing do, so that lookups find drafts."""
+    """Prompts that repeat a phrase of a few distinct tokens, as quoting and editing repeat their input,
+    so that lookups find drafts for every request (the engine speculates beside other requests only
+    when all of them have drafts)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        phrase = [rng.randrange(1, 256) for _ in range(rng.randrange(4, 12))]
-        out.append((phrase * rng.randrange(2, 6))[: rng.randrange(10, 60)] + [rng.randrange(1, 256)])
+        phrase = [rng.randrange(40, 48) for _ in range(rng.randrange(4, 9))]
+        out.append((phrase * 8)[: rng.randrange(40, 70)])
     return out
 
 
@@ -73,11 +75,25 @@ def test_only_small_batches_of_greedy_requests_speculate():
     crowded = make_core(speculative_tokens=4, speculative_max_seqs=2)
     crowded.run([greedy(f"g{i}", p, max_tokens=20) for i, p in enumerate(prompts)])
     assert crowded.stats().spec_draft_tokens == 0  # six running: above the limit every step
-    default = make_core()  # the default: 4 drafts while one request runs alone
-    default.run([greedy(f"g{i}", p, max_tokens=20) for i, p in enumerate(prompts[:2])])
-    assert default.stats().spec_draft_tokens == 0
-    (alone,) = default.run([greedy("alone", prompts[0], max_tokens=20)])
+    default = make_core()  # on by default
+    default.run([greedy("g", prompts[0], max_tokens=48)])
     assert default.stats().spec_draft_tokens > 0
+
+
+def test_no_request_speculates_beside_one_without_drafts():
+    """A batch takes as many steps as its slowest request: while one has nothing to guess, guesses
+    for the others would only add rows, so nobody speculates until it leaves."""
+    fresh = list(range(100, 160))  # no token repeats: no suffix occurs earlier
+    core = make_core(speculative_tokens=4, speculative_max_seqs=4)
+    core.add_request(greedy("quote", repetitive_prompts(1, seed=2)[0], max_tokens=30))
+    core.add_request(GenerateRequest("fresh", MODEL, prompt_token_ids=tuple(fresh), sampling=SamplingParams(
+        max_tokens=3, temperature=0.7, seed=1, ignore_eos=True)))  # sampled: it never has drafts
+    while "fresh" in core.requests:
+        core.step()
+        assert core.stats().spec_draft_tokens == 0
+    while core.has_work():
+        core.step()
+    assert core.stats().spec_draft_tokens > 0  # alone, the quoting request speculates
 
 
 def test_logprobs_stop_tokens_and_max_tokens_are_those_of_plain_decoding():
@@ -156,3 +172,43 @@ def test_adapter_requests_speculate_and_keep_their_tokens(tmp_path):
             core.add_adapter(f"a{i}", str(path))
     assert _run(cores[4], reqs) == _run(cores[0], reqs)
     assert cores[4].stats().spec_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("path", ["fused", "per_op", "torch"])
+def test_a_sequences_new_tokens_as_decode_rows_see_exactly_the_tokens_before_them(path, monkeypatch):
+    """Drafts after a context are decode rows, each with its own length: their logits equal those of
+    decoding the same tokens one at a time (fused C step, per-op C attention, torch SDPA)."""
+    import torch
+
+    from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
+    from loraplex.engine.models.attention import build_metadata
+    from loraplex.engine.models.layer_ops import CpuKernelOps
+    from loraplex.engine.models.llama import LlamaModel
+    from loraplex.engine.models.synthetic import synthetic_model
+
+    config, weights, _ = synthetic_model("tiny")
+    dtype = torch.float64 if path == "torch" else torch.float32  # the C kernels serve fp32 only
+    model = LlamaModel(config, {name: w.to(dtype) for name, w in weights.items()})
+    assert isinstance(model.ops, CpuKernelOps) == (path != "torch")
+    if path == "per_op":
+        monkeypatch.setattr(model.ops, "decode_step", None)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, config.vocab_size, (35,), generator=g)
+    blocks, cpu = [1, 2, 3], torch.device("cpu")
+
+    def cache():
+        storage = allocate_kv_storage(config.num_layers, 4, 16, config.num_kv_heads, config.head_dim, dtype, cpu)
+        prefill = build_metadata([(0, 30, blocks)], 16, cpu, dtype)
+        model.forward(ids[:30], torch.arange(30), prefill, layer_views(storage), torch.tensor([29]))
+        return layer_views(storage)
+
+    one_by_one, kv = [], cache()
+    for p in range(30, 35):
+        meta = build_metadata([(p, 1, blocks)], 16, cpu, dtype)
+        one_by_one.append(model.forward(ids[p:p + 1], torch.tensor([p]), meta, kv, torch.tensor([0]))[0])
+    meta = build_metadata([(30, 5, blocks)], 16, cpu, dtype)
+    assert meta.decode_all and meta.decode_lens.tolist() == [31, 32, 33, 34, 35]
+    together = model.forward(ids[30:35], torch.arange(30, 35), meta, cache(), torch.arange(5))
+    torch.testing.assert_close(together, torch.stack(one_by_one), rtol=1e-5, atol=1e-5)
+    prefill_path = build_metadata([(30, 9, blocks)], 16, cpu)  # more new tokens than decode rows take
+    assert not prefill_path.decode_all and prefill_path.prefills

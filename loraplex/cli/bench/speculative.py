@@ -3,9 +3,9 @@
 Two workloads of greedy chat requests on the same engine settings but `speculative_tokens`:
 `quote` asks to repeat, correct or rewrite a given paragraph (outputs that reuse their input, where
 lookups find drafts), `free` asks for new text (where they rarely do, so its ratio is what a wrong
-guess costs). Each at batch 1 (max_num_seqs 1: one request at a time, the engine's default for
-speculation) and at batch 4 with speculation forced on (`speculative_max_seqs` 4: what the default
-of 1 avoids). The two engines
+guess costs). Each at batch 1, 4 and 8 (max_num_seqs; the engine's default `speculative_max_seqs`
+of 8), and at 16 with speculation forced on (`speculative_max_seqs` 16: what the default avoids).
+The two engines
 take turns step by step (engine.step_interleaved); every round counts, reported as the best round's
 ratio and the median of paired ratios. Both must produce the same tokens (`same_tokens`): a draft
 is only kept where the model's own argmax agrees.
@@ -38,6 +38,8 @@ TASKS = ["Repeat this text exactly, word for word:", "Rewrite this text in the p
          "Correct any mistakes in this text and return it in full:", "Turn this text into a bulleted list:"]
 FREE = ["Write a short story about a dragon who learns to cook.", "Explain how a rainbow forms.",
         "Give me five ideas for a birthday party.", "Describe your perfect weekend in a few sentences."]
+STYLES = ["", " Be brief.", " Use simple words.", " Answer for a child."]
+BATCHES = ((1, 8), (4, 8), (8, 8), (16, 16))  # (max_num_seqs, speculative_max_seqs)
 
 
 def _requests(model: str, prompts: list[str], new_tokens: int) -> list[GenerateRequest]:
@@ -86,15 +88,18 @@ def run_speculative_bench(model: str, tokens: int, new_tokens: int, rounds: int)
     torch.manual_seed(0)
     loaded = load_model(resolve_model(model), torch.float32, torch.device("cpu"))
 
-    def core_for(seqs: int):
+    def core_for(seqs: int, spec_seqs: int):
         return lambda k: EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=seqs,
-                                                 speculative_tokens=k, speculative_max_seqs=4), loaded=loaded)
+                                                 speculative_tokens=k, speculative_max_seqs=spec_seqs), loaded=loaded)
 
-    quote = [f"{task}\n\n{text}" for task, text in zip(TASKS, PARAGRAPHS, strict=True)]
+    # 16 of each; the first 4 pair each task with its own paragraph, each question with no style
+    quote = [f"{TASKS[(i + j) % 4]}\n\n{PARAGRAPHS[i]}" for j in range(4) for i in range(4)]
+    free = [f"{question}{style}" for style in STYLES for question in FREE]
     results: dict = {"model": model, "speculative_tokens": tokens, "new_tokens": new_tokens,
                      "threads": torch.get_num_threads()}
-    for name, prompts in (("quote", quote), ("free", FREE)):
-        reqs = _requests(model, prompts, new_tokens)
-        results[f"{name}_batch1"] = _compare(core_for(1), reqs, tokens, rounds)
-        results[f"{name}_batch4_speculating"] = _compare(core_for(4), reqs, tokens, rounds)
+    for name, prompts in (("quote", quote), ("free", free)):
+        for seqs, spec_seqs in BATCHES:
+            reqs = _requests(model, prompts[:max(seqs, 4)], new_tokens)
+            label = f"{name}_batch{seqs}" + ("_forced" if seqs > 8 else "")
+            results[label] = _compare(core_for(seqs, spec_seqs), reqs, tokens, rounds)
     return results

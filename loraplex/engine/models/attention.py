@@ -3,7 +3,10 @@
 The runner describes one step's flat token batch once (`AttentionMetadata`); every layer reuses it.
 Decoding sequences (one query token each) are attended together in one padded SDPA call; prefill
 chunks are attended one sequence at a time, since their query lengths differ widely and padding
-them to a common length would waste most of the work.
+them to a common length would waste most of the work. A few new tokens after a context (a decode
+with speculative drafts, the short tail of a chunked or cache-hit prefill) are decode rows too, one
+per token, each with its own context length: every row's K/V is written before any row attends, so
+a row sees exactly the tokens before it, and such a step stays all-decode (the fused CPU step).
 """
 
 from __future__ import annotations
@@ -60,6 +63,9 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, float("-inf"))
 
 
+MAX_DECODE_QUERIES = 8  # new tokens of one sequence (after a context) attended as decode rows
+
+
 def build_metadata(
     seqs: list[tuple[int, int, list[int]]],
     block_size: int,
@@ -74,11 +80,11 @@ def build_metadata(
     row = 0
     for computed, new, blocks in seqs:
         total = computed + new
-        if new == 1 and computed > 0:
-            decode_rows.append(row)
-            decode_seqs.append((total, blocks))
-            slot_parts.append(torch.tensor([blocks[computed // block_size] * block_size
-                                             + computed % block_size]))
+        if computed > 0 and new <= MAX_DECODE_QUERIES:  # each token a decode row over the context before it
+            decode_rows.extend(range(row, row + new))
+            decode_seqs.extend((p + 1, blocks) for p in range(computed, total))
+            slot_parts.append(torch.tensor([blocks[p // block_size] * block_size + p % block_size
+                                            for p in range(computed, total)]))
         else:
             ctx_slots = _slots(torch.tensor(blocks, dtype=torch.long), total, block_size)
             slot_parts.append(ctx_slots[computed:])

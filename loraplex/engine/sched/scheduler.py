@@ -82,7 +82,7 @@ class Scheduler:
     def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, *,
                  model: str = "", priority_weights: tuple[float, ...] = (10.0, 5.0, 1.0),
                  aging_s: float = 30.0, swap_pool: BlockPool | None = None, prefix_caching: bool = True,
-                 speculative_tokens: int = 0, speculative_max_seqs: int = 1):
+                 speculative_tokens: int = 0, speculative_max_seqs: int = 8):
         self.pool = pool
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -123,12 +123,12 @@ class Scheduler:
         self._admitted_now: set[int] = set()
         self.running.sort(key=lambda r: (RANK[r.priority], r.arrival))
         preempted = False
-        speculate = self.speculative_tokens and len(self.running) <= self.speculative_max_seqs
+        drafts = self._batch_drafts()
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
-            req.spec_ids = self._drafts(req, budget) if speculate else []
+            req.spec_ids = drafts.get(id(req), [])[:budget - n]
             if req.spec_ids and not self._grow(req, n + len(req.spec_ids)):
                 req.spec_ids = []  # no blocks to spare for guesses
             n += len(req.spec_ids)
@@ -197,12 +197,26 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _drafts(self, req: Request, budget: int) -> list[int]:
-        """Guesses at a decoding request's next tokens, within the step budget and its max_tokens."""
-        if req.num_computed != req.num_tokens - 1 or not req.can_speculate:
-            return []
-        k = min(self.speculative_tokens, budget - 1, req.max_tokens - len(req.output_ids) - 1)
-        return propose(req.prompt_ids + req.output_ids, k) if k > 0 else []
+    def _batch_drafts(self) -> dict[int, list[int]]:
+        """Drafts by request (id) for this step: while few enough run, and only if every decoding
+        request has some. A batch takes as many steps as its slowest request, so drafts beside a
+        request that has none cost their rows and save no step."""
+        if not self.speculative_tokens or len(self.running) > self.speculative_max_seqs:
+            return {}
+        drafts = {}
+        for req in self.running:
+            if req.num_computed != req.num_tokens - 1:
+                continue  # prefilling: it samples no token this step anyway
+            guess = self._drafts(req)
+            if not guess:
+                return {}
+            drafts[id(req)] = guess
+        return drafts
+
+    def _drafts(self, req: Request) -> list[int]:
+        """Guesses at a decoding request's next tokens, within its max_tokens."""
+        k = min(self.speculative_tokens, req.max_tokens - len(req.output_ids) - 1)
+        return propose(req.prompt_ids + req.output_ids, k) if k > 0 and req.can_speculate else []
 
     def _blocks_in_prefill(self) -> set[bytes]:
         if not (self.prefix_caching and self.waiting):
