@@ -115,6 +115,10 @@ class EngineStatsOut(Struct):
     models_resident: int  # base models on the device now
     model_loads: int
     model_evictions: int
+    prefix_hit_tokens: int  # prompt tokens served from the prefix cache
+    prefix_query_tokens: int  # prompt tokens looked up in it
+    spec_draft_tokens: int  # speculative decoding: drafts verified
+    spec_accepted_tokens: int  # of which kept
 
 
 def tenant_out(t: Tenant) -> TenantOut:

@@ -266,3 +266,21 @@ def test_the_models_form_puts_a_model_in_autos_pool_and_takes_it_out(ui):
         assert chat(ui, key, "auto") == 404
     finally:  # other tests share this catalog
         ui.patch("/admin/api/models/synthetic:tiny", json={"auto_max_complexity": None}, headers=ADMIN)
+
+
+def test_the_overview_and_engine_stats_report_the_prefix_cache_and_speculation(ui):
+    """A greedy request alone whose output repeats itself speculates; its drafts show up for operators."""
+    _, key = make_tenant(ui)
+    before = ui.get("/admin/api/engine/stats", headers=ADMIN).json()
+    phrase = [40, 41, 42, 43, 44]
+    body = {"model": "synthetic:tiny", "prompt": phrase * 10, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
+    assert ui.post("/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}).status_code == 200
+    after = ui.get("/admin/api/engine/stats", headers=ADMIN).json()
+    drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
+    kept = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert drafted > 0 and 0 <= kept <= drafted
+    assert after["prefix_query_tokens"] - before["prefix_query_tokens"] == 50
+    login(ui)
+    page = ui.get("/admin").text
+    assert re.search(r'id="stat-spec">\d+%</span><span class="label">of [\d,]+ speculative drafts kept', page)
+    assert re.search(r'id="stat-prefix">\d+%</span>', page)
