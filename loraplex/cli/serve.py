@@ -38,8 +38,8 @@ def add_parser(sub) -> None:
     p.add_argument("--max-model-len", type=int)
     p.add_argument("--kv-cache-mb", type=int, default=512, help="KV cache size in MiB")
     p.add_argument("--speculative-tokens", type=int,
-                   help="n-gram speculative decoding: draft tokens per step for greedy requests, while at most 8 "
-                        "run (0: off; default: the engine's, 4)")
+                   help="n-gram speculative decoding: draft tokens per request and step, while at most 8 run "
+                        "(0: off; default: the engine's, 4)")
     p.add_argument("--no-demo", action="store_true", help="do not create the demo tenant and key")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every request (paths only, never keys)")

@@ -56,10 +56,10 @@ class EngineConfig:
     # it is merged into a copy of the projection weights and such steps run without LoRA work
     # (lora/merged.py; one copy, about the size of the projections). 0: never.
     lora_merge_after_steps: int = 16
-    # Speculative decoding by n-gram lookup (sched/ngram.py): up to this many draft tokens per greedy
-    # request and step, verified in that step; only while at most speculative_max_seqs requests run
-    # (each draft is one more row in every GEMM, and at 16 rows those cost more than the steps saved;
-    # bench/RESULTS.md, "Speculative decoding"). 0: off.
+    # Speculative decoding by n-gram lookup (sched/ngram.py): up to this many draft tokens per request
+    # (greedy, or sampled without a seed) and step, verified in that step; only while at most
+    # speculative_max_seqs requests run (each draft is one more row in every GEMM; at 16 requests the
+    # drafts saved nothing measurable: bench/RESULTS.md, "Speculative decoding"). 0: off.
     speculative_tokens: int = 4
     speculative_max_seqs: int = 8
 

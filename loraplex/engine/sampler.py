@@ -3,9 +3,12 @@
 Greedy rows are one argmax over the batch (on the CPU in C, kernels/cpu/argmax.c: torch's took 1.3-1.9
 ms of a 32-row decode step). Sampled rows draw from their own request's
 torch.Generator, one draw per step, so a seeded request gives the same tokens whatever else
-shares its batch. A greedy request with drafts (speculative decoding) has a row per draft too: the
+shares its batch. A request with drafts (speculative decoding) has a row per draft too. Greedy: the
 drafts up to the first the argmax disagrees with are kept, then the argmax after them, which is
-exactly what decoding one token at a time would have given.
+exactly what decoding one token at a time would have given. Sampled (speculative sampling with a
+deterministic draft): draft d is kept with probability p(d); at the first one not kept, the token is
+drawn from p without d, renormalized; after all are kept, one more from the next row's p. Each
+emitted token is then distributed exactly as p, as in plain sampling.
 """
 
 from __future__ import annotations
@@ -83,19 +86,41 @@ def sample_steps(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[list[i
 
 def _verify(rows: torch.Tensor, r: Request) -> tuple[list[int], list[StepLogprobs | None]]:
     """rows: [1 + drafts, vocab], the logits after the request's last token and after each draft ->
-    the drafts the argmax agrees with, then the argmax after the last of them."""
+    the drafts kept, then the token after the last of them."""
     k = r.sampling.logprobs
     raw = rows.clone() if k is not None else None  # [1 + drafts, vocab]
     _bias(rows, r)
-    best = greedy_tokens(rows)
-    kept = 0
-    while kept < len(r.spec_ids) and r.spec_ids[kept] == best[kept]:
-        kept += 1
-    r.num_rejected = len(r.spec_ids) - kept
-    tokens = best[:kept + 1]
+    tokens = _verify_greedy(rows, r.spec_ids) if r.sampling.temperature == 0 else _verify_sampled(rows, r)
+    r.num_rejected = len(r.spec_ids) - (len(tokens) - 1)
     if raw is None:
         return tokens, [None] * len(tokens)
-    return tokens, list(token_logprobs(raw[:kept + 1], tokens, [k] * len(tokens)))
+    return tokens, list(token_logprobs(raw[:len(tokens)], tokens, [k] * len(tokens)))
+
+
+def _verify_greedy(rows: torch.Tensor, drafts: list[int]) -> list[int]:
+    best = greedy_tokens(rows)  # rows: [1 + drafts, vocab]
+    kept = 0
+    while kept < len(drafts) and drafts[kept] == best[kept]:
+        kept += 1
+    return best[:kept + 1]
+
+
+def _verify_sampled(rows: torch.Tensor, r: Request) -> list[int]:
+    sp, g = r.sampling, r.generator
+    tokens = []
+    for j, row in enumerate(rows):  # row: [vocab]
+        p = _filter_top_k_top_p(row / sp.temperature, sp.top_k, sp.top_p).softmax(-1).cpu()
+        if j == len(r.spec_ids):  # every draft kept: the next token from the last row
+            return [*tokens, int(torch.multinomial(p, 1, generator=g))]
+        draft = r.spec_ids[j]
+        if torch.rand((), generator=g) < p[draft]:
+            tokens.append(draft)
+            continue
+        p[draft] = 0.0  # not kept: drawn from p without the draft
+        if not p.sum() > 0:  # p(draft) was 1 but for rounding: nothing else can be drawn
+            return [*tokens, draft]
+        return [*tokens, int(torch.multinomial(p, 1, generator=g))]
+    raise AssertionError("unreachable: the loop returns at the last row")
 
 
 def _bias(rows: torch.Tensor, r: Request) -> None:

@@ -212,3 +212,52 @@ def test_a_sequences_new_tokens_as_decode_rows_see_exactly_the_tokens_before_the
     torch.testing.assert_close(together, torch.stack(one_by_one), rtol=1e-5, atol=1e-5)
     prefill_path = build_metadata([(30, 9, blocks)], 16, cpu)  # more new tokens than decode rows take
     assert not prefill_path.decode_all and prefill_path.prefills
+
+
+def test_sampled_drafts_leave_every_token_distributed_as_plain_sampling():
+    """Speculative sampling with deterministic drafts: the first token is distributed as the first
+    row's p, and the second, given the first draft was emitted, as the second row's."""
+    import torch
+
+    from loraplex.engine.sampler import sample_steps
+    from loraplex.engine.sched.request import Request
+
+    vocab, drafts, n = 6, [2, 4], 20000
+    logits = torch.tensor([[1.0, 0.5, 1.5, 0.0, -1.0, 0.2],  # after the last token: draft 2 is likely
+                           [0.3, 0.1, 0.0, 0.2, 0.1, -0.5],  # after draft 2: draft 4 is not favoured
+                           [0.0, 2.0, 0.0, 0.0, 0.0, 0.0]])  # after draft 4
+    sp = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95)
+    first = torch.zeros(vocab)
+    second = torch.zeros(vocab)
+    for i in range(n):
+        r = Request(f"r{i}", [1], sp, max_tokens=8, stop_ids=frozenset())
+        r.generator.manual_seed(i)
+        r.spec_ids = list(drafts)
+        (tokens,), _ = sample_steps(logits.clone(), [r])
+        assert 1 <= len(tokens) <= 3 and r.num_rejected == 3 - len(tokens)
+        assert tokens[:-1] == drafts[:len(tokens) - 1]  # only drafts are kept, in order
+        first[tokens[0]] += 1
+        if tokens[0] == drafts[0]:
+            second[tokens[1]] += 1
+
+    def target(row):
+        from loraplex.engine.sampler import _filter_top_k_top_p
+        return _filter_top_k_top_p(logits[row] / sp.temperature, sp.top_k, sp.top_p).softmax(-1)
+
+    assert (first / n - target(0)).abs().max() < 0.012
+    assert (second / second.sum() - target(1)).abs().max() < 0.015
+
+
+def test_unseeded_sampled_requests_speculate_and_seeded_ones_do_not():
+    prompt = repetitive_prompts(1, seed=2)[0]
+    unseeded = GenerateRequest("u", MODEL, prompt_token_ids=tuple(prompt), sampling=SamplingParams(
+        max_tokens=48, temperature=0.05, ignore_eos=True))  # near-greedy: its output repeats itself
+    seeded = GenerateRequest("s", MODEL, prompt_token_ids=tuple(prompt), sampling=SamplingParams(
+        max_tokens=48, temperature=0.05, seed=5, ignore_eos=True))
+    core = make_core()
+    (done,) = core.run([unseeded])
+    assert len(done.token_ids) == 48 and core.stats().spec_draft_tokens > 0
+    core = make_core()
+    (alone,) = core.run([seeded])
+    assert core.stats().spec_draft_tokens == 0
+    assert alone.token_ids == make_core(speculative_tokens=0).run([seeded])[0].token_ids

@@ -82,10 +82,12 @@ class Request:
 
     @property
     def can_speculate(self) -> bool:
-        """Drafts are verified exactly for greedy requests whose next token depends on nothing the
-        drafts would change: no penalties over the output, no schema to advance, no prompt logits."""
+        """Drafts are verified exactly for requests whose next token depends on nothing the drafts would
+        change: no penalties over the output, no schema to advance, no prompt logits. A seeded sampled
+        request never speculates: verifying draws its random numbers differently, and whether a step
+        speculates depends on the batch, so its tokens would depend on what shares its batch."""
         sp = self.sampling
-        return (sp.temperature == 0 and sp.presence_penalty == 0 and sp.frequency_penalty == 0
+        return ((sp.temperature == 0 or sp.seed is None) and sp.presence_penalty == 0 and sp.frequency_penalty == 0
                 and self.guide is None and not self.needs_prompt_logits)
 
     @property

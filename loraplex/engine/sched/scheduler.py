@@ -16,10 +16,11 @@ uncached prompt block is one a running request is computing now waits, keeping i
 that block is in the cache, and then takes it as a hit instead of computing it again.
 
 Speculative decoding (`speculative_tokens` > 0, while at most `speculative_max_seqs` run, and only
-when every decoding request has drafts): a greedy request in decode gets the tokens of an n-gram
-lookup in its own text (ngram.py) as drafts after its last token, in the same step; the runner
-keeps the drafts the model agrees with, and `update` counts only those as computed (the rejected
-drafts' KV lies past `num_computed`, to be overwritten).
+when every decoding request has drafts): a request in decode that may speculate
+(`Request.can_speculate`) gets the tokens of an n-gram lookup in its own text (ngram.py) as drafts
+after its last token, in the same step; the sampler keeps those the model's distribution bears out,
+and `update` counts only those as computed (the rejected drafts' KV lies past `num_computed`, to be
+overwritten).
 
 A request for a LoRA adapter holds a device slot while it runs. A step never needs more distinct
 adapters than there are slots: a waiting request whose adapter finds no free slot is passed over
