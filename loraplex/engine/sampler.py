@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from loraplex.engine.api import SamplingParams
 from loraplex.engine.kernels.cpu.argmax import argmax_available, argmax_rows
 from loraplex.engine.sched.request import Request
 
@@ -106,13 +107,10 @@ def _verify_greedy(rows: torch.Tensor, drafts: list[int]) -> list[int]:
 
 
 def _verify_sampled(rows: torch.Tensor, r: Request) -> list[int]:
-    sp, g = r.sampling, r.generator
+    g = r.generator
     tokens = []
-    for j, row in enumerate(rows):  # row: [vocab]
-        p = _filter_top_k_top_p(row / sp.temperature, sp.top_k, sp.top_p).softmax(-1).cpu()
-        if j == len(r.spec_ids):  # every draft kept: the next token from the last row
-            return [*tokens, int(torch.multinomial(p, 1, generator=g))]
-        draft = r.spec_ids[j]
+    for j, draft in enumerate(r.spec_ids):
+        p = _probs(rows[j], r.sampling)
         if torch.rand((), generator=g) < p[draft]:
             tokens.append(draft)
             continue
@@ -120,7 +118,13 @@ def _verify_sampled(rows: torch.Tensor, r: Request) -> list[int]:
         if not p.sum() > 0:  # p(draft) was 1 but for rounding: nothing else can be drawn
             return [*tokens, draft]
         return [*tokens, int(torch.multinomial(p, 1, generator=g))]
-    raise AssertionError("unreachable: the loop returns at the last row")
+    # every draft kept: the next token from the last row
+    return [*tokens, int(torch.multinomial(_probs(rows[-1], r.sampling), 1, generator=g))]
+
+
+def _probs(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
+    """row: [vocab] logits -> the sampling distribution on the CPU: temperature, then top-k and top-p."""
+    return _filter_top_k_top_p(row / sp.temperature, sp.top_k, sp.top_p).softmax(-1).cpu()
 
 
 def _bias(rows: torch.Tensor, r: Request) -> None:
@@ -170,7 +174,5 @@ def _choose(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
         if sp.temperature == 0:
             out.append(greedy[i])
             continue
-        row = _filter_top_k_top_p(logits[i] / sp.temperature, sp.top_k, sp.top_p)
-        probs = row.softmax(-1).cpu()
-        out.append(int(torch.multinomial(probs, 1, generator=r.generator)))
+        out.append(int(torch.multinomial(_probs(logits[i], sp), 1, generator=r.generator)))
     return out

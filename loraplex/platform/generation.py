@@ -149,7 +149,7 @@ class GenerationRun:
 
     def start(self) -> None:
         """Submits every choice to the engine; raises before anything is sent to the client if it
-        refuses one, having aborted those already submitted (`discard` settles the reservation)."""
+        refuses one (then `discard` aborts those already submitted and releases the reservation)."""
         streams = []
         try:
             for choice in self.choices:

@@ -33,6 +33,11 @@ _FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 _OPENERS = ("{", "[", "`")
 
 
+def call_id(rid: str, index: int) -> str:
+    """The id of a choice's tool call: choice 0 keeps the request's own."""
+    return f"call_{rid}" if index == 0 else f"call_{rid}_{index}"
+
+
 def parse_calls(text: str, names: frozenset[str], parallel: bool = True) -> list[tuple[str, str]] | None:
     """The answer's calls as (name, arguments as JSON text), or None when it is not wholly a call of
     listed tools (or, without `parallel`, of one)."""
@@ -65,7 +70,7 @@ class AutoToolFormat(ChatFormat):
                  index: int = 0, names: frozenset[str] = frozenset(), parallel: bool = True):
         super().__init__(rid, created, model, include_usage, logprobs, index)
         self.names, self.parallel = names, parallel
-        self.call_id = f"call_{rid}" if index == 0 else f"call_{rid}_{index}"
+        self.call_id = call_id(rid, index)
         self._held = ""  # text not yet sent: leading whitespace, or a whole answer that may be a call
         self._held_logprobs: list = []
         self._streaming_text = False

@@ -20,7 +20,7 @@ from msgspec import UNSET
 from loraplex.platform import schemas as s
 from loraplex.platform.errors import invalid
 from loraplex.platform.openai_format import ChatFormat, Logprobs
-from loraplex.platform.tool_auto import AutoToolFormat, auto_prompt
+from loraplex.platform.tool_auto import AutoToolFormat, auto_prompt, call_id
 
 TOOLS_PROMPT = ("Call one of these functions. Answer with a JSON object {\"name\": <the function's name>, "
                 "\"arguments\": <an object of its parameters>} and nothing else.\n")
@@ -199,7 +199,7 @@ class ToolCallFormat(ChatFormat):
     def __init__(self, rid: str, created: int, model: str, include_usage: bool = False, logprobs: bool = False,
                  index: int = 0):
         super().__init__(rid, created, model, include_usage, logprobs, index)
-        self.call_id = f"call_{rid}" if index == 0 else f"call_{rid}_{index}"
+        self.call_id = call_id(rid, index)
         self._call = CallText()
 
     def _call_chunk(self, name: str | None, arguments: str, logprobs: Logprobs = ()) -> bytes | None:
