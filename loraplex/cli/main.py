@@ -5,7 +5,20 @@ from __future__ import annotations
 import argparse
 import sys
 
-from loraplex.cli import adapters, bench_cmd, billing, budgets, db, generate, keys, models, prices, serve, tenants
+from loraplex.cli import (
+    adapters,
+    bench_cmd,
+    billing,
+    budgets,
+    db,
+    generate,
+    keys,
+    models,
+    prices,
+    serve,
+    tenants,
+    worker,
+)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -14,6 +27,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     bench_cmd.add_parser(sub)
     serve.add_parser(sub)
+    worker.add_parser(sub)
     db.add_parser(sub)
     tenants.add_parser(sub)
     keys.add_parser(sub)

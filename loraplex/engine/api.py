@@ -270,7 +270,7 @@ class EngineClient(Protocol):
 
     def models(self) -> list[ModelInfo]: ...
 
-    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
         """Validates the request and returns its prompt length in tokens; raises EngineError."""
         ...
 

@@ -66,7 +66,7 @@ class AsyncEngine:
     def models(self) -> list[ModelInfo]:
         return [e.frontend.info() for e in list(self.pool.models.values())]
 
-    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
         return len(self.pool.prepare(request)[1].prompt_ids)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:

@@ -116,7 +116,7 @@ async def route(router: ModelRouter, engine: EngineClient, principal: Principal,
     for name in names:
         request = request_for(name)
         try:
-            tokens = engine.count_prompt_tokens(request)
+            tokens = await engine.count_prompt_tokens(request)
         except ModelNotFoundError:  # left the engine since models() was read
             continue
         except ContextLengthExceededError as exc:  # the prompt alone is past this model's context

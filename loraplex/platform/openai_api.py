@@ -122,7 +122,8 @@ async def _resolve(platform: Platform, principal: Principal, model: str,
         await platform.adapters.ensure(target.adapter, target.requested)
     gen = request_for(target.base_model, target.adapter.engine_id if target.adapter else None)
     try:
-        prompt_tokens = platform.engine.count_prompt_tokens(gen)  # validates everything; a 400 costs no rate limit
+        # validates everything; a 400 costs no rate limit
+        prompt_tokens = await platform.engine.count_prompt_tokens(gen)
     except ModelNotFoundError:
         raise model_not_found(model) from None
     return auto_route.Routed(target, gen, prompt_tokens)

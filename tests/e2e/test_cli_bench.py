@@ -69,3 +69,16 @@ def test_bench_speculative_compares_both_engines_on_the_same_tokens(tmp_path):
     for key in sections:
         assert r[key]["same_tokens"] is True and r[key]["plain_tok_s"] > 0 and r[key]["spec_tok_s"] > 0
         assert 0 <= r[key]["acceptance"] <= 1
+
+
+def test_bench_fleet_runs_both_placements_on_real_workers(tmp_path):
+    r = run_bench(tmp_path, "fleet", "--model", "synthetic:tiny", "--adapters", "6", "--requests", "12",
+                  "--new-tokens", "4", "--rounds", "1", "--max-loras", "2", "--max-cpu-loras", "2")
+    assert set(r["policies"]) == {"affinity", "least_loaded"}
+    for p in r["policies"].values():
+        assert p["tok_s"] > 0 and len(p["rounds_tok_s"]) == 1 and p["ttft_p95_ms"] >= p["ttft_p50_ms"] > 0
+        # fresh adapter ids every turn: each adapter used was loaded into some worker's slot at least once
+        assert p["adapter_loads"] >= r["adapters_used"] and p["adapter_loads_per_request"] == round(
+            p["adapter_loads"] / r["requests"], 3)
+    assert r["ratios"]["tok_s_affinity_vs_least_loaded"] == round(
+        r["policies"]["affinity"]["tok_s"] / r["policies"]["least_loaded"]["tok_s"], 3)

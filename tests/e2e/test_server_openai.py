@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 
@@ -10,40 +9,23 @@ import httpx
 import openai
 import pytest
 
-from loraplex.platform.db.provision import create_database, drop_database
-from tests.e2e.server import start
-from tests.integration.conftest import delete_redis_prefix
+from tests.e2e.server import admin_request, postgres_redis_env, start
 
-PG_SERVER = "postgresql://postgres@localhost:5432/postgres"
 ADMIN = "e2e-admin-token"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import os
-
-    pg = os.environ.get("LORAPLEX_TEST_DATABASE_URL", PG_SERVER)
-    redis = os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://localhost:6379/0")
-    db = asyncio.run(create_database(pg, prefix="loraplex_test_e2e_"))
-    env = {"LORAPLEX_DATABASE_URL": db, "LORAPLEX_REDIS_URL": redis, "LORAPLEX_ADMIN_TOKEN": ADMIN,
-           "LORAPLEX_REDIS_PREFIX": f"loraplex-test-e2e-{secrets.token_hex(4)}:",
-           "LORAPLEX_DATA_DIR": str(tmp_path_factory.mktemp("data"))}
-    try:
+    with postgres_redis_env(tmp_path_factory.mktemp("data"), ADMIN) as env:
         srv = start(env)
         try:
             yield srv
         finally:
             srv.stop()
-    finally:
-        asyncio.run(drop_database(db))
-        asyncio.run(delete_redis_prefix(redis, env["LORAPLEX_REDIS_PREFIX"]))
 
 
 def admin(server, method: str, path: str, **kwargs) -> httpx.Response:
-    r = httpx.request(method, f"{server.base_url}/admin/api{path}", headers={"authorization": f"Bearer {ADMIN}"},
-                      timeout=30, **kwargs)
-    assert r.status_code < 300, r.text
-    return r
+    return admin_request(server, ADMIN, method, path, **kwargs)
 
 
 def client(server, key: str) -> openai.OpenAI:

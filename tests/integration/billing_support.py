@@ -45,7 +45,7 @@ class ScriptedEngine(FixedEngine):
     def models(self) -> list[ModelInfo]:
         return [ModelInfo(FAKE_MODEL, 4096, 256)]
 
-    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
         return FAKE_PROMPT_TOKENS
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:

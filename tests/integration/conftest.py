@@ -88,8 +88,8 @@ class RecordingEngine:
     def models(self):
         return self.inner.models()
 
-    def count_prompt_tokens(self, request):
-        return self.inner.count_prompt_tokens(request)
+    async def count_prompt_tokens(self, request):
+        return await self.inner.count_prompt_tokens(request)
 
     def generate(self, request):
         self.requests.append(request)

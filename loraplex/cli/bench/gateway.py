@@ -46,14 +46,18 @@ class FixedEngine:
     def models(self) -> list[ModelInfo]:
         return self._models
 
-    def count_prompt_tokens(self, request: GenerateRequest) -> int:
+    @staticmethod
+    def _prompt_tokens(request: GenerateRequest) -> int:
         if request.messages is not None:
             return sum(len(str(m.get("content", ""))) for m in request.messages) // 4 + 8
         return len(request.prompt or "") // 4 + 1
 
+    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
+        return self._prompt_tokens(request)
+
     async def _events(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         n = min(self.tokens, request.sampling.max_tokens or self.tokens)
-        usage = Usage(self.count_prompt_tokens(request), n, 0, 0.0)
+        usage = Usage(self._prompt_tokens(request), n, 0, 0.0)
         yield GenerateEvent(request.request_id, self._text[:n], self._ids[:n], "length", usage)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
@@ -229,7 +233,7 @@ async def _direct(engine: FixedEngine, rate: float, count: int, tokens: int) -> 
     async def call() -> bool:
         req = GenerateRequest(request_id=secrets.token_hex(8), model=MODEL, sampling=SamplingParams(max_tokens=tokens),
                               messages=({"role": "user", "content": "Say something short about the sea."},))
-        engine.count_prompt_tokens(req)
+        await engine.count_prompt_tokens(req)
         events = [e async for e in engine.generate(req)]
         return events[-1].finished
 

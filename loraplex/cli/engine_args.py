@@ -1,0 +1,81 @@
+"""The engine options `serve` and `worker` share, and the engine they build.
+
+Every option defaults to None here, so `serve --worker` can tell which were given (they belong to
+the workers then); `build_engine` fills in the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+DEFAULT_MODEL = "smollm2-135m"
+DEFAULT_KV_CACHE_MB = 512
+# (option dest, what it sets in EngineConfig); --model and --memory-budget-mb are handled apart
+_CONFIG_OPTIONS = {"device": "device", "dtype": "dtype", "max_model_len": "max_model_len",
+                   "speculative_tokens": "speculative_tokens", "max_loras": "max_loras",
+                   "max_cpu_loras": "max_cpu_loras", "max_lora_rank": "max_lora_rank", "threads": "num_threads"}
+ENGINE_OPTIONS = ("model", "memory_budget_mb", "kv_cache_mb", *_CONFIG_OPTIONS)
+
+
+def add_engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", action="append", metavar="MODEL",
+                   help=f"a base model to serve; repeat it to serve several, multiplexed under --memory-budget-mb, "
+                        f"the first loaded at start and the default (default {DEFAULT_MODEL})")
+    g.add_argument("--memory-budget-mb", type=int,
+                   help="with several models: device memory for their weights, KV caches and adapter slots together "
+                        "(default 80%% of the device's); idle models are evicted, least recently used first")
+    g.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
+    g.add_argument("--dtype", help="auto (default: bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16")
+    g.add_argument("--max-model-len", type=int, help="context length (default: the model's, at most 8192)")
+    g.add_argument("--kv-cache-mb", type=int, help=f"KV cache size in MiB (default {DEFAULT_KV_CACHE_MB})")
+    g.add_argument("--speculative-tokens", type=int,
+                   help="n-gram speculative decoding: draft tokens per request and step, while at most 8 run "
+                        "(0: off; default 4)")
+    g.add_argument("--max-loras", type=int,
+                   help="adapter slots on the device: distinct adapters in one step (default 8)")
+    g.add_argument("--max-cpu-loras", type=int, help="parsed adapters kept in memory (default 32)")
+    g.add_argument("--max-lora-rank", type=int, help="the largest adapter rank accepted (default 64)")
+    g.add_argument("--threads", type=int, help="CPU: threads for the model's kernels (default: torch's)")
+
+
+def given_engine_options(args: argparse.Namespace) -> list[str]:
+    return ["--" + name.replace("_", "-") for name in ENGINE_OPTIONS if getattr(args, name, None) is not None]
+
+
+def build_engine(args: argparse.Namespace):
+    """The AsyncEngine the options describe. One model: loaded now. Several: a pool that
+    multiplexes them under the memory budget, the first one loaded now and the others on their first
+    request. Bad options and unknown models fail here, in one line, before anything loads."""
+    from loraplex.engine.async_engine import AsyncEngine
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.models.loader import resolve_model
+    from loraplex.engine.pool import ModelPool
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        # read once, when torch loads OpenMP (below, in a fresh `serve` or `worker`): the C kernels follow it
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    models = args.model or [DEFAULT_MODEL]
+    if len(set(models)) != len(models):
+        raise ValueError(f"--model names a model twice: {', '.join(models)}")
+    if args.memory_budget_mb is not None and args.memory_budget_mb <= 0:
+        raise ValueError(f"--memory-budget-mb must be positive, got {args.memory_budget_mb}")
+    options = {field: getattr(args, dest) for dest, field in _CONFIG_OPTIONS.items() if getattr(args, dest) is not None}
+    config = EngineConfig(model=models[0], kv_cache_bytes=(args.kv_cache_mb or DEFAULT_KV_CACHE_MB) * 2**20, **options)
+    for name in models:
+        resolve_model(name)
+    if len(models) == 1 and args.memory_budget_mb is None:
+        return AsyncEngine.from_config(config)
+    budget = args.memory_budget_mb * 2**20 if args.memory_budget_mb is not None else 0.8
+    pool = ModelPool(memory_budget=budget, device=config.device)
+    try:
+        for name in models:
+            pool.register_model(name, config=config)
+        pool.load(models[0])
+    except BaseException:
+        pool.shutdown()
+        raise
+    return AsyncEngine(pool)
