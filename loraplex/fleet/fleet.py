@@ -124,6 +124,10 @@ class EngineFleet:
             log.warning("%s", exc)
         self.health[url] = None
 
+    def registered(self, url: str) -> set[AdapterKey]:
+        """The adapters the worker holds for this fleet (registered through it, since its last restart)."""
+        return set(self._registered[url])
+
     # --- placement ------------------------------------------------------------------------------
 
     def _serving(self, model: str) -> list[str]:

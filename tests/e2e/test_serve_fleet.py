@@ -81,7 +81,13 @@ def test_chat_streaming_and_usage_through_the_workers(fleet, tenant):
             break
         time.sleep(0.2)
     assert totals["requests"] == 2 and totals["output_tokens"] == 20
-    assert "loraplex_engine_requests_running" in httpx.get(f"{server.base_url}/metrics").text
+    metrics = httpx.get(f"{server.base_url}/metrics").text
+    assert "loraplex_engine_requests_running" in metrics
+    for w in workers:
+        assert f'loraplex_fleet_worker_up{{worker="{w.base_url}"}} 1.0' in metrics
+    sent = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+            if line.startswith("loraplex_fleet_worker_requests_total{")]
+    assert sum(sent) == 2  # the two chat requests
 
 
 def test_an_adapter_answers_from_one_worker(fleet, tenant, tmp_path):

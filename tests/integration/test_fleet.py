@@ -111,8 +111,8 @@ def test_each_adapter_stays_on_one_worker_and_the_adapters_spread_over_both(work
                 await tokens_of(fleet, request(f"{name}-{_}", adapter=name))
         await fleet.poll()
     run(fleet, body)
-    holders = {name: [url for url, keys in fleet._registered.items() if (MODEL, name) in keys] for name in names}
     urls = list(fleet.workers)
+    holders = {name: [u for u in urls if (MODEL, name) in fleet.registered(u)] for name in names}
     assert holders == {name: [placement.ranked(placement.placement_key(MODEL, name, None), urls)[0]]
                        for name in names}
     loads = sum(h.stats.adapter_loads - before[url] for url, h in fleet.health.items())
@@ -126,7 +126,7 @@ def test_a_hot_adapter_spills_to_the_second_worker_under_load(workers, adapters)
     # all 8 placed before any ends, each within ceil(1.25 * (in flight + 1) / 2): the first-ranked worker
     # takes 1, 2, -, 3, 4, -, 5, - and the other the rest
     assert sorted(fleet.routed.values()) == [3, 5]
-    assert all((MODEL, "hot") in keys for keys in fleet._registered.values())
+    assert all((MODEL, "hot") in fleet.registered(u) for u in fleet.workers)
 
 
 def test_errors_come_back_as_the_engine_raised_them(workers, tmp_path):
@@ -187,7 +187,7 @@ def test_removing_an_adapter_takes_it_off_every_worker(workers, adapters):
 
     async def body():
         await at_once(fleet, "gone", 6, 48)
-        assert all((MODEL, "gone") in keys for keys in fleet._registered.values())  # (it spilled to both)
+        assert all((MODEL, "gone") in fleet.registered(u) for u in fleet.workers)  # (it spilled to both)
         await fleet.remove_adapter("gone")
         with pytest.raises(ModelNotFoundError):
             await fleet.count_prompt_tokens(request("after", adapter="gone"))
@@ -203,7 +203,7 @@ def test_a_lost_worker_fails_its_streams_and_its_return_is_noticed(adapters):
     try:
         fleet = fleet_of(pair)
         fleet.add_adapter("a", adapters[2])
-        victim = fleet._pick(request("probe", adapter="a"))
+        victim = placement.ranked(placement.placement_key(MODEL, "a", None), list(fleet.workers))[0]
         server = next(s for s in pair if s.base_url == victim)
         port = victim.rsplit(":", 1)[1]
         endless = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
@@ -220,10 +220,9 @@ def test_a_lost_worker_fails_its_streams_and_its_return_is_noticed(adapters):
             assert fleet.health[victim] is None and fleet.models()[0].name == MODEL
             pair.append(start_worker({}, "--port", port))
             await fleet.poll()
-            assert fleet.health[victim] is not None and (MODEL, "a") not in fleet._registered[victim]
-            assert fleet._pick(request("probe", adapter="a")) == victim
+            assert fleet.health[victim] is not None and (MODEL, "a") not in fleet.registered(victim)
             assert len(await tokens_of(fleet, request("returned", adapter="a"))) == 12  # registered again
-            assert (MODEL, "a") in fleet._registered[victim]
+            assert (MODEL, "a") in fleet.registered(victim)
         run(fleet, body)
     finally:
         for s in pair:

@@ -94,7 +94,7 @@ async def _turn(fleet: EngineFleet, policy: str, tag: str, paths: list[Path], ch
     wall = time.perf_counter() - t0
     await fleet.poll()
     after = fleet.stats()
-    held = [sum(1 for _, a in keys if a in ids) for keys in fleet._registered.values()]
+    held = [sum(1 for _, a in fleet.registered(u) if a in ids) for u in fleet.workers]
     steps = [h.stats.num_steps - steps_before[u] for u, h in fleet.health.items()]
     for adapter_id in ids:
         await fleet.remove_adapter(adapter_id, model)
