@@ -61,6 +61,7 @@ class EngineFleet:
         self._retired: dict = {}  # counters of workers' earlier instances (a restart starts them at 0)
         self.load: Counter[str] = Counter()  # requests in flight per worker, through this fleet
         self._running: Counter[tuple[str, str]] = Counter()  # (worker, placement key) -> requests in flight
+        self._adapters_running: Counter[str] = Counter()  # worker -> distinct adapters with requests in flight
         self.routed: Counter[str] = Counter()  # requests sent per worker since start
         self._where: dict[str, str] = {}  # request id -> its worker
         self._adapters: dict[AdapterKey, str] = {}  # registered with the fleet -> the directory
@@ -144,7 +145,15 @@ class EngineFleet:
             raise ModelNotFoundError(f"model {request.model!r} not found", "model")
         key = placement.placement_key(request.model, request.adapter, request.cache_salt)
         warm = [u for u in urls if self._running[(u, key)]]
-        return placement.pick(key, urls, self.load, policy=self.policy, slack=self.slack, warm=warm)
+        full = [] if request.adapter is None else [u for u in urls if self._slots_taken(u)]
+        return placement.pick(key, urls, self.load, policy=self.policy, slack=self.slack, warm=warm, full=full)
+
+    def _slots_taken(self, url: str) -> bool:
+        """Every adapter slot of the worker holds an adapter with requests running (as far as this
+        instance knows): a request for another adapter would wait there for one to free."""
+        health = self.health[url]
+        slots = health.stats.adapter_slots if health is not None else 0
+        return bool(slots) and self._adapters_running[url] >= slots
 
     async def _prepare(self, url: str, request: GenerateRequest) -> None:
         """Registers the request's adapter on the worker, if the fleet has it and the worker does not."""
@@ -183,6 +192,8 @@ class EngineFleet:
             started = finished = False
             self.load[url] += 1
             self._running[(url, key)] += 1
+            if request.adapter is not None and self._running[(url, key)] == 1:
+                self._adapters_running[url] += 1
             self.routed[url] += 1
             self._where[request.request_id] = url
             try:
@@ -201,9 +212,12 @@ class EngineFleet:
                 self._running[(url, key)] -= 1
                 if not self._running[(url, key)]:
                     del self._running[(url, key)]
+                    if request.adapter is not None:
+                        self._adapters_running[url] -= 1
                 self._where.pop(request.request_id, None)
                 if started and not finished:  # the caller left: free the request's KV on its worker
-                    with contextlib.suppress(WorkerUnavailableError):
+                    # (RuntimeError: the fleet was closed under the stream, at shutdown)
+                    with contextlib.suppress(WorkerUnavailableError, RuntimeError):
                         await self.workers[url].abort(request.request_id)
 
     async def abort(self, request_id: str) -> Usage | None:

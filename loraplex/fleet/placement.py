@@ -3,7 +3,8 @@
 Each (base model, adapter, cache salt) key ranks the workers by a hash of (key, worker), the same
 ranking in every process and across restarts. Of the workers whose load stays within `slack` times
 the average, a request takes the first-ranked one where its key's requests are running now (its
-adapter holds a slot there: joining them needs no load), else the first-ranked one. So an
+adapter holds a slot there: joining them needs no load), else the first-ranked one with an adapter
+slot free, else the first-ranked one. So an
 adapter's requests keep landing where its weights already sit in a device slot (and its prompts'
 KV in that worker's prefix cache), a worker joining or leaving moves only the keys it ranks first,
 and a hot adapter spills to its second-ranked worker, and so on, instead of queueing on one.
@@ -43,14 +44,16 @@ def ranked(key: str, workers: Sequence[str]) -> list[str]:
 
 
 def pick(key: str, workers: Sequence[str], load: Mapping[str, int], *, policy: Policy = "affinity",
-         slack: float = DEFAULT_SLACK, warm: Collection[str] = ()) -> str:
+         slack: float = DEFAULT_SLACK, warm: Collection[str] = (), full: Collection[str] = ()) -> str:
     """The worker for one more request. `load`: requests in flight per worker (missing: 0).
 
     affinity: of the workers whose load, with this request, stays within
     ceil(slack * (total load + 1) / workers) (with slack >= 1 the least loaded worker always does),
     the first-ranked one in `warm` (where the key's requests are running now: its adapter holds a
-    slot there), else the first-ranked one. least_loaded: the worker with the fewest in flight (ties
-    by the key's ranking, so equal loads still keep a key together)."""
+    slot there), else the first-ranked one not in `full` (whose adapter slots all hold adapters with
+    requests running: this one would wait there for a slot), else the first-ranked one.
+    least_loaded: the worker with the fewest in flight (ties by the key's ranking, so equal loads
+    still keep a key together)."""
     if not workers:
         raise ValueError("no workers to pick from")
     if slack < 1:
@@ -62,4 +65,4 @@ def pick(key: str, workers: Sequence[str], load: Mapping[str, int], *, policy: P
         raise ValueError(f"unknown placement policy {policy!r} (one of {', '.join(POLICIES)})")
     bound = math.ceil(slack * (sum(load.get(w, 0) for w in workers) + 1) / len(workers))
     room = [w for w in order if load.get(w, 0) + 1 <= bound]
-    return next((w for w in room if w in warm), room[0])
+    return next((w for w in room if w in warm), None) or next((w for w in room if w not in full), room[0])

@@ -229,6 +229,33 @@ def test_a_lost_worker_fails_its_streams_and_its_return_is_noticed(adapters):
             s.stop()
 
 
+def test_a_request_whose_first_worker_has_every_slot_busy_goes_where_one_is_free(adapters):
+    pair = [start_worker({}, "--max-loras", "1"), start_worker({}, "--max-loras", "1")]
+    try:
+        fleet = fleet_of(pair)
+        urls = list(fleet.workers)
+        assert all(h.stats.adapter_slots == 1 for h in fleet.health.values())
+        first = {name: placement.ranked(placement.placement_key(MODEL, name, None), urls)[0]
+                 for name in (f"s{i}" for i in range(16))}
+        a, b = next((x, y) for x in first for y in first if x != y and first[x] == first[y])
+        fleet.add_adapter(a, adapters[3])
+        fleet.add_adapter(b, adapters[4])
+        endless = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
+
+        async def body():
+            running = fleet.generate(request("holds-the-slot", adapter=a, sampling=endless))
+            await anext(running)
+            await tokens_of(fleet, request("other", adapter=b))  # a holds their first worker's one slot
+            assert fleet.routed[first[a]] == 1
+            await tokens_of(fleet, request("same", adapter=a))  # joins a where it runs
+            await running.aclose()
+        run(fleet, body)
+        assert fleet.routed[first[a]] == 2 and sum(fleet.routed.values()) == 3
+    finally:
+        for s in pair:
+            s.stop()
+
+
 def test_a_worker_with_a_token_refuses_calls_without_it():
     server = start_worker({"LORAPLEX_WORKER_TOKEN": "s3cret"})
     try:

@@ -50,6 +50,15 @@ def test_a_worker_where_the_key_is_running_is_preferred_within_the_bound():
     assert pick(key, WORKERS, {order[0]: 1, order[2]: 3, order[3]: 4}, warm={order[2]}) == order[0]
 
 
+def test_a_worker_whose_slots_are_all_busy_is_passed_over_for_one_with_a_free_slot():
+    key = KEYS[3]
+    order = ranked(key, WORKERS)
+    one_each = dict.fromkeys(WORKERS, 1)
+    assert pick(key, WORKERS, one_each, full={order[0]}) == order[1]
+    assert pick(key, WORKERS, one_each, full={order[0]}, warm={order[0]}) == order[0]  # running there already
+    assert pick(key, WORKERS, one_each, full=set(WORKERS)) == order[0]  # every one busy: its own
+
+
 def test_placing_many_at_once_keeps_every_worker_within_the_bound():
     load: Counter = Counter()
     for i in range(1000):

@@ -126,7 +126,8 @@ def _summary(turns: list[dict], requests: int) -> dict:
 
 
 def run_fleet_bench(model: str, workers: int, threads: int, adapters: int, rank: int, requests: int,
-                    concurrency: int, new_tokens: int, max_loras: int, max_cpu_loras: int, rounds: int) -> dict:
+                    concurrency: int, new_tokens: int, max_loras: int, max_cpu_loras: int, rounds: int,
+                    slack: float = 1.25) -> dict:
     options = ["--model", model, "--device", "cpu", "--dtype", "float32", "--threads", str(threads),
                "--max-loras", str(max_loras), "--max-cpu-loras", str(max_cpu_loras), "--max-lora-rank", str(rank),
                "--kv-cache-mb", "256", "--speculative-tokens", "0"]
@@ -137,7 +138,7 @@ def run_fleet_bench(model: str, workers: int, threads: int, adapters: int, rank:
         paths = [adapter_path(root, k) for k in range(adapters)]
         procs = _start_workers(workers, options)
         try:
-            fleet = EngineFleet([RemoteWorker(url) for _, url in procs])
+            fleet = EngineFleet([RemoteWorker(url) for _, url in procs], slack=slack)
             fleet.connect()
             turns: dict[str, list[dict]] = {p: [] for p in POLICIES}
 
@@ -160,7 +161,7 @@ def run_fleet_bench(model: str, workers: int, threads: int, adapters: int, rank:
     results = {"model": model, "workers": workers, "threads_per_worker": threads, "adapters": adapters,
                "adapters_used": len(set(choices)), "rank": rank,
                "requests": requests, "concurrency": concurrency, "new_tokens": new_tokens, "max_loras": max_loras,
-               "max_cpu_loras": max_cpu_loras, "rounds": rounds,
+               "max_cpu_loras": max_cpu_loras, "rounds": rounds, "slack": slack,
                "policies": {p: _summary(turns[p], requests) for p in POLICIES}}
     a, b = results["policies"]["affinity"], results["policies"]["least_loaded"]
     results["ratios"] = {"tok_s_affinity_vs_least_loaded": round(a["tok_s"] / b["tok_s"], 3),
