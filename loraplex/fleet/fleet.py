@@ -165,6 +165,9 @@ class EngineFleet:
                 return
             await anyio.to_thread.run_sync(self.workers[url].add_adapter, request.adapter, self._adapters[key],
                                            request.model)
+            if key not in self._adapters:  # removed from the fleet meanwhile: take it back off the worker
+                await self.workers[url].remove_adapter(request.adapter, request.model)
+                raise ModelNotFoundError(f"adapter {request.adapter!r} not found", "model")
             self._registered[url].add(key)
 
     # --- EngineClient ---------------------------------------------------------------------------

@@ -14,6 +14,8 @@ import httpx
 from loraplex.engine.api import EngineError, GenerateEvent, GenerateRequest, Usage
 from loraplex.fleet import wire
 
+HEALTH_TIMEOUT_S = 5.0  # a worker that takes longer to say how it is counts as not answering
+
 
 class WorkerUnavailableError(EngineError):
     code = "worker_unavailable"
@@ -42,10 +44,10 @@ class RemoteWorker:
         return None if kind is None else wire.decode(response.content, kind)
 
     async def _call(self, method: str, path: str, kind: type[wire.T] | None, body: object = None,
-                    params: dict | None = None) -> wire.T | None:
+                    params: dict | None = None, timeout: float | None = None) -> wire.T | None:
         try:
             response = await self._client.request(method, path, content=None if body is None else wire.encode(body),
-                                                  params=params)
+                                                  params=params, timeout=timeout or self._client.timeout)
         except httpx.HTTPError as exc:
             raise self._unavailable(exc) from None
         return self._read(response, kind)
@@ -59,7 +61,7 @@ class RemoteWorker:
         return self._read(response, kind)
 
     async def health(self) -> wire.Health:
-        return await self._call("GET", "/engine/health", wire.Health)
+        return await self._call("GET", "/engine/health", wire.Health, timeout=HEALTH_TIMEOUT_S)
 
     def health_now(self) -> wire.Health:
         return self._call_now("GET", "/engine/health", wire.Health)
