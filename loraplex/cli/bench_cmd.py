@@ -88,6 +88,8 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
                              "help": "CPU tier per worker (default: half the adapters, a worker's share)"}),
         ("--rounds", {"type": int, "default": 3, "help": "turns of each policy, taking turns"}),
         ("--slack", {"type": float, "default": 1.25, "help": "affinity's load bound over the average"}),
+        ("--hop-requests", {"type": int, "default": 100,
+                            "help": "requests timing the worker hop against the same model in process (0: skip)"}),
     ]),
     "guided": ("guided", "JSON Schema guided decoding vs free decoding of the same batch shapes", [
         ("--model", {"default": DEFAULT_MODEL}),

@@ -10,6 +10,12 @@ times, each turn on the same workers with its adapters registered afresh (cold: 
 Reported per policy, over all its turns: tokens/s, TTFT p50 and p95, and per request the adapter loads
 into device slots and those of them read from disk (not the CPU tier); `ratios` puts affinity over
 least_loaded (tokens/s) and least_loaded over affinity (TTFT).
+
+`hop`: what the worker hop itself costs. One more worker serves HOP_MODEL (tiny: its compute is
+negligible), and the same model runs in this process; `hop_requests` requests, one at a time, taking
+turns between the two, each counted (`count_prompt_tokens`, as the platform does) and generated,
+with 1 new token and with HOP_TOKENS; p50 latency of each side, and the difference per request and
+per further token.
 """
 
 from __future__ import annotations
@@ -26,7 +32,9 @@ from pathlib import Path
 import httpx
 
 from loraplex.cli.bench.lora import adapter_path, make_adapters
-from loraplex.engine.api import GenerateRequest, SamplingParams
+from loraplex.engine.api import EngineClient, GenerateRequest, SamplingParams
+from loraplex.engine.async_engine import AsyncEngine
+from loraplex.engine.config import EngineConfig
 from loraplex.engine.models.loader import load_model, resolve_model
 from loraplex.fleet.fleet import EngineFleet
 from loraplex.fleet.placement import POLICIES
@@ -106,6 +114,36 @@ async def _turn(fleet: EngineFleet, policy: str, tag: str, paths: list[Path], ch
             "adapters_per_worker": held, "steps_per_worker": steps}
 
 
+HOP_MODEL, HOP_TOKENS = "synthetic:tiny", 32
+
+
+async def _hop(fleet: EngineFleet, local: EngineClient, count: int) -> dict:
+    async def latency(engine: EngineClient, rid: str, tokens: int) -> float:
+        req = GenerateRequest(rid, HOP_MODEL, prompt=f"a short prompt {rid}",
+                              sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+        t0 = time.perf_counter()
+        await engine.count_prompt_tokens(req)
+        async for _ in engine.generate(req):
+            pass
+        return time.perf_counter() - t0
+
+    result: dict = {"model": HOP_MODEL, "requests": count}
+    for tokens in (1, HOP_TOKENS):
+        sides: dict[str, list[float]] = {"in_process": [], "worker": []}
+        for i in range(count + 3):  # the first 3 of each side warm up
+            for side, engine in (("in_process", local), ("worker", fleet)):
+                took = await latency(engine, f"hop-{side}-{tokens}-{i}", tokens)
+                if i >= 3:
+                    sides[side].append(took)
+        result[f"{tokens}_tokens"] = {f"{side}_p50_ms": round(statistics.median(v) * 1000, 3)
+                                      for side, v in sides.items()}
+    one, many = result["1_tokens"], result[f"{HOP_TOKENS}_tokens"]
+    added = {n: r["worker_p50_ms"] - r["in_process_p50_ms"] for n, r in ((1, one), (HOP_TOKENS, many))}
+    result["added_ms_per_request"] = round(added[1], 3)
+    result["added_ms_per_token"] = round((added[HOP_TOKENS] - added[1]) / (HOP_TOKENS - 1), 4)
+    return result
+
+
 def _summary(turns: list[dict], requests: int) -> dict:
     ttfts = sorted(t for turn in turns for t in turn["ttfts"])
     return {
@@ -125,9 +163,32 @@ def _summary(turns: list[dict], requests: int) -> dict:
     }
 
 
+def _measure_hop(threads: int, count: int) -> dict:
+    procs = _start_workers(1, ["--model", HOP_MODEL, "--device", "cpu", "--threads", str(threads),
+                               "--kv-cache-mb", "16", "--speculative-tokens", "0"])
+    local = AsyncEngine.from_config(EngineConfig(model=HOP_MODEL, device="cpu", dtype="float32", num_threads=threads,
+                                                 kv_cache_bytes=16 << 20, speculative_tokens=0))
+    try:
+        fleet = EngineFleet([RemoteWorker(procs[0][1])])
+        fleet.connect()
+
+        async def main() -> dict:
+            await fleet.start()
+            try:
+                return await _hop(fleet, local, count)
+            finally:
+                await fleet.close()
+        return asyncio.run(main())
+    finally:
+        local.shutdown()
+        for proc, _ in procs:
+            proc.terminate()
+            proc.wait(30)
+
+
 def run_fleet_bench(model: str, workers: int, threads: int, adapters: int, rank: int, requests: int,
                     concurrency: int, new_tokens: int, max_loras: int, max_cpu_loras: int, rounds: int,
-                    slack: float = 1.25) -> dict:
+                    slack: float = 1.25, hop_requests: int = 100) -> dict:
     options = ["--model", model, "--device", "cpu", "--dtype", "float32", "--threads", str(threads),
                "--max-loras", str(max_loras), "--max-cpu-loras", str(max_cpu_loras), "--max-lora-rank", str(rank),
                "--kv-cache-mb", "256", "--speculative-tokens", "0"]
@@ -154,6 +215,7 @@ def run_fleet_bench(model: str, workers: int, threads: int, adapters: int, rank:
                 finally:
                     await fleet.close()
             asyncio.run(main())
+            hop = _measure_hop(threads, hop_requests) if hop_requests else None
         finally:
             for proc, _ in procs:
                 proc.terminate()
@@ -163,6 +225,8 @@ def run_fleet_bench(model: str, workers: int, threads: int, adapters: int, rank:
                "requests": requests, "concurrency": concurrency, "new_tokens": new_tokens, "max_loras": max_loras,
                "max_cpu_loras": max_cpu_loras, "rounds": rounds, "slack": slack,
                "policies": {p: _summary(turns[p], requests) for p in POLICIES}}
+    if hop is not None:
+        results["hop"] = hop
     a, b = results["policies"]["affinity"], results["policies"]["least_loaded"]
     results["ratios"] = {"tok_s_affinity_vs_least_loaded": round(a["tok_s"] / b["tok_s"], 3),
                          "ttft_p50_least_loaded_vs_affinity": round(b["ttft_p50_ms"] / a["ttft_p50_ms"], 3)}
