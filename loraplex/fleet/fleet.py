@@ -29,6 +29,7 @@ import anyio
 
 from loraplex.engine.api import (
     ENGINE_COUNTERS,
+    EngineError,
     EngineStats,
     GenerateEvent,
     GenerateRequest,
@@ -77,7 +78,7 @@ class EngineFleet:
         for url, worker in self.workers.items():
             try:
                 self._saw(url, worker.health_now())
-            except WorkerUnavailableError as exc:
+            except EngineError as exc:  # unreachable, or refusing us (a wrong token)
                 self._lost(url, exc)
                 errors.append(exc.message)
         if not any(self.health.values()):
@@ -103,7 +104,7 @@ class EngineFleet:
         async def one(url: str, worker: RemoteWorker) -> None:
             try:
                 self._saw(url, await worker.health())
-            except WorkerUnavailableError as exc:
+            except EngineError as exc:
                 self._lost(url, exc)
         await asyncio.gather(*(one(url, w) for url, w in self.workers.items()))
 
@@ -120,9 +121,9 @@ class EngineFleet:
             add_stats(self._retired, _counters(before.stats))
         self.health[url] = self._last[url] = health
 
-    def _lost(self, url: str, exc: Exception) -> None:
+    def _lost(self, url: str, exc: EngineError) -> None:
         if self.health[url] is not None:
-            log.warning("%s", exc)
+            log.warning("worker %s lost: %s", url, exc.message)
         self.health[url] = None
 
     def registered(self, url: str) -> set[AdapterKey]:

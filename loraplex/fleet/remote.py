@@ -41,7 +41,13 @@ class RemoteWorker:
     def _read(self, response: httpx.Response, kind: type[wire.T] | None) -> wire.T | None:
         if not response.is_success:
             raise wire.error_from(response.status_code, response.content)
-        return None if kind is None else wire.decode(response.content, kind)
+        return None if kind is None else self._decode(response.content, kind)
+
+    def _decode(self, data: bytes | str, kind: type[wire.T]) -> wire.T:
+        try:
+            return wire.decode(data, kind)
+        except wire.WireError as exc:  # not a worker of this version, or not a worker
+            raise WorkerUnavailableError(f"worker {self.url} answered something else: {exc}") from None
 
     async def _call(self, method: str, path: str, kind: type[wire.T] | None, body: object = None,
                     params: dict | None = None, timeout: float | None = None) -> wire.T | None:
@@ -80,7 +86,7 @@ class RemoteWorker:
                     raise wire.error_from(response.status_code, await response.aread())
                 async for line in response.aiter_lines():
                     if line:
-                        event = wire.decode(line, GenerateEvent)
+                        event = self._decode(line, GenerateEvent)
                         yield event
                         if event.finished:
                             return

@@ -262,9 +262,18 @@ def test_a_worker_with_a_token_refuses_calls_without_it():
         assert httpx.get(f"{server.base_url}/engine/health").status_code == 401
         with pytest.raises(EngineError, match="401"):
             RemoteWorker(server.base_url, "wrong").health_now()
-        fleet = EngineFleet([RemoteWorker(server.base_url, "s3cret")])
+        with pytest.raises(WorkerUnavailableError, match="no worker answers: worker answered HTTP 401"):
+            EngineFleet([RemoteWorker(server.base_url, "wrong")]).connect()
+        wrong = server.base_url.replace("127.0.0.1", "localhost")  # the same worker, called without its token
+        fleet = EngineFleet([RemoteWorker(server.base_url, "s3cret"), RemoteWorker(wrong, "wrong")])
         fleet.connect()
-        assert run(fleet, lambda: tokens_of(fleet, request("t")))
+        assert fleet.health[wrong] is None and fleet.health[server.base_url] is not None
+
+        async def body():
+            await fleet.poll()  # a worker refusing the poll counts as lost; the others go on
+            assert fleet.health[wrong] is None
+            return await tokens_of(fleet, request("t"))
+        assert run(fleet, body)
     finally:
         server.stop()
 
