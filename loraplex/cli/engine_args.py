@@ -48,16 +48,17 @@ def build_engine(args: argparse.Namespace):
     """The AsyncEngine the options describe. One model: loaded now. Several: a pool that
     multiplexes them under the memory budget, the first one loaded now and the others on their first
     request. Bad options and unknown models fail here, in one line, before anything loads."""
+    if args.threads is not None:
+        if args.threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {args.threads}")
+        # read once, when torch loads OpenMP (the imports below, in a fresh `serve` or `worker`): the engine
+        # thread's C kernels follow it (torch.set_num_threads covers only the thread that calls it)
+        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     from loraplex.engine.async_engine import AsyncEngine
     from loraplex.engine.config import EngineConfig
     from loraplex.engine.models.loader import resolve_model
     from loraplex.engine.pool import ModelPool
 
-    if args.threads is not None:
-        if args.threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {args.threads}")
-        # read once, when torch loads OpenMP (below, in a fresh `serve` or `worker`): the C kernels follow it
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
     models = args.model or [DEFAULT_MODEL]
     if len(set(models)) != len(models):
         raise ValueError(f"--model names a model twice: {', '.join(models)}")
