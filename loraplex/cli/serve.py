@@ -78,7 +78,6 @@ def run(args: argparse.Namespace) -> int:
     if args.worker:
         from loraplex.fleet.fleet import EngineFleet
         from loraplex.fleet.lifecycle import FleetLifecycle
-        from loraplex.fleet.metrics import FleetCollector
         from loraplex.fleet.remote import RemoteWorker
         from loraplex.fleet.wire import WORKER_TOKEN_ENV
 
@@ -87,22 +86,22 @@ def run(args: argparse.Namespace) -> int:
         fleet.connect()  # fails in one line when no worker answers
         logging.getLogger("httpx").setLevel(logging.WARNING)  # (not a line per health poll)
         run_db(upgrade, settings)
-        return _serve(args, settings, fleet, [FleetLifecycle(fleet)], [FleetCollector(fleet)])
+        return _serve(args, settings, fleet, [FleetLifecycle(fleet)])
     run_db(upgrade, settings)
     engine = build_engine(args)
     try:
-        return _serve(args, settings, engine, [], [])
+        return _serve(args, settings, engine, [])
     finally:
         engine.shutdown()
 
 
-def _serve(args: argparse.Namespace, settings: Settings, engine, plugins: list, collectors: list) -> int:
+def _serve(args: argparse.Namespace, settings: Settings, engine, plugins: list) -> int:
     import uvicorn
 
     from loraplex.admin_ui import AdminUI
     from loraplex.platform.app import create_app
 
-    app = create_app(settings, engine, plugins=[AdminUI(), *plugins], collectors=collectors)
+    app = create_app(settings, engine, plugins=[AdminUI(), *plugins])
     if not args.no_demo:
         print(f"demo api key: {run_db(_demo_key, settings)}", flush=True)
     served = ", ".join(m.name for m in engine.models())

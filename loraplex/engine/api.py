@@ -255,6 +255,20 @@ ENGINE_COUNTERS = ("num_steps", "generated_tokens", "prompt_tokens_computed", "p
                    "adapter_merges", "spec_draft_tokens", "spec_accepted_tokens")
 
 
+@dataclass(frozen=True)
+class WorkerStatus:
+    """One engine worker behind a client that drives several (a fleet), as that client last saw it."""
+
+    url: str
+    up: bool  # answered its last health poll
+    models: tuple[str, ...]
+    in_flight: int  # requests this client has on it now
+    requests: int  # requests this client has sent it since start
+    adapters: int  # adapters this client has registered on it
+    running: int  # at its last poll
+    waiting: int
+
+
 def add_stats(total: dict, values: dict) -> None:
     """Adds EngineStats fields `values` into `total` in place; per-class dicts add key by key."""
     for key, value in values.items():
@@ -295,3 +309,7 @@ class EngineClient(Protocol):
         ...
 
     def stats(self) -> EngineStats: ...
+
+    def worker_status(self) -> list[WorkerStatus]:
+        """The engine workers this client drives; empty for an engine in this process."""
+        ...

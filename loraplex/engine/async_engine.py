@@ -24,6 +24,7 @@ from loraplex.engine.api import (
     InvalidRequestError,
     ModelInfo,
     Usage,
+    WorkerStatus,
     add_stats,
 )
 from loraplex.engine.config import EngineConfig
@@ -130,6 +131,9 @@ class AsyncEngine:
         total.update(models_resident=len(cores), model_loads=sum(sum(e.loads.values()) for e in entries),
                      model_evictions=sum(e.evictions for e in entries))
         return EngineStats(**total)
+
+    def worker_status(self) -> list[WorkerStatus]:
+        return []  # (the engine runs here)
 
     # --- models (blocking calls: they read weights; from async code run them in a thread) ---------
 

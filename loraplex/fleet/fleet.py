@@ -36,6 +36,7 @@ from loraplex.engine.api import (
     ModelInfo,
     ModelNotFoundError,
     Usage,
+    WorkerStatus,
     add_stats,
 )
 from loraplex.fleet import placement, wire
@@ -251,6 +252,16 @@ class EngineFleet:
                 await self.workers[url].remove_adapter(adapter_id, key[0])
             self._registered[url].discard(key)
         await asyncio.gather(*(one(url) for url, keys in self._registered.items() if key in keys))
+
+    def worker_status(self) -> list[WorkerStatus]:
+        status = []
+        for url in self.workers:
+            h = self.health[url]
+            status.append(WorkerStatus(
+                url=url, up=h is not None, models=tuple(m.name for m in h.models) if h else (),
+                in_flight=self.load[url], requests=self.routed[url], adapters=len(self._registered[url]),
+                running=h.stats.running if h else 0, waiting=h.stats.waiting if h else 0))
+        return status
 
     def stats(self) -> EngineStats:
         """What holds now over the workers answering; totals since start over every worker that ever

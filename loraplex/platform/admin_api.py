@@ -185,8 +185,15 @@ async def engine_stats(platform: PlatformDep) -> a.EngineStatsOut:
                             s.prefix_hit_tokens, s.prefix_query_tokens, s.spec_draft_tokens, s.spec_accepted_tokens)
 
 
+@get("/engine/workers")
+async def engine_workers(platform: PlatformDep) -> list[a.WorkerOut]:
+    """The engine workers behind this instance (`serve --worker`), as its last health poll saw them;
+    empty when the engine runs in this process."""
+    return [a.WorkerOut(**vars(w)) for w in platform.engine.worker_status()]
+
+
 admin_router = Router(
     path="/admin/api", guards=[admin_guard], tags=["admin"],
     route_handlers=[create_tenant, list_tenants, get_tenant, update_tenant, disable_tenant, enable_tenant, create_key,
                     list_keys, revoke_key, list_models, register_model, set_auto_route, list_adapters,
-                    register_adapter, delete_adapter, engine_stats, *adapter_store_handlers])
+                    register_adapter, delete_adapter, engine_stats, engine_workers, *adapter_store_handlers])

@@ -35,18 +35,14 @@ log = logging.getLogger("loraplex.platform")
 
 
 def create_app(settings: Settings | None = None, engine: EngineClient | None = None, *,
-               usage_sink: UsageSink | None = None, plugins: Sequence[PluginProtocol] = (),
-               collectors: Sequence[object] = ()) -> Litestar:
+               usage_sink: UsageSink | None = None, plugins: Sequence[PluginProtocol] = ()) -> Litestar:
     """settings None: read LORAPLEX_* from the environment now. The engine is required. Usage
     goes to the ledger; `usage_sink` also gets every event (tests, benchmarks). `plugins`: what is
-    mounted beside the APIs, such as the admin UI (which imports the platform, so it is handed in).
-    `collectors`: Prometheus collectors /metrics also exports (an engine fleet's, per worker)."""
+    mounted beside the APIs, such as the admin UI (which imports the platform, so it is handed in)."""
     if engine is None:
         raise ValueError("create_app needs an engine (an EngineClient); `loraplex serve` builds one")
     settings = settings or Settings.from_env()
     platform = Platform.build(settings, engine, usage_sink)
-    for collector in collectors:
-        platform.metrics.registry.register(collector)
 
     async def startup() -> None:
         platform.start_billing()

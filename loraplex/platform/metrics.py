@@ -70,6 +70,27 @@ class EngineCollector:
                                   value=s.spec_draft_tokens)
         yield CounterMetricFamily("loraplex_spec_accepted_tokens", "Speculative decoding: draft tokens the model "
                                   "agreed with (over the drafts: the acceptance rate)", value=s.spec_accepted_tokens)
+        yield from _workers(self._engine.worker_status())
+
+
+_WORKER_FAMILIES = (  # (field of WorkerStatus, family, name, help); none with an engine in this process
+    ("up", GaugeMetricFamily, "loraplex_worker_up", "1 while the engine worker answers its health poll"),
+    ("in_flight", GaugeMetricFamily, "loraplex_worker_in_flight", "Requests this instance has on the worker"),
+    ("requests", CounterMetricFamily, "loraplex_worker_requests", "Requests this instance sent the worker"),
+    ("adapters", GaugeMetricFamily, "loraplex_worker_adapters", "Adapters this instance registered on the worker"),
+    ("running", GaugeMetricFamily, "loraplex_worker_running", "Requests the worker runs (its last poll)"),
+    ("waiting", GaugeMetricFamily, "loraplex_worker_waiting", "Requests queued on the worker (its last poll)"),
+)
+
+
+def _workers(status: list):
+    if not status:
+        return
+    for field, family, name, documentation in _WORKER_FAMILIES:
+        metric = family(name, documentation, labels=["worker"])
+        for w in status:
+            metric.add_metric([w.url], float(getattr(w, field)))
+        yield metric
 
 
 class BillingCollector:

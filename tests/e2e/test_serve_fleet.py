@@ -5,6 +5,7 @@ own, an adapter's requests stay on one worker, usage is recorded, and bad fleet 
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import subprocess
 import sys
@@ -84,9 +85,9 @@ def test_chat_streaming_and_usage_through_the_workers(fleet, tenant):
     metrics = httpx.get(f"{server.base_url}/metrics").text
     assert "loraplex_engine_requests_running" in metrics
     for w in workers:
-        assert f'loraplex_fleet_worker_up{{worker="{w.base_url}"}} 1.0' in metrics
+        assert f'loraplex_worker_up{{worker="{w.base_url}"}} 1.0' in metrics
     sent = [float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
-            if line.startswith("loraplex_fleet_worker_requests_total{")]
+            if line.startswith("loraplex_worker_requests_total{")]
     assert sum(sent) == 2  # the two chat requests
 
 
@@ -103,6 +104,22 @@ def test_an_adapter_answers_from_one_worker(fleet, tenant, tmp_path):
     loads = [worker_stats(w)["adapter_loads"] - b for w, b in zip(workers, before, strict=True)]
     assert len(answers) == 1 and answers != {ask(client, MODEL).choices[0].message.content}
     assert sorted(loads) == [0, 1]  # loaded once, by one worker, for all four requests
+
+
+def test_operators_see_the_workers_in_the_admin_api_and_ui(fleet, tenant):
+    server, workers = fleet
+    ask(tenant[1], MODEL)
+    listed = admin(server, "GET", "/engine/workers").json()
+    assert [w["url"] for w in listed] == [w.base_url for w in workers]
+    assert all(w["up"] and w["models"] == [MODEL] and w["in_flight"] == 0 for w in listed)
+    assert sum(w["requests"] for w in listed) >= 1
+    with httpx.Client(base_url=server.base_url) as browser:
+        login = browser.post("/admin/login", data={"token": ADMIN, "next": "/admin"})
+        assert login.status_code == 303, login.text
+        page = browser.get("/admin").text
+    assert 'id="workers"' in page
+    for w in workers:
+        assert re.search(rf'<tr data-worker="{re.escape(w.base_url)}"><td>[^<]+</td><td>up</td>', page)
 
 
 def loraplex(*args: str, env: dict) -> subprocess.CompletedProcess:

@@ -110,6 +110,9 @@ class RecordingEngine:
     def stats(self):
         return self.inner.stats()
 
+    def worker_status(self):
+        return self.inner.worker_status()
+
 
 def tiny_engine() -> RecordingEngine:
     from loraplex.engine.async_engine import AsyncEngine

@@ -75,6 +75,9 @@ class FixedEngine:
     async def remove_adapter(self, adapter_id: str, base_model: str | None = None) -> None:
         return None
 
+    def worker_status(self) -> list:
+        return []
+
     def stats(self) -> EngineStats:
         return EngineStats(running=0, waiting=0, kv_blocks_total=1, kv_blocks_used=0, kv_blocks_free=1)
 
