@@ -233,8 +233,15 @@ class EngineFleet:
         """Blocking: the adapter's preferred worker validates it (raising EngineError as an engine
         would) and keeps it registered; the others register it on their first request for it."""
         model = base_model or self._default_model()
-        url = self._pick(GenerateRequest("", model, prompt="", adapter=adapter_id))
-        self.workers[url].add_adapter(adapter_id, path, model)
+        probe, tried = GenerateRequest("", model, prompt="", adapter=adapter_id), []
+        while True:
+            url = self._pick(probe, tried)
+            try:
+                self.workers[url].add_adapter(adapter_id, path, model)
+                break
+            except WorkerUnavailableError as exc:  # (lost since the last poll) the next worker validates it
+                self._lost(url, exc)
+                tried.append(url)
         self._registered[url].add((model, adapter_id))
         self._adapters[(model, adapter_id)] = path
 

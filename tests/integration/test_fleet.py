@@ -212,6 +212,14 @@ def test_a_lost_worker_fails_its_streams_and_its_return_is_noticed(adapters):
             stream = fleet.generate(request("doomed", adapter="a", sampling=endless))
             await anext(stream)
             server.proc.kill()
+            server.proc.wait()
+            # the fleet has not polled since: an adapter that ranks the lost worker first is validated by the other
+            late = next(n for n in (f"late{i}" for i in range(32))
+                        if placement.ranked(placement.placement_key(MODEL, n, None), list(fleet.workers))[0] == victim)
+            fleet.add_adapter(late, adapters[3])
+            assert fleet.has_adapter(late) and fleet.health[victim] is None
+            assert [u for u in fleet.workers if (MODEL, late) in fleet.registered(u)] == [
+                u for u in fleet.workers if u != victim]
             with pytest.raises(WorkerUnavailableError):
                 async for _ in stream:
                     pass
