@@ -88,6 +88,7 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
                              "help": "CPU tier per worker (default: half the adapters, a worker's share)"}),
         ("--rounds", {"type": int, "default": 3, "help": "turns of each policy, taking turns"}),
         ("--slack", {"type": float, "default": 1.25, "help": "affinity's load bound over the average"}),
+        ("--popularity", {"default": "uniform", "help": "how requests pick adapters: uniform, or zipf:<s>"}),
         ("--hop-requests", {"type": int, "default": 100,
                             "help": "requests timing the worker hop against the same model in process (0: skip)"}),
     ]),

@@ -74,7 +74,8 @@ def test_bench_speculative_compares_both_engines_on_the_same_tokens(tmp_path):
 def test_bench_fleet_runs_both_placements_on_real_workers(tmp_path):
     r = run_bench(tmp_path, "fleet", "--model", "synthetic:tiny", "--adapters", "6", "--requests", "12",
                   "--new-tokens", "4", "--rounds", "1", "--max-loras", "2", "--max-cpu-loras", "2",
-                  "--hop-requests", "5")
+                  "--hop-requests", "5", "--popularity", "zipf:1.5")
+    assert r["popularity"] == "zipf:1.5" and 1 <= r["adapters_used"] <= 6
     assert set(r["policies"]) == {"affinity", "least_loaded"}
     for p in r["policies"].values():
         assert p["tok_s"] > 0 and len(p["rounds_tok_s"]) == 1 and p["ttft_p95_ms"] >= p["ttft_p50_ms"] > 0
@@ -86,5 +87,7 @@ def test_bench_fleet_runs_both_placements_on_real_workers(tmp_path):
                                         for side in ("in_process", "worker"))
     one = hop["1_tokens"]
     assert hop["added_ms_per_request"] == round(one["worker_p50_ms"] - one["in_process_p50_ms"], 3)
+    bad = loraplex("bench", "fleet", "--popularity", "pareto", "--json", str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and "--popularity is uniform or zipf:<s>" in bad.stderr
     assert r["ratios"]["tok_s_affinity_vs_least_loaded"] == round(
         r["policies"]["affinity"]["tok_s"] / r["policies"]["least_loaded"]["tok_s"], 3)

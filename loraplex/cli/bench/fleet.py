@@ -2,10 +2,11 @@
 
 `workers` `loraplex worker` processes (each on `threads` threads, so together they use this
 machine's cores) each hold few adapters: `max_loras` device slots and a CPU tier of
-`max_cpu_loras`. Requests for `adapters` rank-`rank` adapters, picked uniformly at random, are kept
-`concurrency` in flight. Under least_loaded every worker sees every adapter, so the tiers thrash and
-steps mix more adapters; under affinity each worker sees its share. The policies take turns, `rounds`
-times, each turn on the same workers with its adapters registered afresh (cold: new ids).
+`max_cpu_loras`. Requests for `adapters` rank-`rank` adapters, picked uniformly at random (or, with
+`popularity` zipf:<s>, adapter k with weight 1 / (k + 1)^s), are kept `concurrency` in flight.
+Under least_loaded every worker sees every adapter, so the tiers thrash and steps mix more adapters;
+under affinity each worker sees its share. The policies take turns, `rounds` times, each turn on the
+same workers with its adapters registered afresh (cold: new ids).
 
 Reported per policy, over all its turns: tokens/s, TTFT p50 and p95, and per request the adapter loads
 into device slots and those of them read from disk (not the CPU tier); `ratios` puts affinity over
@@ -31,7 +32,7 @@ from pathlib import Path
 
 import httpx
 
-from loraplex.cli.bench.lora import adapter_path, make_adapters
+from loraplex.cli.bench.lora import adapter_path, make_adapters, zipf_choices
 from loraplex.engine.api import EngineClient, GenerateRequest, SamplingParams
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.config import EngineConfig
@@ -188,11 +189,16 @@ def _measure_hop(threads: int, count: int) -> dict:
 
 def run_fleet_bench(model: str, workers: int, threads: int, adapters: int, rank: int, requests: int,
                     concurrency: int, new_tokens: int, max_loras: int, max_cpu_loras: int, rounds: int,
-                    slack: float = 1.25, hop_requests: int = 100) -> dict:
+                    slack: float = 1.25, hop_requests: int = 100, popularity: str = "uniform") -> dict:
     options = ["--model", model, "--device", "cpu", "--dtype", "float32", "--threads", str(threads),
                "--max-loras", str(max_loras), "--max-cpu-loras", str(max_cpu_loras), "--max-lora-rank", str(rank),
                "--kv-cache-mb", "256", "--speculative-tokens", "0"]
-    choices = random.Random(0).choices(range(adapters), k=requests)
+    if popularity == "uniform":
+        choices = random.Random(0).choices(range(adapters), k=requests)
+    elif popularity.startswith("zipf:"):
+        choices = zipf_choices(requests, adapters, float(popularity[5:]))
+    else:
+        raise ValueError(f"--popularity is uniform or zipf:<s>, got {popularity!r}")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         make_adapters(load_model(resolve_model(model)), root, adapters, rank)
@@ -221,7 +227,7 @@ def run_fleet_bench(model: str, workers: int, threads: int, adapters: int, rank:
                 proc.terminate()
                 proc.wait(30)
     results = {"model": model, "workers": workers, "threads_per_worker": threads, "adapters": adapters,
-               "adapters_used": len(set(choices)), "rank": rank,
+               "popularity": popularity, "adapters_used": len(set(choices)), "rank": rank,
                "requests": requests, "concurrency": concurrency, "new_tokens": new_tokens, "max_loras": max_loras,
                "max_cpu_loras": max_cpu_loras, "rounds": rounds, "slack": slack,
                "policies": {p: _summary(turns[p], requests) for p in POLICIES}}
