@@ -220,7 +220,7 @@ class EngineFleet:
                     if request.adapter is not None:
                         self._adapters_running[url] -= 1
                 self._where.pop(request.request_id, None)
-                if started and not finished:  # the caller left: free the request's KV on its worker
+                if started and not finished and self.health[url] is not None:  # the caller left: free its KV
                     # (RuntimeError: the fleet was closed under the stream, at shutdown)
                     with contextlib.suppress(WorkerUnavailableError, RuntimeError):
                         await self.workers[url].abort(request.request_id)

@@ -22,10 +22,12 @@ class WorkerUnavailableError(EngineError):
 
 
 class RemoteWorker:
-    def __init__(self, url: str, token: str | None = None, *, timeout_s: float = 30.0):
+    def __init__(self, url: str, token: str | None = None, *, timeout_s: float = 30.0,
+                 stream_idle_s: float = wire.STREAM_IDLE_S):
         if not url.startswith(("http://", "https://")):
             raise ValueError(f"a worker's address is an http:// or https:// URL, got {url!r}")
         self.url = url.rstrip("/")
+        self.stream_idle_s = stream_idle_s  # a stream silent this long (no event, no heartbeat) is lost
         headers = {"authorization": f"Bearer {token}"} if token else {}
         timeout = httpx.Timeout(timeout_s)
         self._client = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout)
@@ -77,11 +79,13 @@ class RemoteWorker:
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         """The request's events. A refusal raises its EngineError before the first; a stream that
-        ends without a last event raises WorkerUnavailableError. Closing this early closes the
-        connection, and the worker aborts the request."""
+        ends without a last event, or stays silent for `stream_idle_s` (the worker sends a heartbeat
+        line more often), raises WorkerUnavailableError. Closing this early closes the connection,
+        and the worker aborts the request."""
+        timeout = httpx.Timeout(self._client.timeout.connect, read=self.stream_idle_s)
         try:
             async with self._client.stream("POST", "/engine/generate", content=wire.encode(request),
-                                           timeout=httpx.Timeout(self._client.timeout.connect, read=None)) as response:
+                                           timeout=timeout) as response:
                 if not response.is_success:
                     raise wire.error_from(response.status_code, await response.aread())
                 async for line in response.aiter_lines():

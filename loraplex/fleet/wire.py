@@ -28,6 +28,11 @@ T = TypeVar("T")
 # sends it.
 WORKER_TOKEN_ENV = "LORAPLEX_WORKER_TOKEN"
 
+# A generate stream with nothing to say (a request queued, a long prefill) sends an empty line this
+# often, so that a caller can tell a quiet worker from a hung one: one silent for STREAM_IDLE_S is lost.
+HEARTBEAT_S = 5.0
+STREAM_IDLE_S = 30.0
+
 # Checked in this order, so a subclass comes before its base.
 _KINDS: tuple[tuple[str, type[EngineError], int], ...] = (
     ("context_length", ContextLengthExceededError, 400),

@@ -7,6 +7,7 @@ It trusts its callers, so it listens on localhost by default, and, with a token 
     GET    /engine/health                 Health: instance id, models, engine stats
     POST   /engine/count                  GenerateRequest -> Count (validates, as count_prompt_tokens)
     POST   /engine/generate               GenerateRequest -> NDJSON, one GenerateEvent per line
+                                          (and an empty line after each wire.HEARTBEAT_S without one)
     POST   /engine/abort      ?request_id= -> Aborted (its usage, or null when not in flight)
     POST   /engine/adapters   AdapterIn -> 204 (validated and registered)
     GET    /engine/adapters   ?adapter_id=&base_model= -> Present
@@ -21,9 +22,10 @@ aborts the request (the engine's own stream does, when it is closed).
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 
 import anyio
 from litestar import Litestar, Request, Response, delete, get, post
@@ -54,12 +56,46 @@ async def _body(request: Request, kind: type[wire.T]) -> wire.T:
         raise InvalidRequestError(str(exc)) from None
 
 
-async def _lines(events: AsyncIterator[GenerateEvent]) -> AsyncIterator[bytes]:
-    async for event in events:
-        yield wire.encode(event) + b"\n"
+_END = object()
 
 
-def create_worker_app(engine: EngineClient, token: str | None = None) -> Litestar:
+async def _lines(events: AsyncGenerator[GenerateEvent, None], heartbeat_s: float) -> AsyncIterator[bytes]:
+    """One line per event, and an empty line after each `heartbeat_s` without one. One task reads
+    the engine's stream into a queue (a timeout on the engine's own stream would abort its request);
+    closing this (the caller left) cancels that task, whose cancellation aborts the request."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump() -> None:
+        try:
+            async for event in events:
+                queue.put_nowait(event)
+        except Exception as exc:  # (an engine failure ends the stream: the caller sees it cut short)
+            queue.put_nowait(exc)
+        queue.put_nowait(_END)
+
+    reader = asyncio.ensure_future(pump())
+    try:
+        while True:
+            try:
+                async with asyncio.timeout(heartbeat_s):
+                    item = await queue.get()
+            except TimeoutError:
+                yield b"\n"
+                continue
+            if item is _END:
+                return
+            if isinstance(item, Exception):
+                raise item
+            yield wire.encode(item) + b"\n"
+            if item.finished:
+                return
+    finally:
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+
+
+def create_worker_app(engine: EngineClient, token: str | None = None,
+                      heartbeat_s: float = wire.HEARTBEAT_S) -> Litestar:
     instance = uuid.uuid4().hex
 
     def guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
@@ -81,7 +117,7 @@ def create_worker_app(engine: EngineClient, token: str | None = None) -> Litesta
     @post("/engine/generate")
     async def generate(request: Request) -> Stream:
         gen = await _body(request, GenerateRequest)
-        return Stream(_lines(engine.generate(gen)), media_type=NDJSON)
+        return Stream(_lines(engine.generate(gen), heartbeat_s), media_type=NDJSON)
 
     @post("/engine/abort")
     async def abort(request_id: str) -> Response:

@@ -4,6 +4,9 @@ on their worker, load spilling, errors as the engine raises them, aborts, and a 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import time
 
 import httpx
 import pytest
@@ -262,6 +265,31 @@ def test_a_request_whose_first_worker_has_every_slot_busy_goes_where_one_is_free
     finally:
         for s in pair:
             s.stop()
+
+
+def test_a_stream_from_a_worker_that_stops_answering_fails_within_its_idle_limit():
+    server = start_worker({})
+    try:
+        fleet = EngineFleet([RemoteWorker(server.base_url, stream_idle_s=2.0)])
+        fleet.connect()
+        endless = SamplingParams(max_tokens=1500, temperature=0, ignore_eos=True)
+
+        async def body():
+            stream = fleet.generate(request("frozen", sampling=endless))
+            await anext(stream)
+            os.kill(server.proc.pid, signal.SIGSTOP)  # alive, connected, silent
+            try:
+                started = time.monotonic()
+                with pytest.raises(WorkerUnavailableError, match="ReadTimeout"):
+                    async for _ in stream:
+                        pass
+                return time.monotonic() - started
+            finally:
+                os.kill(server.proc.pid, signal.SIGCONT)
+        assert run(fleet, body) < 10  # not the 30 s of a call: the stream's own 2 s, without an abort call after
+        assert fleet.health[server.base_url] is None
+    finally:
+        server.stop()
 
 
 def test_a_worker_with_a_token_refuses_calls_without_it():
