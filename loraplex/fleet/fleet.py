@@ -2,7 +2,8 @@
 
 A worker's device holds a handful of adapter slots; spreading one adapter's requests over every
 worker would load it into all of them and evict the others, so each request goes where
-`placement.pick` says (by default its adapter's rendezvous-first worker within a load bound).
+`placement.pick` says (by default: within a load bound, a worker where its adapter is running, else
+the adapter's rendezvous-first worker with a slot free, else its first).
 
 - Adapters are registered with the fleet (validated on the adapter's preferred worker, which
   answers for the whole fleet) and with a worker only when it first gets one of their requests.
@@ -10,7 +11,8 @@ worker would load it into all of them and evict the others, so each request goes
   does not answer gets no new requests until it does; one that answers as a new instance (it
   restarted) has forgotten its adapters, and is given them again on demand.
 - A request whose worker cannot be reached before its first event goes to the next worker; one cut
-  off later fails with WorkerUnavailableError (the platform charges what it received).
+  off later, or whose stream stays silent past the worker's heartbeats, fails with
+  WorkerUnavailableError (the platform charges its prompt and what it received).
 - models() and stats() read the last poll: the platform calls them synchronously.
 
 What it does not do: move a running request between workers, or share one worker's prefix cache
