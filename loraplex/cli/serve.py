@@ -12,10 +12,10 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import socket
 import sys
 
 from loraplex.cli.engine_args import add_engine_args, build_engine, given_engine_options
+from loraplex.cli.listen import add_listen_args, check_port, start_logging
 from loraplex.cli.storage import run_db
 from loraplex.fleet.placement import POLICIES
 from loraplex.platform.db.database import session_factory
@@ -37,25 +37,10 @@ def add_parser(sub) -> None:
     fleet.add_argument("--placement", choices=POLICIES, default="affinity",
                        help="how requests are spread over the workers: affinity (default) keeps each adapter's "
                             "requests on its own worker within a load bound; least_loaded ignores adapters")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    add_listen_args(p, default_port=8000)
     p.add_argument("--no-demo", action="store_true", help="do not create the demo tenant and key")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every request (paths only, never keys)")
     p.set_defaults(func=run)
-
-
-def check_port(host: str, port: int) -> None:
-    """Fails before the model loads if the address is taken."""
-    if not 0 < port < 65536:
-        raise ValueError(f"--port must be in 1..65535, got {port}")
-    try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        with socket.socket(infos[0][0], socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(infos[0][4])
-    except OSError as exc:
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 async def _demo_key(engine) -> str:
@@ -68,8 +53,7 @@ async def _demo_key(engine) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_logging(args)
     settings = Settings.from_env()
     if args.worker and given_engine_options(args):
         raise ValueError(f"{', '.join(given_engine_options(args))}: with --worker the workers run the engine; "

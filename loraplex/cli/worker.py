@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
-import logging
 import os
 import socket
 import sys
 
 from loraplex.cli.engine_args import add_engine_args, build_engine
-from loraplex.cli.serve import check_port
+from loraplex.cli.listen import add_listen_args, check_port, start_logging
 from loraplex.fleet.wire import WORKER_TOKEN_ENV
 
 DEFAULT_PORT = 8100
@@ -20,10 +19,8 @@ DEFAULT_PORT = 8100
 def add_parser(sub) -> None:
     p = sub.add_parser("worker", help="serve one engine to a fleet (`serve --worker URL`), without tenants or billing")
     add_engine_args(p)
-    p.add_argument("--host", default="127.0.0.1",
-                   help=f"address to listen on; beyond localhost a worker needs {WORKER_TOKEN_ENV} set")
-    p.add_argument("--port", type=int, default=DEFAULT_PORT)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_listen_args(p, default_port=DEFAULT_PORT,
+                    host_help=f"address to listen on; beyond localhost a worker needs {WORKER_TOKEN_ENV} set")
     p.set_defaults(func=run)
 
 
@@ -36,8 +33,7 @@ def _loopback(host: str) -> bool:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    start_logging(args)
     token = os.environ.get(WORKER_TOKEN_ENV) or None
     if token is None and not _loopback(args.host):
         raise ValueError(f"a worker listening on {args.host} would run anyone's requests: set {WORKER_TOKEN_ENV} "

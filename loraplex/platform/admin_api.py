@@ -15,7 +15,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 
-from loraplex.engine.api import EngineError
+from loraplex.engine.api import EngineError, WorkerStatus
 from loraplex.platform import admin_schemas as a
 from loraplex.platform.adapter_store_api import adapter_path, adapter_store_handlers
 from loraplex.platform.billing_schemas import TenantPatch
@@ -186,10 +186,10 @@ async def engine_stats(platform: PlatformDep) -> a.EngineStatsOut:
 
 
 @get("/engine/workers")
-async def engine_workers(platform: PlatformDep) -> list[a.WorkerOut]:
+async def engine_workers(platform: PlatformDep) -> list[WorkerStatus]:
     """The engine workers behind this instance (`serve --worker`), as its last health poll saw them;
     empty when the engine runs in this process."""
-    return [a.WorkerOut(**vars(w)) for w in platform.engine.worker_status()]
+    return platform.engine.worker_status()
 
 
 admin_router = Router(

@@ -121,17 +121,6 @@ class EngineStatsOut(Struct):
     spec_accepted_tokens: int  # of which kept
 
 
-class WorkerOut(Struct):
-    url: str
-    up: bool  # answered its last health poll
-    models: tuple[str, ...]
-    in_flight: int  # requests this instance has on it now
-    requests: int  # sent by this instance since it started
-    adapters: int  # registered on it by this instance
-    running: int  # at its last poll
-    waiting: int
-
-
 def tenant_out(t: Tenant) -> TenantOut:
     return TenantOut(t.id, t.name, t.tier, t.status, as_utc(t.created_at), t.default_max_tokens)
 
