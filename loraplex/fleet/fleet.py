@@ -72,6 +72,7 @@ class EngineFleet:
         self._registered: dict[str, set[AdapterKey]] = {url: set() for url in self.workers}
         self._registering: dict[str, asyncio.Lock] = {}
         self._monitor: asyncio.Task | None = None
+        self._closed = False
 
     # --- health ---------------------------------------------------------------------------------
 
@@ -94,6 +95,7 @@ class EngineFleet:
             self._monitor = asyncio.create_task(self._watch(), name="loraplex-fleet-health")
 
     async def close(self) -> None:
+        self._closed = True
         if self._monitor is not None:
             self._monitor.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -222,9 +224,9 @@ class EngineFleet:
                     if request.adapter is not None:
                         self._adapters_running[url] -= 1
                 self._where.pop(request.request_id, None)
-                if started and not finished and self.health[url] is not None:  # the caller left: free its KV
-                    # (RuntimeError: the fleet was closed under the stream, at shutdown)
-                    with contextlib.suppress(WorkerUnavailableError, RuntimeError):
+                # the caller left: free its KV (unless the worker is lost, or the fleet closed under the stream)
+                if started and not finished and self.health[url] is not None and not self._closed:
+                    with contextlib.suppress(WorkerUnavailableError):
                         await self.workers[url].abort(request.request_id)
 
     async def abort(self, request_id: str) -> Usage | None:
