@@ -25,7 +25,8 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--rounds", {"type": int, "default": 3,
                       "help": "interleaved rounds; each system's best round counts (a shared VM's noise only slows)"}),
     ]),
-    "lora": ("lora", "multi-LoRA tokens/s (identical, zipf, distinct, zipf in a rank-64 fleet) vs base and HF PEFT", [
+    "lora": ("lora", "multi-LoRA tokens/s (identical, zipf, distinct, zipf in a rank-64 fleet, zipf and distinct "
+                     "on bf16 slots) vs base and HF PEFT", [
         ("--model", {"default": DEFAULT_MODEL}),
         ("--batch", {"type": int, "default": 32}),
         ("--rank", {"type": int, "default": 16}),
@@ -35,7 +36,7 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
                                        "run short but flatter the ratio: PEFT's prefill weighs more per token"}),
         ("--skip-peft", {"action": "store_true"}),
         ("--rounds", {"type": int, "default": 3,
-                      "help": "rounds, each with the four patterns' engines taking turns step by step, then "
+                      "help": "rounds, each with the patterns' engines taking turns step by step, then "
                               "HF PEFT's batch; all count"}),
     ]),
     "gateway": ("gateway", "latency the platform adds (auth, limits, routing, usage) and its max rps", [

@@ -14,7 +14,8 @@ DEFAULT_KV_CACHE_MB = 512
 # (option dest, what it sets in EngineConfig); --model and --memory-budget-mb are handled apart
 _CONFIG_OPTIONS = {"device": "device", "dtype": "dtype", "max_model_len": "max_model_len",
                    "speculative_tokens": "speculative_tokens", "max_loras": "max_loras",
-                   "max_cpu_loras": "max_cpu_loras", "max_lora_rank": "max_lora_rank", "threads": "num_threads"}
+                   "max_cpu_loras": "max_cpu_loras", "max_lora_rank": "max_lora_rank", "lora_dtype": "lora_dtype",
+                   "threads": "num_threads"}
 ENGINE_OPTIONS = ("model", "memory_budget_mb", "kv_cache_mb", *_CONFIG_OPTIONS)
 
 
@@ -37,6 +38,9 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                    help="adapter slots on the device: distinct adapters in one step (default 8)")
     g.add_argument("--max-cpu-loras", type=int, help="parsed adapters kept in memory (default 32)")
     g.add_argument("--max-lora-rank", type=int, help="the largest adapter rank accepted (default 64)")
+    g.add_argument("--lora-dtype", help="the adapter slots' dtype: auto (default: the model's), float32, bfloat16 or "
+                                        "float16; 16-bit slots under a float32 model on the CPU halve what a step of "
+                                        "many adapters reads, rounding each adapter's weights once")
     g.add_argument("--threads", type=int, help="CPU: threads for the model's kernels (default: torch's)")
 
 

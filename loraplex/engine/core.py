@@ -117,7 +117,8 @@ class EngineCore:
         if self.lora is not None:
             return self.lora.register(adapter_id, path, version)
         cfg, model = self.config, self.runner.model
-        lora = LoraSlots(model.config, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras, model.dtype, model.device)
+        lora = LoraSlots(model.config, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras,
+                         model.dtype if cfg.lora_dtype == "auto" else cfg.lora_torch_dtype, model.device)
         version = lora.register(adapter_id, path, version)
         self.lora = self.runner.lora_slots = self.scheduler.adapters = lora
         if cfg.lora_merge_after_steps:

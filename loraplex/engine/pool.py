@@ -86,12 +86,14 @@ def adapter_device_bytes(cfg: EngineConfig, model: LlamaConfig, device: torch.de
     """Device memory a model's adapters may take once it has one: the slot buffers (all `max_loras` slots
     at `max_lora_rank`, the most they grow to from the first adapter's rank); with the CPU kernels also
     the folded copies of the adapters that dominate a step (at most one per slot, about a slot's size
-    each) and, with merging on, the merged copy of the projections (at most all of them; lora/merged.py)."""
-    slots = slot_buffer_bytes(model, cfg.max_loras, cfg.max_lora_rank, cfg.torch_dtype)
+    each, in the model's dtype whatever the slots' lora_dtype) and, with merging on, the merged copy of the
+    projections (at most all of them; lora/merged.py)."""
+    slots = slot_buffer_bytes(model, cfg.max_loras, cfg.max_lora_rank, cfg.lora_torch_dtype)
     if not uses_cpu_kernels(device, cfg.torch_dtype):
         return slots
+    folds = slot_buffer_bytes(model, cfg.max_loras, cfg.max_lora_rank, cfg.torch_dtype)
     projections = model.num_layers * sum(i * o for i, o in module_dims(model).values()) * cfg.torch_dtype.itemsize
-    return 2 * slots + (projections if cfg.lora_merge_after_steps else 0)
+    return slots + folds + (projections if cfg.lora_merge_after_steps else 0)
 
 
 def device_memory_bytes(device: torch.device) -> int:

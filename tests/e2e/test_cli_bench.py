@@ -44,7 +44,9 @@ def test_bench_lora_reports_every_pattern_peft_and_both_loads(tmp_path):
     assert 1 <= r["zipf"]["distinct_adapters"] <= 4
     assert r["zipf_rank64_fleet"]["distinct_adapters"] == r["zipf"]["distinct_adapters"]
     assert r["zipf_rank64_fleet"]["buffer_rank"] == 64  # the fleet's rank-64 adapter grew its slot buffers
-    for key in ("identical", "zipf", "distinct", "zipf_rank64_fleet"):
+    for key, of in (("zipf_bf16_slots", "zipf"), ("distinct_bf16_slots", "distinct")):  # the fp32 model's batches
+        assert r[key]["slot_dtype"] == "bfloat16" and r[key]["distinct_adapters"] == r[of]["distinct_adapters"]
+    for key in ("identical", "zipf", "distinct", "zipf_rank64_fleet", "zipf_bf16_slots", "distinct_bf16_slots"):
         assert r[key]["tok_s"] > 0 and len(r["rounds"][key]) == 1
         assert r["ratios"][f"{key}_vs_base"] == round(r[key]["tok_s"] / r["base_tok_s"], 3)
     assert r["peft_distinct"]["tok_s"] > 0 and "distinct_vs_peft" in r["paired_ratios"]

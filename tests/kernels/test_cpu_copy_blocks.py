@@ -1,6 +1,6 @@
 """copy_blocks.c (an adapter's slot write) against plain tensor slicing: copies, scaled copies, copies
-of a transposed source and zero fills of strided blocks, in one call, and refusal of malformed entries
-before anything is written."""
+of a transposed source and zero fills of strided blocks, in one call, into fp32, bf16 and fp16 buffers
+(rounded as torch's .to() rounds), and refusal of malformed entries before anything is written."""
 
 from __future__ import annotations
 
@@ -20,11 +20,15 @@ def test_copy_blocks_builds():
     assert copy_blocks_available()
 
 
-@pytest.mark.parametrize("scale", [1.0, 0.5, -3.0])
+DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+
+
+@DTYPES
+@pytest.mark.parametrize("scale", [1.0, 0.5, -3.0, 0.1])
 @pytest.mark.parametrize("count", [1, 40, 400])  # 400 big blocks run on several threads
-def test_blocks_copy_scale_and_zero(scale, count):
+def test_blocks_copy_scale_and_zero(scale, count, dtype):
     gen = torch.Generator().manual_seed(count)
-    dst = torch.randn(count, 12, 40, generator=gen)
+    dst = torch.randn(count, 12, 40, generator=gen).to(dtype)
     src = torch.randn(count, 9, 33, generator=gen)
     expected = dst.clone()
     entries = []
@@ -37,13 +41,39 @@ def test_blocks_copy_scale_and_zero(scale, count):
         elif i % 4 == 2 and cols <= 9:  # src [9, 33] read transposed: dst row r = src column r (a PEFT B)
             part = src[i, :cols, 2:2 + rows]  # [cols, rows], row stride 33
             entries.append(block(part.data_ptr(), out.data_ptr(), rows, cols, 1, 40, scale, src_cs=33))
-            expected[i, r0:r0 + rows, c0:c0 + cols] = scale * part.t()
+            expected[i, r0:r0 + rows, c0:c0 + cols] = (scale * part.t()).to(dtype)
         else:  # rows of src [9, 33] (row stride 33) from column 1
             part = src[i, :rows, 1:1 + cols]
             entries.append(block(part.data_ptr(), out.data_ptr(), rows, cols, 33, 40, scale))
-            expected[i, r0:r0 + rows, c0:c0 + cols] = scale * part
-    copy_blocks(torch.tensor(entries, dtype=torch.int64))
-    assert torch.equal(dst, expected)  # fp32 products rounded as torch rounds them; nothing else touched
+            expected[i, r0:r0 + rows, c0:c0 + cols] = (scale * part).to(dtype)
+    copy_blocks(torch.tensor(entries, dtype=torch.int64), dtype)
+    # fp32 products, rounded once as torch rounds them; nothing else touched
+    assert torch.equal(dst.view(torch.int16 if dtype.itemsize == 2 else torch.int32),
+                       expected.view(torch.int16 if dtype.itemsize == 2 else torch.int32))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "f16"])
+def test_16_bit_rounding_matches_torch_at_its_edges(dtype):
+    """Ties to even, subnormals, the smallest and largest values, overflow to inf, signed zeros: each
+    bit pattern as torch's .to(dtype) gives it, through the vector stores (whole rows of 8) and the
+    scalar ones (a tail of 5), dense and transposed."""
+    info = torch.finfo(dtype)
+    fp32 = torch.tensor([0.0, -0.0, 1.0, -2.5, info.max, -info.max, info.tiny, info.tiny / 3, info.tiny * 0.75,
+                         65519.0, 65520.0, 1e30, -1e30, 1e-30, 2.0 ** -25, 2.0 ** -25 * 1.0001, 3 * 2.0 ** -25,
+                         1.0 + 2.0 ** -8, 1.0 + 3 * 2.0 ** -8, 1.0 + 2.0 ** -11, 1.0 + 3 * 2.0 ** -11,
+                         float("inf"), float("-inf"), 0.1, 1 / 3, 7.0e-6, -6.1e-5])
+    gen, more = torch.Generator().manual_seed(3), 45 - fp32.numel()
+    spread = torch.randn(more, generator=gen) * 10.0 ** torch.randint(-9, 5, (more,), generator=gen)
+    src = torch.cat([fp32, spread]).reshape(3, 15).contiguous()  # rows of 15: one vector of 8 and a tail of 7
+    want = src.to(dtype).view(torch.int16)
+    dst = torch.zeros(3, 15, dtype=dtype)
+    copy_blocks(torch.tensor([block(src.data_ptr(), dst.data_ptr(), 3, 15, 15, 15, 1.0)]), dtype)
+    dense = dst.view(torch.int16).clone()
+    square = torch.cat([src.reshape(-1), src.reshape(-1)[:19]]).reshape(8, 8).contiguous()  # 8x8 register tiles
+    tdst = torch.zeros(8, 8, dtype=dtype)
+    copy_blocks(torch.tensor([block(square.data_ptr(), tdst.data_ptr(), 8, 8, 1, 8, 1.0, src_cs=8)]), dtype)
+    assert torch.equal(dense, want)
+    assert torch.equal(tdst.view(torch.int16), square.t().to(dtype).view(torch.int16))
 
 
 @pytest.mark.parametrize("rank", [16, 5])  # whole 8x8 register tiles (and a last one overlapping), or none

@@ -1,7 +1,8 @@
 """The fused decode step (kernels/cpu/decode_step.c) against the per-op path it replaces.
 
 Both run the same C kernels in the same order, so logits and the KV cache must be bit-identical,
-with and without adapters; a step with a bad index must write nothing.
+with and without adapters, on fp32 slot buffers and on 16-bit ones (EngineConfig.lora_dtype); a step
+with a bad index must write nothing.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from loraplex.engine.runner import StepLora
 from tests.lora_factory import make_peft_dir
 
 BLOCK, BLOCKS_PER_SEQ = 16, 4
+SLOT_DTYPES = pytest.mark.parametrize("slot_dtype", [torch.float32, torch.bfloat16, torch.float16],
+                                      ids=["f32", "bf16", "f16"])
 PROMPTS = (5, 20, 33)  # context lengths before the decode: inside a block, past one, past two
 
 
@@ -84,10 +87,11 @@ def test_fused_decode_step_is_bit_identical_to_the_per_op_path(preset, monkeypat
     torch.testing.assert_close(subset, logits[[2, 0]])
 
 
-def test_fused_decode_step_adds_each_tokens_adapter(tmp_path, monkeypatch):
+@SLOT_DTYPES
+def test_fused_decode_step_adds_each_tokens_adapter(tmp_path, monkeypatch, slot_dtype):
     g = torch.Generator().manual_seed(1)
     model, storage = _model_and_cache("tiny")
-    slots = LoraSlots(model.config, max_loras=3, max_lora_rank=8, max_cpu_loras=3)
+    slots = LoraSlots(model.config, max_loras=3, max_lora_rank=8, max_cpu_loras=3, dtype=slot_dtype)
     for name, rank, targets in (("a", 8, "all"), ("b", 4, ("q", "v", "down"))):
         slots.register(name, make_peft_dir(tmp_path / name, model.config, rank, 16, targets, seed=rank))
     token_slots = [slots.acquire("b"), -1, slots.acquire("a")]  # two adapters of different rank beside the base
@@ -96,6 +100,7 @@ def test_fused_decode_step_adds_each_tokens_adapter(tmp_path, monkeypatch):
     rows = torch.arange(len(PROMPTS))
     lora = StepLora(slots, LoraBatchIndex.from_token_slots(token_slots, torch.device("cpu")))
     assert lora.kernel_args() is not None
+    assert slots.lora_a[0]["qkv"].dtype == slot_dtype
     with_lora = _both_paths(model, storage, ids, rows, monkeypatch, lora)
     base = _both_paths(model, storage, ids, rows, monkeypatch)
     assert torch.equal(with_lora[1], base[1])  # the base token is untouched
@@ -124,7 +129,8 @@ def test_side_prefetch_of_a_wide_batch_leaves_the_adapter_deltas_as_they_are(tmp
         assert torch.equal(with_lora[i], base[i]) == (slot < 0)
 
 
-def test_a_wide_batch_of_many_adapters_on_two_threads_matches_the_per_op_path(tmp_path, monkeypatch):
+@SLOT_DTYPES
+def test_a_wide_batch_of_many_adapters_on_two_threads_matches_the_per_op_path(tmp_path, monkeypatch, slot_dtype):
     """40 rows over six adapters of ranks 4 to 32 and the base model, on GEMMs wide enough for both
     threads (tiny-wide): lora.c splits each phase between the threads by cost, so shares cut adapters'
     rows and tiles; the step stays bit-identical to the per-op path. Adapter a holds 17 tokens (a
@@ -136,7 +142,7 @@ def test_a_wide_batch_of_many_adapters_on_two_threads_matches_the_per_op_path(tm
         g = torch.Generator().manual_seed(7)
         prompts = tuple(int(n) for n in torch.randint(2, 60, (40,), generator=g))
         model, storage = _model_and_cache("tiny-wide", len(prompts))
-        slots = LoraSlots(model.config, max_loras=6, max_lora_rank=32, max_cpu_loras=6)
+        slots = LoraSlots(model.config, max_loras=6, max_lora_rank=32, max_cpu_loras=6, dtype=slot_dtype)
         specs = (("a", 20, "all"), ("b", 8, ("q", "v", "gate", "down")), ("c", 4, "all"), ("d", 16, "all"),
                  ("e", 32, ("k", "o", "up")), ("f", 16, "all"))
         for name, rank, targets in specs:
@@ -157,12 +163,12 @@ def test_a_wide_batch_of_many_adapters_on_two_threads_matches_the_per_op_path(tm
         torch.set_num_threads(prev_threads)
 
 
-def _fold_setup(tmp_path):
+def _fold_setup(tmp_path, slot_dtype=torch.float32):
     """12 sequences, 8 of them on adapter a (rank 12: two shrink panels for qkv), 2 on b, 2 on the base."""
     g = torch.Generator().manual_seed(6)
     prompts = (5, 20, 33, 7, 16, 17, 2, 40, 9, 31, 12, 3)
     model, storage = _model_and_cache("tiny", len(prompts))
-    slots = LoraSlots(model.config, max_loras=3, max_lora_rank=16, max_cpu_loras=3)
+    slots = LoraSlots(model.config, max_loras=3, max_lora_rank=16, max_cpu_loras=3, dtype=slot_dtype)
     for name, rank in (("a", 12), ("b", 4)):
         slots.register(name, make_peft_dir(tmp_path / name, model.config, rank, 2 * rank, "all", seed=rank))
     a, b = slots.acquire("a"), slots.acquire("b")
@@ -173,10 +179,12 @@ def _fold_setup(tmp_path):
     return model, storage, slots, lora, token_slots, ids, prompts
 
 
-def test_an_adapter_holding_most_of_the_batch_is_folded_into_the_gemms(tmp_path, monkeypatch):
+@SLOT_DTYPES
+def test_an_adapter_holding_most_of_the_batch_is_folded_into_the_gemms(tmp_path, monkeypatch, slot_dtype):
     """Its rows (logits and K/V) match the per-op path to rounding (the delta is summed in another
-    order); the base model's and the other adapter's rows stay bit-identical."""
-    model, storage, slots, lora, token_slots, ids, prompts = _fold_setup(tmp_path)
+    order; 16-bit slots are widened into the fp32 fold exactly); the base model's and the other
+    adapter's rows stay bit-identical."""
+    model, storage, slots, lora, token_slots, ids, prompts = _fold_setup(tmp_path, slot_dtype)
     fold = lora.kernel_args()[2]
     assert fold is not None and fold[0] == token_slots[0]
     rows, before = torch.arange(len(prompts)), storage.clone()

@@ -1,7 +1,8 @@
 """The narrower builds of the CPU kernels, run on this machine: the packed GEMM and the fold have one
 layout per vector width (48-column panels with AVX-512, 24 with AVX2 or none), and lora.c's tile
-kernel and the argmax one body per width, so the tests of the width-dependent kernels run again in a
-child process under each build a smaller CPU would get.
+kernel and the argmax one body per width, and the 16-bit slot stores a vector, an F16C and a by-hand
+form, so the tests of the width-dependent kernels run again in a child process under each build a
+smaller CPU would get.
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ LAYOUT_TESTS = [
     os.path.join(HERE, "test_cpu_lora.py") + "::test_many_tokens_of_one_slot",  # the tile kernel
     os.path.join(HERE, "test_cpu_lora.py") + "::test_ranks_mixed_across_slots",
     os.path.join(HERE, "test_cpu_argmax.py"),  # one vector body per width
+    os.path.join(HERE, "test_cpu_copy_blocks.py"),  # 16-bit stores: vector, F16C, or by hand
 ]
 
 
 @pytest.mark.parametrize("cflags,columns", [
     ("-mno-avx512f", 24),                       # AVX2 and FMA: 4 x 24 kernel
-    ("-mno-avx512f -mno-avx2 -mno-fma", 24),    # no vector intrinsics: the portable loops
+    ("-mno-avx512f -mno-avx2 -mno-fma -mno-f16c", 24),  # no vector intrinsics: the portable loops
 ])
 def test_the_layout_dependent_kernels_pass_under_a_narrower_build(cflags, columns):
     env = dict(os.environ, LORAPLEX_CPU_CFLAGS=cflags)

@@ -1,7 +1,8 @@
 """The CPU multi-LoRA C kernel (kernels/cpu/lora.c through cpu/lora.py) against kernels/reference.py:
 ranks (mixed per slot, garbage padding), fused slices of unequal widths, sizes off the SIMD width,
 adapter popularity, decode- and prefill-shaped batches, base tokens, threads, bad inputs, and that
-apply_lora really runs it on the CPU.
+apply_lora really runs it on the CPU. Slot buffers of fp32, bf16 and fp16 (WEIGHT_DTYPES): the 16-bit
+builds widen each weight exactly, so they must match the reference over the same rounded weights in fp32.
 
 The kernel must be built here: a failing build fails these tests instead of skipping them.
 """
@@ -35,11 +36,14 @@ MODULES = {
 }
 PATTERNS = ("distinct", "uniform", "zipf:1.5", "identical", "skewed")
 ATOL = RTOL = 1e-4
+WEIGHT_DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+WEIGHT_IDS = ["f32", "bf16", "f16"]
 
 
-def make_weights(module: str, r_max: int, ranks: list[int] | None = None, pad: float | None = None, seed: int = 0):
-    """A [slots, S*r_max, in], B [slots, out, r_max] (rank-major) with O(1) deltas; beyond each slot's rank the
-    padding is zero, or `pad` (NaN, huge values) that the kernel must never read into out."""
+def make_weights(module: str, r_max: int, ranks: list[int] | None = None, pad: float | None = None, seed: int = 0,
+                 dtype: torch.dtype = torch.float32):
+    """A [slots, S*r_max, in], B [slots, out, r_max] (rank-major) of `dtype` with O(1) deltas; beyond each
+    slot's rank the padding is zero, or `pad` (NaN, huge values) that the kernel must never read into out."""
     in_f, widths = MODULES[module]
     g = torch.Generator().manual_seed(seed)
     s = len(widths)
@@ -50,7 +54,8 @@ def make_weights(module: str, r_max: int, ranks: list[int] | None = None, pad: f
             fill = 0.0 if pad is None else pad
             a.view(NUM_SLOTS, s, r_max, in_f)[slot, :, rk:] = fill
             b[slot, :, rk:] = fill
-    return a, b.mT.contiguous().mT, widths  # B rank-major, as the slot buffers hold it (lora.c requires it)
+    # B rank-major, as the slot buffers hold it (lora.c requires it)
+    return a.to(dtype), b.mT.contiguous().to(dtype).mT, widths
 
 
 def make_batch(pattern: str, shape: str, with_base: bool, seed: int = 0) -> LoraBatchIndex:
@@ -58,13 +63,14 @@ def make_batch(pattern: str, shape: str, with_base: bool, seed: int = 0) -> Lora
 
 
 def check(index: LoraBatchIndex, module: str, r_max: int = 16, ranks: list[int] | None = None,
-          pad: float | None = None, rank_dtype: torch.dtype = torch.int32, fn=lora_shrink_expand_cpu) -> None:
-    a, b, widths = make_weights(module, r_max, ranks, pad)
+          pad: float | None = None, rank_dtype: torch.dtype = torch.int32, fn=lora_shrink_expand_cpu,
+          dtype: torch.dtype = torch.float32) -> None:
+    a, b, widths = make_weights(module, r_max, ranks, pad, dtype=dtype)
     rk = torch.tensor(ranks, dtype=rank_dtype) if ranks is not None else None
     g = torch.Generator().manual_seed(1)
     x = torch.randn(index.num_tokens, a.shape[2], generator=g)  # [T, in]
     out = torch.randn(index.num_tokens, sum(widths), generator=g)  # [T, out]
-    expected = ref_lora_shrink_expand(x, out, a, b, index.token_slots, widths, rk)
+    expected = ref_lora_shrink_expand(x, out, a.float(), b.float(), index.token_slots, widths, rk)
     got = out.clone()
     fn(x, got, a, b, index, slice_widths=widths, ranks=rk)
     assert torch.isfinite(got).all(), "padding beyond a slot's rank leaked into out"
@@ -90,7 +96,7 @@ def test_apply_lora_uses_the_c_kernel_on_cpu_fp32(monkeypatch: pytest.MonkeyPatc
     assert lora_ops.cpu_lora_kernel() is lora_shrink_expand_cpu
     calls: list[str] = []
     real = cpu_lora._lora()
-    monkeypatch.setattr(cpu_lora, "_lora", lambda: (calls.append("c"), real)[1])
+    monkeypatch.setattr(cpu_lora, "_lora", lambda dtype=torch.float32: (calls.append("c"), real)[1])
 
     def no_torch(*args, **kwargs):
         raise AssertionError("apply_lora took the torch path on CPU fp32")
@@ -98,6 +104,21 @@ def test_apply_lora_uses_the_c_kernel_on_cpu_fp32(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setattr(lora_ops, "lora_shrink_expand_torch", no_torch)
     check(make_batch("zipf:1.5", "decode", True), "qkv", ranks=[16, 8] * 6, fn=apply_lora)
     assert calls == ["c"]
+
+
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES[1:], ids=WEIGHT_IDS[1:])
+def test_apply_lora_runs_16_bit_slots_under_fp32_activations_in_c(dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    """16-bit slot buffers under an fp32 model (EngineConfig.lora_dtype) take lora.c's widening build, and
+    the torch path (no C kernels) gives the same answer by casting the weights it uses."""
+    def no_torch(*args, **kwargs):
+        raise AssertionError("apply_lora took the torch path for fp32 activations")
+
+    with monkeypatch.context() as m:
+        m.setattr(lora_ops, "lora_shrink_expand_torch", no_torch)
+        check(make_batch("zipf:1.5", "decode", True), "qkv", ranks=[16, 8] * 6, fn=apply_lora, dtype=dtype)
+    for shape in ("decode", "prefill"):
+        check(make_batch("skewed", shape, True), "qkv", ranks=[16, 8] * 6, fn=lora_ops.lora_shrink_expand_torch,
+              dtype=dtype)
 
 
 def test_apply_lora_keeps_torch_for_other_dtypes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -132,41 +153,47 @@ def test_disabled_kernels_fall_back_to_torch(monkeypatch: pytest.MonkeyPatch) ->
 
 # ------------------------------------------------------------------------------------- correctness
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=WEIGHT_IDS)
 @pytest.mark.parametrize("r_max", [4, 8, 16, 32, 64])
 @pytest.mark.parametrize("shape", ["decode", "prefill"])
-def test_ranks_mixed_across_slots(r_max: int, shape: str) -> None:
+def test_ranks_mixed_across_slots(r_max: int, shape: str, dtype: torch.dtype) -> None:
     """Every r_max with per-slot ranks from 0 to r_max (odd ones too) and NaN beyond them."""
     ranks = [r_max, max(1, r_max // 2), 0, r_max - 1, 1, max(1, r_max - 3)] * 2
-    check(make_batch("uniform", shape, True, seed=r_max), "qkv", r_max, ranks, pad=float("nan"))
+    check(make_batch("uniform", shape, True, seed=r_max), "qkv", r_max, ranks, pad=float("nan"), dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=WEIGHT_IDS)
 @pytest.mark.parametrize("pad", [float("nan"), 1e30, float("inf")], ids=["nan", "huge", "inf"])
 @pytest.mark.parametrize("module", ["qkv_even", "gate_up", "down"])
-def test_padding_garbage_never_leaks(module: str, pad: float) -> None:
+def test_padding_garbage_never_leaks(module: str, pad: float, dtype: torch.dtype) -> None:
     ranks = [16, 8, 0, 12, 3, 16, 9, 1, 15, 16, 4, 7]
-    check(make_batch("skewed", "prefill", False, seed=5), module, 16, ranks, pad=pad)
-    check(make_batch("uniform", "decode", True, seed=6), module, 16, ranks, pad=pad)
+    check(make_batch("skewed", "prefill", False, seed=5), module, 16, ranks, pad=pad, dtype=dtype)
+    check(make_batch("uniform", "decode", True, seed=6), module, 16, ranks, pad=pad, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=WEIGHT_IDS)
 @pytest.mark.parametrize("module", list(MODULES))
 @pytest.mark.parametrize("shape", ["decode", "prefill"])
-def test_slices_and_odd_sizes(module: str, shape: str) -> None:
-    """1 to 4 slices of unequal widths, in/out sizes not multiples of 8, tiles with partial columns."""
-    check(make_batch("zipf:1.5", shape, True, seed=3), module, 16)
-    check(make_batch("distinct", shape, False, seed=4), module, 8, ranks=[8, 5] * 6, pad=float("nan"))
+def test_slices_and_odd_sizes(module: str, shape: str, dtype: torch.dtype) -> None:
+    """1 to 4 slices of unequal widths, in/out sizes not multiples of 8 (the 16-bit builds' part vectors
+    too), tiles with partial columns."""
+    check(make_batch("zipf:1.5", shape, True, seed=3), module, 16, dtype=dtype)
+    check(make_batch("distinct", shape, False, seed=4), module, 8, ranks=[8, 5] * 6, pad=float("nan"), dtype=dtype)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed,dtype", [(0, torch.float32), (1, torch.float32), (0, torch.bfloat16)],
+                         ids=["0-f32", "1-f32", "0-bf16"])
 @pytest.mark.parametrize("pattern", ["distinct", "uniform", "skewed"])
 @pytest.mark.parametrize("module", ["smollm_qkv", "smollm_gate_up"])
 @pytest.mark.parametrize("shape", ["decode", "prefill"])
-def test_bits_do_not_depend_on_how_the_work_is_split(module: str, shape: str, pattern: str, seed: int) -> None:
+def test_bits_do_not_depend_on_how_the_work_is_split(module: str, shape: str, pattern: str, seed: int,
+                                                     dtype: torch.dtype) -> None:
     """Every row of the shrink and every output of the expand is summed the same way whichever rows
     or outputs share its call (the dot products' horizontal sums in one order, a tile cut by a split
     still taken by the tile kernel), so one thread and two give the same bits."""
     index = make_batch(pattern, shape, True, seed=seed)  # (most of these cases failed before the change)
     ranks = [20, 16, 7, 32, 12, 20, 16, 9, 32, 20, 1, 24]  # 20: a whole tile and a part; 7: dot only
-    a, b, widths = make_weights(module, 32, ranks)
+    a, b, widths = make_weights(module, 32, ranks, dtype=dtype)
     g = torch.Generator().manual_seed(2)
     x = torch.randn(index.num_tokens, a.shape[2], generator=g)  # [T, in]
     out = torch.randn(index.num_tokens, sum(widths), generator=g)  # [T, out]
@@ -181,18 +208,19 @@ def test_bits_do_not_depend_on_how_the_work_is_split(module: str, shape: str, pa
     finally:
         torch.set_num_threads(prev)
     assert torch.equal(got[1], got[2])
-    expected = ref_lora_shrink_expand(x, out, a, b, index.token_slots, widths, rk)
+    expected = ref_lora_shrink_expand(x, out, a.float(), b.float(), index.token_slots, widths, rk)
     torch.testing.assert_close(got[2], expected, atol=ATOL, rtol=RTOL)
     if shape == "prefill":  # the tile kernel served a block: 16+ tokens of one slot
         counts = torch.bincount(index.token_slots[index.token_slots >= 0].long(), minlength=NUM_SLOTS)
         assert int(counts.max()) >= 16
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=WEIGHT_IDS)
 @pytest.mark.parametrize("with_base", [False, True], ids=["lora-only", "with-base"])
 @pytest.mark.parametrize("shape", ["decode", "prefill"])
 @pytest.mark.parametrize("pattern", PATTERNS)
-def test_popularity_patterns(pattern: str, shape: str, with_base: bool) -> None:
-    check(make_batch(pattern, shape, with_base, seed=len(pattern)), "qkv", 16)
+def test_popularity_patterns(pattern: str, shape: str, with_base: bool, dtype: torch.dtype) -> None:
+    check(make_batch(pattern, shape, with_base, seed=len(pattern)), "qkv", 16, dtype=dtype)
 
 
 def test_scattered_tokens_of_one_slot_and_long_segments() -> None:
@@ -210,29 +238,32 @@ DECODE_32 = {
 }
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=WEIGHT_IDS)
 @pytest.mark.parametrize("module", ["smollm_qkv", "smollm_gate_up"])
 @pytest.mark.parametrize("slots", list(DECODE_32.values()), ids=list(DECODE_32))
-def test_decode_batch_of_smollm_shapes_on_one_and_all_threads(slots: list[int], module: str) -> None:
+def test_decode_batch_of_smollm_shapes_on_one_and_all_threads(slots: list[int], module: str, dtype) -> None:
     """Big enough for the parallel path (each weight row read by one thread); one thread must give the
     same answer."""
     index = LoraBatchIndex.from_token_slots(slots)
-    check(index, module, 16, ranks=[16, 16, 4, 16, 0, 16] * 2, pad=float("nan"))
+    check(index, module, 16, ranks=[16, 16, 4, 16, 0, 16] * 2, pad=float("nan"), dtype=dtype)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        check(index, module, 16, ranks=[16, 16, 4, 16, 0, 16] * 2, pad=float("nan"))
+        check(index, module, 16, ranks=[16, 16, 4, 16, 0, 16] * 2, pad=float("nan"), dtype=dtype)
     finally:
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("dtype", WEIGHT_DTYPES, ids=WEIGHT_IDS)
 @pytest.mark.parametrize("module", ["wide", "smollm_qkv"])
 @pytest.mark.parametrize("tokens", [3, 5, 7, 12, 13, 16, 32, 33, 65])
-def test_many_tokens_of_one_slot(tokens: int, module: str) -> None:
+def test_many_tokens_of_one_slot(tokens: int, module: str, dtype: torch.dtype) -> None:
     """A slot with many tokens, next to slots of one or two: near-equal groups of 3 to 6 tokens; below
     16 tokens dot products over rows in pairs (odd ranks leave one over), from 16 a GEMM over 16-row
     tiles of A (partial for ranks below 16); features in several passes, with a masked tail."""
     slots = [0] * tokens + [1, -1, 2, 2] + [1] * (tokens // 2)
-    check(LoraBatchIndex.from_token_slots(slots), module, 16, ranks=[5, 16, 3] + [16] * 9, pad=float("nan"))
+    check(LoraBatchIndex.from_token_slots(slots), module, 16, ranks=[5, 16, 3] + [16] * 9, pad=float("nan"),
+          dtype=dtype)
 
 
 @pytest.mark.parametrize("slots", [[3], [-1], [-1] * 7, [-1, 2, -1], [0, -1, -1, -1]],
@@ -284,8 +315,9 @@ def _call(**kw) -> None:
 @pytest.mark.parametrize("change,match", [
     (lambda g: dict(x=g["x"].double()), "x must be float32"),
     (lambda g: dict(out=g["out"].half()), "out must be float32"),
-    (lambda g: dict(lora_a=g["lora_a"].bfloat16()), "lora_a must be float32"),
-    (lambda g: dict(lora_b=g["lora_b"].double()), "lora_b must be float32"),
+    (lambda g: dict(lora_a=g["lora_a"].double()), "lora_a must be float32, bfloat16 or float16"),
+    (lambda g: dict(lora_b=g["lora_b"].double()), "lora_b must be float32, bfloat16 or float16"),
+    (lambda g: dict(lora_a=g["lora_a"].bfloat16()), "lora_b dtype torch.float32 differs from lora_a dtype"),
     (lambda g: dict(x=torch.randn(45, 4).t()), "x must be contiguous"),
     (lambda g: dict(out=torch.zeros(79, 4).t()), "out must be contiguous"),
     (lambda g: dict(lora_a=g["lora_a"].transpose(1, 2).contiguous().transpose(1, 2)), "lora_a must be contiguous"),

@@ -100,16 +100,18 @@ def test_folded_gemm_refuses_a_block_of_the_wrong_size():
         linear.packed_linear_fold(torch.randn(3, 32), packed, torch.zeros(10), (40,), 8)
 
 
-def test_packing_a_slot_reads_only_its_live_rank_and_follows_the_layout():
+@pytest.mark.parametrize("slot_dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["f32", "bf16", "f16"])
+def test_packing_a_slot_reads_only_its_live_rank_and_follows_the_layout(slot_dtype):
     """lora_fold.c over a LoRA table whose padding (rows and columns past the slot's rank) holds
-    garbage: the block must be built from the live rank alone, module by module, layer by layer."""
+    garbage: the block must be built from the live rank alone, module by module, layer by layer.
+    16-bit slot buffers are widened into the fp32 block exactly."""
     g = torch.Generator().manual_seed(5)
     r_max, slots, layers, rank = 8, 3, 2, 5
     dims = {"qkv": (32, (32, 16, 16)), "o": (32, (32,)), "gate_up": (32, (48, 48)), "down": (48, (32,))}
-    lora_a = [{m: torch.randn(slots, len(wd) * r_max, k, generator=g) for m, (k, wd) in dims.items()}
+    lora_a = [{m: torch.randn(slots, len(wd) * r_max, k, generator=g).to(slot_dtype) for m, (k, wd) in dims.items()}
               for _ in range(layers)]
-    lora_b = [{m: torch.randn(slots, r_max, sum(wd), generator=g).transpose(1, 2) for m, (k, wd) in dims.items()}
-              for _ in range(layers)]  # rank-major, as the slot buffers hold B
+    lora_b = [{m: torch.randn(slots, r_max, sum(wd), generator=g).to(slot_dtype).transpose(1, 2)
+               for m, (k, wd) in dims.items()} for _ in range(layers)]  # rank-major, as the slot buffers hold B
     ranks = torch.tensor([0, rank, r_max], dtype=torch.int32)
     table = DecodeStepLora(lora_a, lora_b, ranks, {m: wd for m, (_, wd) in dims.items()})
     got = table.pack_fold(1)
@@ -118,7 +120,7 @@ def test_packing_a_slot_reads_only_its_live_rank_and_follows_the_layout():
         for m in LORA_MODULES:
             _, wd = dims[m]
             a = lora_a[layer][m][1].view(len(wd), r_max, -1)[:, :rank].reshape(len(wd) * rank, -1)
-            parts.append(fold_block(a, lora_b[layer][m][1][:, :rank], wd, rank))
-    assert torch.equal(got, torch.cat(parts))
+            parts.append(fold_block(a.float(), lora_b[layer][m][1][:, :rank].float(), wd, rank))
+    assert got.dtype == torch.float32 and torch.equal(got, torch.cat(parts))
     with pytest.raises(ValueError, match="holds no adapter"):
         table.pack_fold(0)

@@ -7,6 +7,7 @@ import dataclasses
 import time
 
 import pytest
+import torch
 
 from loraplex.engine.api import GenerateRequest, ModelNotFoundError, SamplingParams
 from loraplex.engine.async_engine import AsyncEngine
@@ -34,9 +35,13 @@ def adapter_dirs(tmp_path_factory):
             for i, r in enumerate(RANKS)]
 
 
-def merged_core(path) -> EngineCore:
+def merged_core(path, rounded_to: torch.dtype | None = None) -> EngineCore:
+    """The adapter merged into the weights and run alone; `rounded_to`: its A and B values rounded to that
+    dtype first (what 16-bit slot buffers hold of an adapter of scaling 1)."""
     base = _loaded(MODEL)
     lora = load_peft_adapter(path, base.config)
+    if rounded_to is not None:
+        lora = dataclasses.replace(lora, values=lora.values.to(rounded_to).float())
     loaded = dataclasses.replace(base, weights=merged_weights(base.weights, base.config, lora))
     cfg = EngineConfig(model=MODEL, device="cpu", dtype="float32", num_kv_blocks=256)
     return EngineCore(cfg, loaded=loaded)
@@ -102,6 +107,35 @@ def test_an_adapter_with_rank_and_alpha_patterns_matches_its_merged_weights_fold
         want = (ref if r.adapter else base_alone).run([req("w", r.prompt_token_ids, None, r.sampling.max_tokens)])
         assert tuple(tokens[r.request_id]) == tuple(want[0].token_ids), r.request_id
     assert tokens["e0"] != list(base_alone.run([req("b", prompts[0], None, 20)])[0].token_ids)
+
+
+@pytest.mark.parametrize("lora_dtype", ["bfloat16", "float16"])
+def test_16_bit_slots_match_the_merged_weights_of_the_rounded_adapters(tmp_path, lora_dtype):
+    """lora_dtype under the fp32 model: each adapter is rounded to 16 bits once, as it is written into its
+    slot (scaling 1 here, so the slot holds exactly the rounded file values). Every path that reads the
+    slots gives the greedy tokens of those rounded weights merged into W: lora.c's widening build for the
+    mixed steps, the fold of the adapter holding most of them, and the merged copy once one adapter holds
+    every step."""
+    cfg, dtype = _loaded(MODEL).config, getattr(torch, lora_dtype)
+    paths = [make_peft_dir(tmp_path / f"h{i}", cfg, rank=r, alpha=r, targets="all", seed=300 + i)
+             for i, r in enumerate((8, 16, 4))]
+    core = make_core(lora_dtype=lora_dtype, lora_merge_after_steps=4)
+    for i, path in enumerate(paths):
+        core.add_adapter(f"h{i}", str(path))
+    prompts = mixed_prompts(13, seed=17)
+    adapters = ["h0", "h1", "h0", "h0", None, "h0", "h2", "h0", "h0", "h0", None, "h0", "h0"]
+    got = core.run([req(f"r{i}", p, a) for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))])
+    assert core.lora.dtype == dtype and core.lora._folds
+    assert {t.dtype for layer in (*core.lora.lora_a, *core.lora.lora_b) for t in layer.values()} == {dtype}
+    alone = core.run([req(f"m{i}", p, "h1", max_tokens=12) for i, p in enumerate(prompts[:3])])
+    assert core.stats().adapter_merges >= 1
+    refs, base_alone = {f"h{i}": merged_core(p, rounded_to=dtype) for i, p in enumerate(paths)}, make_core()
+    for i, (p, a) in enumerate(zip(prompts, adapters, strict=True)):
+        want = (refs[a] if a else base_alone).run([req(f"w{i}", p, None)])[0].token_ids
+        assert got[i].token_ids == want, f"request {i} (adapter {a})"
+    for i, p in enumerate(prompts[:3]):
+        assert alone[i].token_ids == refs["h1"].run([req(f"a{i}", p, None, max_tokens=12)])[0].token_ids
+    assert got[0].token_ids != base_alone.run([req("b", prompts[0], None)])[0].token_ids
 
 
 def test_a_larger_rank_arriving_mid_run_grows_the_buffers_and_every_request_matches(adapter_dirs):

@@ -1,7 +1,9 @@
 """Multi-LoRA throughput: one batch over 1, zipf-many or all-distinct adapters, against the base
 model alone and against HF PEFT's mixed-adapter batch, in one run. One more pattern, zipf_rank64_fleet,
 runs zipf's batch in an engine whose fleet also holds a rank-64 adapter (so its slot buffers are of rank
-64): what a mixed-rank fleet costs the rank-16 adapters.
+64): what a mixed-rank fleet costs the rank-16 adapters. Two more, zipf_bf16_slots and
+distinct_bf16_slots, run those batches with bf16 slot buffers under the fp32 model (EngineConfig.lora_dtype):
+half the adapter bytes a step reads, each adapter's weights rounded to bf16 once.
 
 The adapters are made by PEFT itself (rank 16 on all seven projections, random non-zero A and B),
 saved to a temporary directory, and loaded by both systems from there.
@@ -41,6 +43,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 # zipf's batch again, in an engine whose fleet also holds one adapter of this rank (loaded, served, kept in
 # its slot): the slot buffers' rank is then 64, and the rank-16 adapters must not pay for it.
 MIXED, MIXED_RANK = "zipf_rank64_fleet", 64
+# patterns run again with bf16 slot buffers (the model stays fp32): pattern -> the pattern whose batch it runs
+BF16_SLOTS = {"zipf_bf16_slots": "zipf", "distinct_bf16_slots": "distinct"}
 
 
 def zipf_choices(n_requests: int, n_adapters: int, s: float, seed: int = 0) -> list[int]:
@@ -157,6 +161,7 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
         zipf = [f"a{k}" for k in zipf_choices(batch, batch, 1.5)]
         patterns = {"base": [None] * batch, "identical": ["a0"] * batch, "zipf": zipf,
                     "distinct": [f"a{i}" for i in range(batch)], MIXED: zipf}
+        patterns.update({name: patterns[of] for name, of in BF16_SLOTS.items()})
         big_rank = max(rank, MIXED_RANK)
         make_adapters(loaded, root / "big", 1, big_rank)
         cores = {}
@@ -164,7 +169,8 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
             used = sorted({a for a in adapters if a is not None}, key=lambda a: int(a[1:]))
             core = EngineCore(EngineConfig(model=model, device="cpu", dtype="float32", max_num_seqs=batch,
                                            max_num_batched_tokens=2048, max_loras=max(len(used), 1) + (name == MIXED),
-                                           max_lora_rank=big_rank if name == MIXED else rank), loaded=loaded)
+                                           max_lora_rank=big_rank if name == MIXED else rank,
+                                           lora_dtype="bfloat16" if name in BF16_SLOTS else "auto"), loaded=loaded)
             for a in used:
                 core.add_adapter(a, str(adapter_path(root, int(a[1:]))))
             if name == MIXED:  # the fleet's rank-64 adapter serves a request and stays in its slot
@@ -197,6 +203,8 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
             results[name] = {"tok_s": round(statistics.harmonic_mean(runs[name]), 2),
                              "distinct_adapters": len(set(adapters))}
         results[MIXED]["buffer_rank"] = cores[MIXED].lora.r_max
+        for name in BF16_SLOTS:
+            results[name]["slot_dtype"] = str(cores[name].lora.dtype).removeprefix("torch.")
         results["adapter_load_ms"] = round(_load_ms(loaded, root, min(9, batch), rank, from_disk=True), 2)
         results["adapter_load_cached_ms"] = round(_load_ms(loaded, root, min(9, batch), rank, from_disk=False), 2)
         results["adapter_slot_swap_ms"] = round(_swap_ms(loaded, root, rank), 2) if batch >= 3 else None

@@ -57,8 +57,8 @@ def grouped_shrink_expand(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tens
     else:
         x_ext = torch.cat((x, x.new_zeros(1, x.shape[1])))  # [T + 1, in]: the last row pads with zeros
         x_pad = torch.index_select(x_ext, 0, layout.rows).view(g, n, x.shape[1])  # [G, L, in]
-    a = lora_a[layout.lo:layout.lo + g]  # [G, S*r, in] view
-    b = lora_b[layout.lo:layout.lo + g]  # [G, out, r] view
+    a = lora_a[layout.lo:layout.lo + g].to(x.dtype)  # [G, S*r, in] view (a copy for weights of another dtype)
+    b = lora_b[layout.lo:layout.lo + g].to(x.dtype)  # [G, out, r] view
     y = torch.bmm(x_pad, a.transpose(1, 2))  # [G, L, S*r]
     if ranks is not None:
         rk = ranks[layout.lo:layout.lo + g].to(torch.long)  # [G]

@@ -257,10 +257,11 @@ def check_weights(lora_a: torch.Tensor, lora_b: torch.Tensor, slice_widths: Sequ
     return num_slices, r_max, check_b(lora_b, num_slices, slice_widths, ranks)
 
 
-def check_x(x: torch.Tensor, lora_a: torch.Tensor) -> None:
+def check_x(x: torch.Tensor, lora_a: torch.Tensor, mixed: bool = False) -> None:
+    """mixed: the weights may have another dtype than x (the torch path casts them as it uses them)."""
     _check_tensor("x", x, 2, FLOAT_DTYPES)
     _same_device(lora_a, x=x)
-    if x.dtype != lora_a.dtype:
+    if x.dtype != lora_a.dtype and not mixed:
         raise ValueError(f"x dtype {x.dtype} differs from lora_a dtype {lora_a.dtype}")
     if x.shape[1] != lora_a.shape[2]:
         raise ValueError(f"x has {x.shape[1]} features but lora_a expects in_features={lora_a.shape[2]}")
@@ -274,13 +275,16 @@ def check_y(y: torch.Tensor, num_tokens: int, cols: int, device: torch.device) -
         raise ValueError(f"y is on {y.device} but the inputs are on {device}")
 
 
-def check_out(out: torch.Tensor, num_tokens: int, lora_b: torch.Tensor) -> None:
+def check_out(out: torch.Tensor, num_tokens: int, lora_b: torch.Tensor, dtype: torch.dtype | None = None) -> None:
+    """dtype: what out must hold (default lora_b's)."""
     _check_tensor("out", out, 2, FLOAT_DTYPES)
     _same_device(lora_b, out=out)
     if tuple(out.shape) != (num_tokens, lora_b.shape[1]):
         raise ValueError(f"out must have shape ({num_tokens}, {lora_b.shape[1]}) = (tokens, sum of "
                          f"slice widths), got {tuple(out.shape)}")
-    if out.dtype != lora_b.dtype:
+    if dtype is not None and out.dtype != dtype:
+        raise ValueError(f"out dtype {out.dtype} differs from x dtype {dtype}")
+    if dtype is None and out.dtype != lora_b.dtype:
         raise ValueError(f"out dtype {out.dtype} differs from lora_b dtype {lora_b.dtype}")
 
 
@@ -322,12 +326,13 @@ def check_segments(seg_starts: torch.Tensor, seg_slots: torch.Tensor, num_tokens
 
 def check_call(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                index: LoraBatchIndex, slice_widths: Sequence[int] | None,
-               ranks: torch.Tensor | None) -> tuple[int, int, tuple[int, ...]]:
+               ranks: torch.Tensor | None, mixed: bool = False) -> tuple[int, int, tuple[int, ...]]:
+    """mixed: the weights may have another dtype than x and out (which share one)."""
     if not isinstance(index, LoraBatchIndex):
         raise ValueError(f"index must be a LoraBatchIndex, got {type(index).__name__}")
     dims = check_weights(lora_a, lora_b, slice_widths, ranks)
-    check_x(x, lora_a)
-    check_out(out, x.shape[0], lora_b)
+    check_x(x, lora_a, mixed)
+    check_out(out, x.shape[0], lora_b, x.dtype if mixed else None)
     if index.num_tokens != x.shape[0]:
         raise ValueError(f"index describes {index.num_tokens} tokens but x has {x.shape[0]}")
     if index.max_slot >= lora_a.shape[0]:
@@ -363,9 +368,10 @@ def lora_shrink_expand_torch(x: torch.Tensor, out: torch.Tensor, lora_a: torch.T
     per-token gathered weights (decode-shaped); "grouped": one bmm per slice over slot views with
     tokens padded per slot (many adapters, see lora_grouped.py); "auto" takes grouped when the index
     allows it, else picks by index.prefers_segments.
-    Math runs in x's dtype (fp32 on CPU by default).
+    Math runs in x's dtype (fp32 on CPU by default); weights of another dtype (16-bit slots under an
+    fp32 model) are cast to it as they are used.
     """
-    num_slices, r_max, widths = check_call(x, out, lora_a, lora_b, index, slice_widths, ranks)
+    num_slices, r_max, widths = check_call(x, out, lora_a, lora_b, index, slice_widths, ranks, mixed=True)
     if kernel not in ("auto", "segments", "gather", "grouped"):
         raise ValueError(f"kernel must be 'auto', 'segments', 'gather' or 'grouped', got {kernel!r}")
     if index.num_lora_tokens == 0:
@@ -382,14 +388,14 @@ def lora_shrink_expand_torch(x: torch.Tensor, out: torch.Tensor, lora_a: torch.T
         return
     sel = torch.nonzero(index.token_slots >= 0).squeeze(1)
     slots = index.token_slots[sel].long()
-    y = torch.bmm(lora_a[slots], x[sel].unsqueeze(2))  # [n, S*r_max, 1]
+    y = torch.bmm(lora_a[slots].to(x.dtype), x[sel].unsqueeze(2))  # [n, S*r_max, 1]
     if ranks is not None:
         keep = torch.arange(r_max, device=x.device) < ranks[slots].unsqueeze(1)  # [n, r_max]
         y = y * keep.repeat(1, num_slices).unsqueeze(2).to(y.dtype)
     delta = torch.empty(sel.shape[0], out.shape[1], dtype=out.dtype, device=out.device)
     for s, (off, w) in enumerate(zip(offs, widths, strict=True)):
         ys = y[:, s * r_max:(s + 1) * r_max]
-        delta[:, off:off + w] = torch.bmm(lora_b[slots, off:off + w], ys).squeeze(2)
+        delta[:, off:off + w] = torch.bmm(lora_b[slots, off:off + w].to(x.dtype), ys).squeeze(2)
     out.index_add_(0, sel, delta)
 
 
@@ -402,7 +408,7 @@ def _segment_gemms(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lor
         rk = r_max if rank_list is None else max(0, min(int(rank_list[slot]), r_max))
         if rk == 0:
             continue
-        xs, a, b = x[start:end], lora_a[slot], lora_b[slot]
+        xs, a, b = x[start:end], lora_a[slot].to(x.dtype), lora_b[slot].to(x.dtype)
         y = xs @ a.t() if rk == r_max else None  # all slices in one GEMM when there is no padding
         for s, (off, w) in enumerate(zip(offs, widths, strict=True)):
             lo = s * r_max

@@ -36,7 +36,12 @@ from typing import NamedTuple
 
 import torch
 
-from loraplex.engine.kernels.cpu.copy_blocks import copy_blocks, copy_blocks_available, scale_bits_column
+from loraplex.engine.kernels.cpu.copy_blocks import (
+    DESTINATION_TYPES,
+    copy_blocks,
+    copy_blocks_available,
+    scale_bits_column,
+)
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora, stacked_b
 from loraplex.engine.lora.peft import (
     FUSED,
@@ -139,7 +144,7 @@ class LoraSlots:
         # a table holds no address, so adapters of one header and shape (which share their offsets) reuse
         # one whatever the slot (_slot_blocks).
         self._tables: OrderedDict[tuple[int, int, int], tuple[object, torch.Tensor]] = OrderedDict()
-        self._copy_in_c = self.device.type == "cpu" and dtype == torch.float32 and copy_blocks_available()
+        self._copy_in_c = self.device.type == "cpu" and dtype in DESTINATION_TYPES and copy_blocks_available()
         self._lock = threading.RLock()
         self.r_max = 0  # the buffers' rank (_grow)
         self._buffers: tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] = ([], [])
@@ -184,15 +189,15 @@ class LoraSlots:
 
     def kernel_table(self):
         """The slot buffers as the fused CPU decode step takes them (kernels/cpu/decode_step.py), built
-        once; None off the CPU, in other dtypes than fp32, or without the C kernels."""
+        once; None off the CPU, in other dtypes than fp32, bf16 and fp16, or without the C kernels."""
         table = self._kernel_table  # every decode step asks: no wait behind a registration holding the lock
         if table is not None:
             return table
         with self._lock:  # (not built from buffers a growth is swapping out)
-            if self._kernel_table is None and self.device.type == "cpu" and self.dtype == torch.float32:
-                from loraplex.engine.kernels.cpu.decode_step import DecodeStepLora, decode_step_available
+            if self._kernel_table is None and self.device.type == "cpu":
+                from loraplex.engine.kernels.cpu.decode_step import WEIGHT_TYPES, DecodeStepLora, decode_step_available
 
-                if decode_step_available():
+                if self.dtype in WEIGHT_TYPES and decode_step_available():
                     a, b = self._buffers
                     self._kernel_table = DecodeStepLora(a, b, self.ranks, {f: self.slice_widths(f) for f in FUSED})
             return self._kernel_table
@@ -229,8 +234,8 @@ class LoraSlots:
             if rank == 0 or not bool(b[:, :rank].any()):
                 return False
             for s, (_, off, width) in enumerate(self._rows[module]):
-                torch.addmm(base[off:off + width], b[off:off + width, :rank], a[s * r_max:s * r_max + rank],
-                            out=out[off:off + width])
+                torch.addmm(base[off:off + width], b[off:off + width, :rank].to(base.dtype),
+                            a[s * r_max:s * r_max + rank].to(base.dtype), out=out[off:off + width])
             return True
 
     def nbytes(self) -> int:
@@ -515,8 +520,8 @@ class LoraSlots:
                           rows(view, 1, -1, live * b_ld, stale, width, 0, 1, b_ld, _ZERO)[stale > 0]])
 
     def _run_blocks(self, slot: int, blocks: torch.Tensor, lora: LoraWeights | None) -> None:
-        """One C call over all blocks for fp32 slots on the CPU; torch ops per block elsewhere. `lora`:
-        whose values the blocks' source offsets index (None when every block is a zero fill)."""
+        """One C call over all blocks for fp32, bf16 or fp16 slots on the CPU; torch ops per block elsewhere.
+        `lora`: whose values the blocks' source offsets index (None when every block is a zero fill)."""
         view, ab, src, at, nrows, ncols, sld, scs, dld, scale = blocks.unbind(1)
         views = self._slot_views(slot)  # (and their addresses; a kept table did not ask for them)
         # each block's factor, float64: 1, the adapter's scaling (its module's, under alpha_pattern or
@@ -527,9 +532,9 @@ class LoraSlots:
             factor = torch.where(scale == _SCALED, per_view[view], factor)
         if self._copy_in_c:  # C reads the source rows at their raw addresses
             base = lora.values.data_ptr() if lora is not None else 0
-            copy_blocks(torch.stack([torch.where(src >= 0, base + 4 * src, 0),
-                                     self._view_addresses[slot][view, ab] + 4 * at,
-                                     nrows, ncols, sld, dld, scale_bits_column(factor), scs], 1))
+            copy_blocks(torch.stack([torch.where(src >= 0, base + 4 * src, 0),  # (the values are fp32)
+                                     self._view_addresses[slot][view, ab] + self.dtype.itemsize * at,
+                                     nrows, ncols, sld, dld, scale_bits_column(factor), scs], 1), self.dtype)
             return
         for (v, b, first, start, r, c, _, cs, ld, _), f in zip(blocks.tolist(), factor.tolist(), strict=True):
             dst = views[v][1 + b]

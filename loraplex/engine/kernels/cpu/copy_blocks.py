@@ -1,4 +1,5 @@
-"""Many strided fp32 block copies in one C call (copy_blocks.c, see its Semantics): an adapter's slot write."""
+"""Many strided block copies from fp32 into fp32, bf16 or fp16 in one C call (copy_blocks.c, see its
+Semantics): an adapter's slot write."""
 
 from __future__ import annotations
 
@@ -11,11 +12,12 @@ import torch
 from loraplex.engine.kernels.cpu.build import functions
 
 BLOCK_FIELDS = 8  # src, dst, rows, cols, src_ld, dst_ld, scale bits, src column stride
+DESTINATION_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # lora_weights.h's LP_W_*
 
 
 @functools.cache
 def _fns() -> dict | None:
-    return functions({"lp_copy_blocks_f32": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64])})
+    return functions({"lp_copy_blocks_to": (ctypes.c_int, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64])})
 
 
 def copy_blocks_available() -> bool:
@@ -35,17 +37,20 @@ def scale_bits_column(scales: torch.Tensor) -> torch.Tensor:
 def block(src: int, dst: int, rows: int, cols: int, src_ld: int, dst_ld: int, scale: float,
           src_cs: int = 1) -> tuple[int, ...]:
     """One table row: dst[i * dst_ld + j] = scale * src[i * src_ld + j * src_cs] (src = 0: zeros); addresses as
-    integers, strides in floats (src_ld 1 and src_cs > 1 read src transposed)."""
+    integers, strides in elements (src_ld 1 and src_cs > 1 read src transposed)."""
     return src, dst, rows, cols, src_ld, dst_ld, scale_bits(scale), src_cs
 
 
-def copy_blocks(table: torch.Tensor) -> None:
+def copy_blocks(table: torch.Tensor, dtype: torch.dtype = torch.float32) -> None:
     """Runs the table: int64 [blocks, BLOCK_FIELDS] on the CPU, rows as block() makes them (or built as
-    columns); their destinations must not overlap. The caller owns the addresses: they must lie in live
-    fp32 CPU tensors, which is why the table holds integers, not tensors."""
+    columns); their destinations must not overlap. The caller owns the addresses: the sources must lie in
+    live fp32 CPU tensors and the destinations in live CPU tensors of `dtype` (fp32, bf16 or fp16: the
+    products are rounded to it), which is why the table holds integers, not tensors."""
+    if dtype not in DESTINATION_TYPES:
+        raise ValueError(f"the destination dtype must be float32, bfloat16 or float16, got {dtype}")
     if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != BLOCK_FIELDS or table.device.type != "cpu":
         raise ValueError(f"the table must be an int64 CPU tensor [blocks, {BLOCK_FIELDS}], got {table.dtype} "
                          f"{tuple(table.shape)} on {table.device}")
     table = table.contiguous()
-    if table.shape[0] and _fns()["lp_copy_blocks_f32"](table.data_ptr(), table.shape[0]):
+    if table.shape[0] and _fns()["lp_copy_blocks_to"](table.data_ptr(), table.shape[0], DESTINATION_TYPES[dtype]):
         raise ValueError("a block has negative sizes, a column stride below 1 or a row stride shorter than its row")

@@ -41,7 +41,7 @@ enum { M_LAYERS, M_HIDDEN, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_INTER, M_VOCAB, M_
 enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, LAYER_FIELDS };
 /* The LoRA table's layout is in kernels.h (LP_R_*). */
 enum { LORA_MODULES = LP_LORA_MODULES, LORA_WIDTHS = LP_LORA_WIDTHS, LORA_HEADER = LP_LORA_HEADER };
-enum { R_SLOTS = LP_R_SLOTS, R_RMAX = LP_R_RMAX, R_RANKS = LP_R_RANKS, R_MODULES = LP_R_MODULES };
+enum { R_SLOTS = LP_R_SLOTS, R_RMAX = LP_R_RMAX, R_RANKS = LP_R_RANKS, R_WTYPE = LP_R_WTYPE, R_MODULES = LP_R_MODULES };
 enum { MOD_QKV, MOD_O, MOD_GATE_UP, MOD_DOWN };
 /* Below this many rows a GEMM is memory-bound: no side prefetch. */
 #define SIDE_MIN_ROWS 8
@@ -117,7 +117,12 @@ static int lora(const step_lora_t *lo, int64_t layer, int module, const float *x
         lo->tab[R_SLOTS], lo->tab[R_RMAX], lo->tab[R_RANKS], step[S_LORA_ROWS], step[S_LORA_NUM_ROWS],
         (int64_t)(intptr_t)lo->groups, lo->num_groups, mod[0]};
     for (int64_t s = 0; s < mod[0] && s < LORA_WIDTHS; s++) args[15 + s] = mod[1 + s];
-    return lp_lora_f32_packed(args);
+    switch (lo->tab[R_WTYPE]) {
+        case LP_W_F32: return lp_lora_f32_packed(args);
+        case LP_W_BF16: return lp_lora_bf16_packed(args);
+        case LP_W_F16: return lp_lora_f16_packed(args);
+        default: return -1;
+    }
 }
 
 /* The side spans of one layer's module: for each adapter of the step, its A rows (rk of each slice)
@@ -127,6 +132,7 @@ static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
     if (lo->step[S_BATCH] < SIDE_MIN_ROWS) return side;
     const int64_t *mod = lp_lora_module(lo->tab, module), *ab = buffers_of(lo, layer, module);
     const int64_t K = module_in(lo->model, module), N = lp_lora_module_out(mod), r_max = lo->tab[R_RMAX], S = mod[0];
+    const int64_t wb = lp_weight_bytes(lo->tab[R_WTYPE]);
     const int32_t *groups = lo->groups;
     int64_t *sp = lo->spans;
     for (int64_t g = 0; g < lo->num_groups; g++) {
@@ -135,8 +141,8 @@ static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
         const int64_t rk = clamp_rank(lo, slot);
         if (rk == 0 || groups[3 * g + 2] == groups[3 * g + 1]) continue;
         for (int64_t s = 0; s < S; s++, sp += 4)
-            sp[0] = ab[0] + ((slot * S + s) * r_max * K) * 4, sp[1] = 1, sp[2] = 0, sp[3] = rk * K * 4;
-        sp[0] = ab[1] + slot * r_max * N * 4, sp[1] = 1, sp[2] = 0, sp[3] = rk * N * 4; /* B's rk rows */
+            sp[0] = ab[0] + ((slot * S + s) * r_max * K) * wb, sp[1] = 1, sp[2] = 0, sp[3] = rk * K * wb;
+        sp[0] = ab[1] + slot * r_max * N * wb, sp[1] = 1, sp[2] = 0, sp[3] = rk * N * wb; /* B's rk rows */
         sp += 4;
     }
     side.n = (sp - lo->spans) / 4;

@@ -22,6 +22,8 @@ _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 LORA_MODULES = ("qkv", "o", "gate_up", "down")  # decode_step.c's order
 _LORA_WIDTHS = 4
 _STEP = struct.Struct("20q")
+# The slot buffers' element types and their codes in the LoRA table (lora_weights.h, LP_W_*)
+WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ERRORS = {-1: "invalid sizes", -2: "a cache slot, block id, position or row is out of range",
            -3: "out of memory"}
 
@@ -140,16 +142,20 @@ class DecodeStepModel:
 
 
 class DecodeStepLora:
-    """The LoRA table: slot count, r_max, ranks [slots] int32, each fused module's slice widths, then
-    per layer and module the stacked A [slots, S * r_max, in] (contiguous) and B [slots, out, r_max]
-    (rank-major) buffers (lora_ops' layout), fp32."""
+    """The LoRA table: slot count, r_max, ranks [slots] int32, the buffers' element type, each fused
+    module's slice widths, then per layer and module the stacked A [slots, S * r_max, in] (contiguous)
+    and B [slots, out, r_max] (rank-major) buffers (lora_ops' layout), all fp32, bf16 or fp16 (one
+    dtype: lora.c widens 16-bit weights as it loads them)."""
 
     def __init__(self, lora_a: Sequence[dict[str, torch.Tensor]], lora_b: Sequence[dict[str, torch.Tensor]],
                  ranks: torch.Tensor, slice_widths: dict[str, tuple[int, ...]]):
         require("ranks", ranks, 1, torch.int32)
         num_slots = ranks.shape[0]
         r_max = lora_b[0][LORA_MODULES[0]].shape[2]
-        fields = [num_slots, r_max, ranks.data_ptr()]
+        dtype = lora_a[0][LORA_MODULES[0]].dtype
+        if dtype not in WEIGHT_TYPES:
+            raise ValueError(f"the slot buffers must be float32, bfloat16 or float16, got {dtype}")
+        fields = [num_slots, r_max, ranks.data_ptr(), WEIGHT_TYPES[dtype]]
         for m in LORA_MODULES:
             widths = tuple(slice_widths[m])
             if not 1 <= len(widths) <= _LORA_WIDTHS:
@@ -158,8 +164,8 @@ class DecodeStepLora:
         for a_layer, b_layer in zip(lora_a, lora_b, strict=True):
             for m in LORA_MODULES:
                 a, bm = a_layer[m], b_layer[m]
-                require(f"{m} A", a, 3)
-                require(f"{m} B (rank-major, its storage)", bm.transpose(1, 2), 3)
+                require(f"{m} A", a, 3, dtype)
+                require(f"{m} B (rank-major, its storage)", bm.transpose(1, 2), 3, dtype)
                 if a.shape[2] != lora_a[0][m].shape[2]:
                     raise ValueError(f"{m}: A takes {a.shape[2]} features in one layer, "
                                      f"{lora_a[0][m].shape[2]} in another")

@@ -3,6 +3,8 @@
 #define LORAPLEX_CPU_KERNELS_H
 #include <stdint.h>
 
+#include "lora_weights.h"
+
 /* Memory a GEMM asks for while it runs, for the kernel after it (linear.c, side prefetch): `n` spans,
  * each int64 (address, rows, row stride in bytes, bytes per row), a row being ceil(bytes / 64) 64-byte
  * lines from its start. */
@@ -43,11 +45,12 @@ int64_t lp_fold_ext(const int64_t *widths, int64_t S, int64_t rank, int64_t N, i
 int64_t lp_fold_module_floats(int64_t K, int64_t N, int64_t S, const int64_t *widths, int64_t rank);
 int64_t lp_lora_fold_floats(const int64_t *tab, const int64_t *ins, int64_t layers, int64_t rank);
 
-/* The LoRA table (decode_step.py's DecodeStepLora): slots, r_max, ranks, then per fused module (qkv, o,
- * gate_up, down) its slice count and up to LP_LORA_WIDTHS widths, then per layer and module the A
- * [slots, S * r_max, in] and rank-major B [slots, r_max, out] buffers (lora.c's layout). */
+/* The LoRA table (decode_step.py's DecodeStepLora): slots, r_max, ranks, the buffers' element type
+ * (LP_W_*, lora_weights.h), then per fused module (qkv, o, gate_up, down) its slice count and up to
+ * LP_LORA_WIDTHS widths, then per layer and module the A [slots, S * r_max, in] and rank-major
+ * B [slots, r_max, out] buffers (lora.c's layout). */
 enum { LP_LORA_MODULES = 4, LP_LORA_WIDTHS = 4 };
-enum { LP_R_SLOTS, LP_R_RMAX, LP_R_RANKS, LP_R_MODULES,
+enum { LP_R_SLOTS, LP_R_RMAX, LP_R_RANKS, LP_R_WTYPE, LP_R_MODULES,
        LP_LORA_HEADER = LP_R_MODULES + LP_LORA_MODULES * (1 + LP_LORA_WIDTHS) };
 
 /* Fused module m's entry in the LoRA table: its slice count, then its widths. */
@@ -94,6 +97,8 @@ void lp_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
 int lp_decode_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
                             const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
                             int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *out);
-int lp_lora_f32_packed(const int64_t *p);
+int lp_lora_f32_packed(const int64_t *p);  /* lora.c, fp32 slot buffers */
+int lp_lora_bf16_packed(const int64_t *p); /* lora_bf16.c */
+int lp_lora_f16_packed(const int64_t *p);  /* lora_f16.c */
 
 #endif

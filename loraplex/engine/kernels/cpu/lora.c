@@ -1,5 +1,9 @@
 /* Multi-LoRA deltas for a flat token batch on the CPU, fp32: shrink (A) then expand (B), in one call.
  *
+ * Built three times: here for fp32 slot buffers (lp_lora_f32), and by lora_bf16.c and lora_f16.c for
+ * 16-bit ones (lp_lora_bf16, lp_lora_f16: lora_weights.h), which read A and B widened to fp32 as they
+ * are loaded; x, out and every sum are fp32 in each.
+ *
  * Semantics (the layout of kernels/lora_ops.py): x [T, K], out [T, N] (row-major, contiguous),
  * A [slots, S * r_max, K], B [slots, r_max, N] (rank-major: the storage of lora_ops' B [slots, N, r_max]
  * view), N = w_0 + .. + w_{S-1}, off_s = w_0 + .. + w_{s-1}.
@@ -35,6 +39,17 @@
 
 #include "lora_tiles.h"
 
+#if LP_LORA_WTYPE == LP_W_BF16
+#define LORA_ENTRY lp_lora_bf16
+#define LORA_PACKED lp_lora_bf16_packed
+#elif LP_LORA_WTYPE == LP_W_F16
+#define LORA_ENTRY lp_lora_f16
+#define LORA_PACKED lp_lora_f16_packed
+#else
+#define LORA_ENTRY lp_lora_f32
+#define LORA_PACKED lp_lora_f32_packed
+#endif
+
 /* Tokens of one slot per block: bounds the token pointer arrays; longer groups (prefill) are split so
  * the threads can share them and a block's x rows stay in L2. */
 #define BLOCK_TOKENS 64
@@ -47,7 +62,12 @@
 #define SHRINK_KC 256   /* features of A per packed tile: 16 rows x 256 fill a panel */
 #define PF_AHEAD (24 * 1024) /* bytes of weights asked for ahead of the compute: more than a panel */
 #define PF_BURST 1024        /* bytes asked for at once beyond what was read since the last ask */
-#define PANEL_FLOATS 4096 /* a packed A tile (16 KB, in L1); the weights of an expand panel */
+/* Blocks of few tokens (memory-bound) ask for their weights ahead too (1), or leave them to the hardware
+ * prefetcher (0). fp32 weights stream at the memory's rate without it (asking made distinct's LoRA work
+ * 10% slower on an AMX Xeon); 16-bit ones, half the bytes per row, did not: asking for them took a
+ * 32-adapter decode step's LoRA work from 17.4 to 16.0 ms there (bench/RESULTS.md). */
+#define STREAM_PF (LP_LORA_WTYPE != LP_W_F32)
+#define PANEL_FLOATS 4096 /* a packed A tile (16 KB, in L1); the weights of an expand panel (elements) */
 _Static_assert(PANEL_FLOATS >= SHRINK_KC * EXPAND_TILE, "a tile fits");
 
 typedef struct {
@@ -56,7 +76,8 @@ typedef struct {
 } block_t;
 
 typedef struct {
-    const float *x, *A, *B;
+    const float *x;
+    const wt_t *A, *B;
     float *out, *y;
     int64_t K, N, r_max, S, ldy;
     int64_t off[MAX_SLICES], w[MAX_SLICES];
@@ -84,8 +105,8 @@ typedef struct {
     int expand;
     double lo, hi, base;
     int64_t i, s, u0, u1;
-    const float *p, *end;  /* the range's weights: rows of [p, end), the next `rows` of them `stride` apart */
-    int64_t rows, stride; /* (stride in floats) */
+    const wt_t *p, *end;  /* the range's weights: rows of [p, end), the next `rows` of them `stride` apart */
+    int64_t rows, stride; /* (stride in elements) */
 } walk_t;
 
 static void walk_start(walk_t *w, const job_t *job, int expand, int64_t tid, int64_t nth) {
@@ -153,7 +174,7 @@ static void prefetch_ahead(prefetch_t *pf, int64_t used, int issue) {
             } else {
                 pf->row = 0;
             }
-            const float *row = pf->w.p + pf->row * pf->w.stride;
+            const wt_t *row = pf->w.p + pf->row * pf->w.stride;
             pf->p = (const char *)((uintptr_t)row & ~(uintptr_t)63), pf->end = (const char *)(row + (pf->w.end - pf->w.p));
         }
         int64_t n = pf->end - pf->p;
@@ -177,7 +198,7 @@ static void prefetch_ahead(prefetch_t *pf, int64_t used, int issue) {
  * with no horizontal sums, and A read evenly while it runs; a thread's share that cuts a tile takes
  * its part of it the same way, so each row's bits do not depend on how the rows were split. Other
  * rows (a rank not a multiple of 16) and fewer tokens: shrink_dot. */
-static void shrink_rows(const float *a, int64_t K, int64_t rk, int64_t j0, int64_t j1, const float *const *xr, int m,
+static void shrink_rows(const wt_t *a, int64_t K, int64_t rk, int64_t j0, int64_t j1, const float *const *xr, int m,
                         float *y, int64_t ldy, prefetch_t *pf) {
     float at[PANEL_FLOATS] __attribute__((aligned(64)));
     const float *xs[BLOCK_TOKENS];
@@ -189,7 +210,7 @@ static void shrink_rows(const float *a, int64_t K, int64_t rk, int64_t j0, int64
     while (j < j1 && j < tiled) {
         const int64_t tile_end = (j / EXPAND_TILE + 1) * EXPAND_TILE, rows = (tile_end < j1 ? tile_end : j1) - j;
         for (int64_t x0 = 0; x0 < K; x0 += SHRINK_KC) {
-            const int64_t kc = K - x0 < SHRINK_KC ? K - x0 : SHRINK_KC, used = rows * kc * 4 / ng;
+            const int64_t kc = K - x0 < SHRINK_KC ? K - x0 : SHRINK_KC, used = rows * kc * WT_BYTES / ng;
             pack_tile(a + x0, K, kc, j, rows, at);
             for (int t = 0; t < m; t++) xs[t] = xr[t] + x0;
             for (int g = 0; g < ng; g++) {
@@ -200,19 +221,19 @@ static void shrink_rows(const float *a, int64_t K, int64_t rk, int64_t j0, int64
         }
         j += rows;
     }
-    prefetch_ahead(pf, (j1 - j) * K * 4, 0);
+    prefetch_ahead(pf, (j1 - j) * K * WT_BYTES, STREAM_PF);
     shrink_dot(a, K, j, j1, xr, m, y, ldy);
 }
 
 /* Outputs n0 .. n1-1 of one slice (bt = its column 0 in B's row 0, rows ldb floats apart) for m tokens:
  * out_t[n] += B[:rk, n] . y_t, by groups of up to six tokens over a panel of columns whose rk rows
  * (PANEL_FLOATS in all) stay in L1 while the groups read them. */
-static void expand_range(const float *bt, int64_t ldb, int64_t rk, int64_t n0, int64_t n1, const float *y,
+static void expand_range(const wt_t *bt, int64_t ldb, int64_t rk, int64_t n0, int64_t n1, const float *y,
                          int64_t ldy, float *const *outr, int m, prefetch_t *pf) {
     const float *yr[BLOCK_TOKENS];
     for (int t = 0; t < m; t++) yr[t] = y + t * ldy;
     if (m <= 2) {
-        prefetch_ahead(pf, (n1 - n0) * rk * 4, 0);
+        prefetch_ahead(pf, (n1 - n0) * rk * WT_BYTES, STREAM_PF);
         expand_group(bt, ldb, rk, yr, outr, n0, n1, m);
         return;
     }
@@ -220,7 +241,7 @@ static void expand_range(const float *bt, int64_t ldb, int64_t rk, int64_t n0, i
     int64_t panel = PANEL_FLOATS / rk / EXPAND_TILE * EXPAND_TILE;
     panel = panel < EXPAND_TILE ? EXPAND_TILE : panel;
     for (int64_t p0 = n0; p0 < n1; p0 += panel) {
-        const int64_t p1 = p0 + panel < n1 ? p0 + panel : n1, used = (p1 - p0) * rk * 4 / ng;
+        const int64_t p1 = p0 + panel < n1 ? p0 + panel : n1, used = (p1 - p0) * rk * WT_BYTES / ng;
         for (int g = 0; g < ng; g++) {
             const int t = m * g / ng;
             prefetch_ahead(pf, used, m >= MANY_TOKENS);
@@ -230,25 +251,25 @@ static void expand_range(const float *bt, int64_t ldb, int64_t rk, int64_t n0, i
 }
 
 #else /* portable: plain loops */
-static void shrink_rows(const float *a, int64_t K, int64_t rk, int64_t j0, int64_t j1, const float *const *xr, int m,
+static void shrink_rows(const wt_t *a, int64_t K, int64_t rk, int64_t j0, int64_t j1, const float *const *xr, int m,
                         float *y, int64_t ldy, prefetch_t *pf) {
     (void)rk;
-    prefetch_ahead(pf, (j1 - j0) * K * 4, 0);
+    prefetch_ahead(pf, (j1 - j0) * K * WT_BYTES, 0);
     for (int64_t j = j0; j < j1; j++)
         for (int t = 0; t < m; t++) {
             float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) s += a[j * K + k] * xr[t][k];
+            for (int64_t k = 0; k < K; k++) s += wscalar(a + j * K + k) * xr[t][k];
             y[t * ldy + j] = s;
         }
 }
 
-static void expand_range(const float *bt, int64_t ldb, int64_t rk, int64_t n0, int64_t n1, const float *y,
+static void expand_range(const wt_t *bt, int64_t ldb, int64_t rk, int64_t n0, int64_t n1, const float *y,
                          int64_t ldy, float *const *outr, int m, prefetch_t *pf) {
-    prefetch_ahead(pf, (n1 - n0) * rk * 4, 0);
+    prefetch_ahead(pf, (n1 - n0) * rk * WT_BYTES, 0);
     for (int t = 0; t < m; t++)
         for (int64_t n = n0; n < n1; n++) {
             float s = outr[t][n];
-            for (int64_t j = 0; j < rk; j++) s += bt[j * ldb + n] * y[t * ldy + j];
+            for (int64_t j = 0; j < rk; j++) s += wscalar(bt + j * ldb + n) * y[t * ldy + j];
             outr[t][n] = s;
         }
 }
@@ -309,7 +330,7 @@ static void *scratch(size_t bytes) {
 
 /* out += LoRA deltas (see Semantics). widths: S slice widths summing to N; ranks may be NULL.
  * Returns 0, or -1 for invalid sizes, -2 for a group outside [0, slots) or rows, -3 out of memory. */
-int lp_lora_f32(const float *x, float *out, int64_t T, int64_t K, int64_t N, const float *A, const float *B,
+int LORA_ENTRY(const float *x, float *out, int64_t T, int64_t K, int64_t N, const wt_t *A, const wt_t *B,
                 int64_t num_slots, int64_t r_max, int64_t S, const int64_t *widths, const int32_t *ranks,
                 const int32_t *rows, int64_t num_rows, const int32_t *groups, int64_t G) {
     if (T < 0 || K < 1 || N < 1 || r_max < 1 || r_max > MAX_RANK || S < 1 || S > MAX_SLICES || G < 0) return -1;
@@ -369,13 +390,13 @@ int lp_lora_f32(const float *x, float *out, int64_t T, int64_t K, int64_t N, con
     return 0;
 }
 
-/* lp_lora_f32 with its arguments packed in one int64 array, pointers as integers (0 = NULL):
+/* LORA_ENTRY with its arguments packed in one int64 array, pointers as integers (0 = NULL):
  * x, out, T, K, N, A, B, slots, r_max, ranks, rows, num_rows, groups, G, S, widths[0 .. S-1].
  * One ctypes argument instead of sixteen: the Python wrapper saves about 2 us per call. */
-int lp_lora_f32_packed(const int64_t *p) {
+int LORA_PACKED(const int64_t *p) {
     if (p[14] < 1 || p[14] > MAX_SLICES) return -1;
-    return lp_lora_f32((const float *)(intptr_t)p[0], (float *)(intptr_t)p[1], p[2], p[3], p[4],
-                       (const float *)(intptr_t)p[5], (const float *)(intptr_t)p[6], p[7], p[8], p[14], p + 15,
-                       (const int32_t *)(intptr_t)p[9], (const int32_t *)(intptr_t)p[10], p[11],
-                       (const int32_t *)(intptr_t)p[12], p[13]);
+    return LORA_ENTRY((const float *)(intptr_t)p[0], (float *)(intptr_t)p[1], p[2], p[3], p[4],
+                      (const wt_t *)(intptr_t)p[5], (const wt_t *)(intptr_t)p[6], p[7], p[8], p[14], p + 15,
+                      (const int32_t *)(intptr_t)p[9], (const int32_t *)(intptr_t)p[10], p[11],
+                      (const int32_t *)(intptr_t)p[12], p[13]);
 }

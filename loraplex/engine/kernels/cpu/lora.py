@@ -1,6 +1,8 @@
-"""Multi-LoRA deltas on the CPU through lora.c (see its Semantics): fp32, shrink then expand in one call.
+"""Multi-LoRA deltas on the CPU through lora.c (see its Semantics): shrink then expand in one call.
 
-apply_lora (kernels/lora_ops.py) uses it for fp32 CPU tensors when the C kernels are built. The model
+x and out are fp32; the slot buffers A and B are fp32, bf16 or fp16 (lora_weights.h: 16-bit weights are
+widened as they are loaded, which halves the memory traffic of many-adapter steps).
+apply_lora (kernels/lora_ops.py) uses it for fp32 CPU activations when the C kernels are built. The model
 calls it 4 times per layer and step, so the wrapper stays at a few microseconds: the inputs are
 checked with attribute reads only (the detailed messages are worked out once a check has failed),
 the batch layout comes from the index's cached `slot_groups`, and the arguments cross into C packed
@@ -21,15 +23,17 @@ from loraplex.engine.kernels.lora_ops import MAX_SLICES, LoraBatchIndex, is_rank
 
 MAX_RANK = 256  # lora.c's bound on r_max (its stack buffers)
 F32, I32 = torch.float32, torch.int32
-# lp_lora_f32_packed's argument block per slice count: 15 int64 fields, then the slice widths
+# The slot buffers' element types lora.c is built for: dtype -> its entry point's suffix
+WEIGHT_KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
+# lp_lora_*_packed's argument block per slice count: 15 int64 fields, then the slice widths
 _PACKED = {s: struct.Struct(f"{15 + s}q") for s in range(1, MAX_SLICES + 1)}
 _WIDTHS: dict[tuple, tuple[int, ...]] = {}  # (slice_widths, A rows, B rows, r_max) -> checked widths
 _ERRORS = {-1: "invalid sizes", -2: "the index's groups do not fit the batch or the slots", -3: "out of memory"}
 
 
 @functools.cache
-def _lora():
-    return function("lp_lora_f32_packed", ctypes.c_int, [ctypes.c_void_p])
+def _lora(dtype: torch.dtype = F32):
+    return function(f"lp_lora_{WEIGHT_KERNELS[dtype]}_packed", ctypes.c_int, [ctypes.c_void_p])
 
 
 def lora_available() -> bool:
@@ -42,17 +46,18 @@ def lora_shrink_expand_cpu(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Ten
                            ranks: torch.Tensor | None = None) -> None:
     """out += the LoRA delta of every token with a slot, in place (lora_ops' semantics).
 
-    x [T, in], out [T, out_total], lora_a [slots, S * r_max, in], lora_b [slots, out_total, r_max]:
-    float32 on the CPU, lora_b rank-major (lora_ops.stacked_b, as the slot buffers hold it), the others
+    x [T, in], out [T, out_total] float32, lora_a [slots, S * r_max, in], lora_b [slots, out_total, r_max]
+    float32, bfloat16 or float16 (one dtype), all on the CPU,
+    lora_b rank-major (lora_ops.stacked_b, as the slot buffers hold it), the others
     contiguous; slice_widths: S widths summing to out_total (default: equal);
     ranks: optional [slots] int32/int64, each slot's true rank (clamped to [0, r_max]).
     Raises ValueError for bad inputs, RuntimeError when the C kernels are not built.
     """
-    kernel = _lora()
+    kernel = _lora(lora_a.dtype) if getattr(lora_a, "dtype", None) in WEIGHT_KERNELS else _lora()
     if kernel is None:
         raise RuntimeError("the CPU kernels are not built (see loraplex.engine.kernels.cpu.build)")
     try:  # the common case in attribute reads; anything odd goes to _explain for a precise message
-        ok = (x.dtype is F32 and out.dtype is F32 and lora_a.dtype is F32 and lora_b.dtype is F32
+        ok = (x.dtype is F32 and out.dtype is F32 and lora_b.dtype is lora_a.dtype and lora_a.dtype in WEIGHT_KERNELS
               and x.is_contiguous() and out.is_contiguous() and lora_a.is_contiguous()
               and x.is_cpu and out.is_cpu and lora_a.is_cpu and lora_b.is_cpu)
         t, k = x.shape
@@ -84,7 +89,7 @@ def lora_shrink_expand_cpu(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Ten
                                      g.num_rows, g.groups.data_ptr(), g.num_groups, len(widths), *widths)
     rc = kernel(args)
     if rc:
-        raise ValueError(f"lp_lora_f32 refused the call: {_ERRORS.get(rc, rc)}")
+        raise ValueError(f"lp_lora_{WEIGHT_KERNELS[lora_a.dtype]} refused the call: {_ERRORS.get(rc, rc)}")
 
 
 def _widths(slice_widths: Sequence[int] | None, a_rows: int, n_out: int, r_max: int) -> tuple[int, ...]:
@@ -123,8 +128,10 @@ def _explain(x: object, out: object, lora_a: object, lora_b: object) -> None:
     for name, t, ndim in (("x", x, 2), ("out", out, 2), ("lora_a", lora_a, 3), ("lora_b", lora_b, 3)):
         if not isinstance(t, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-        if t.dtype != F32:
+        if name in ("x", "out") and t.dtype != F32:
             raise ValueError(f"{name} must be float32 for the CPU LoRA kernel, got {t.dtype}")
+        if name.startswith("lora") and t.dtype not in WEIGHT_KERNELS:
+            raise ValueError(f"{name} must be float32, bfloat16 or float16 for the CPU LoRA kernel, got {t.dtype}")
         if t.dim() != ndim:
             raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
         if name == "lora_b" and not is_rank_major(t):
@@ -134,6 +141,8 @@ def _explain(x: object, out: object, lora_a: object, lora_b: object) -> None:
             raise ValueError(f"{name} must be contiguous (call .contiguous()), got strides {t.stride()}")
         if not t.is_cpu:
             raise ValueError(f"{name} must be on the CPU, got {t.device}")
+    if lora_b.dtype != lora_a.dtype:
+        raise ValueError(f"lora_b dtype {lora_b.dtype} differs from lora_a dtype {lora_a.dtype}")
     if lora_b.shape[0] != lora_a.shape[0]:
         raise ValueError(f"lora_a has {lora_a.shape[0]} slots but lora_b has {lora_b.shape[0]}")
     if not 1 <= lora_b.shape[2] <= MAX_RANK:

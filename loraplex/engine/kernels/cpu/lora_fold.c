@@ -11,7 +11,8 @@
  * so that a GEMM over x with the fold gives x @ W^T + (x @ A_s^T) @ B_s^T for each slice: the
  * adapter's delta at the GEMM's rate.
  *
- * B is the slot buffers' rank-major [slots, r_max, N] (lora.c's layout).
+ * B is the slot buffers' rank-major [slots, r_max, N] (lora.c's layout). 16-bit buffers (the table's
+ * LP_R_WTYPE) are widened to fp32 here: the packed copy is always fp32.
  *
  * Why a separate copy: the slot buffers keep lora.c's layout (padded to r_max, read by every adapter
  * of a mixed batch); the packed copy is made only for an adapter that holds most of a
@@ -46,15 +47,15 @@ int64_t lp_lora_fold_floats(const int64_t *tab, const int64_t *ins, int64_t laye
     return off[LP_LORA_MODULES] * layers;
 }
 
-static void pack_module(const float *A, const float *B, int64_t K, int64_t N, int64_t S, const int64_t *widths,
-                        int64_t r_max, int64_t rk, float *dst) {
+static void pack_module(const void *A, const void *B, int64_t wtype, int64_t K, int64_t N, int64_t S,
+                        const int64_t *widths, int64_t r_max, int64_t rk, float *dst) {
     const int64_t pa = lp_fold_panels(S, rk), aw = lp_fold_width(S, rk);
     for (int64_t q = 0; q < pa; q++)
         for (int64_t j = 0; j < aw; j++) { /* one A row into column j of panel q */
             const int64_t i = q * aw + j, s = i / rk, r = i % rk;
             float *col = dst + q * K * aw + j;
             if (i < S * rk)
-                for (int64_t k = 0; k < K; k++) col[k * aw] = A[(s * r_max + r) * K + k];
+                for (int64_t k = 0; k < K; k++) col[k * aw] = lp_weight_at(A, (s * r_max + r) * K + k, wtype);
             else
                 for (int64_t k = 0; k < K; k++) col[k * aw] = 0.0f;
         }
@@ -64,19 +65,21 @@ static void pack_module(const float *A, const float *B, int64_t K, int64_t N, in
         memset(bp, 0, sizeof(float) * len * NR);
         for (int64_t j = 0, n = p * NR, s = 0, off = 0; j < NR && n < N; j++, n++) {
             while (n >= off + widths[s]) off += widths[s++];
-            for (int64_t r = 0; r < rk; r++) bp[(s * rk + r - e0) * NR + j] = B[r * N + n];
+            for (int64_t r = 0; r < rk; r++) bp[(s * rk + r - e0) * NR + j] = lp_weight_at(B, r * N + n, wtype);
         }
         bp += len * NR;
     }
 }
 
 /* Writes slot's fold block (lp_lora_fold_floats floats) to dst. Returns 0, or -1 when the slot is out
- * of range, empty, or `floats` does not match its rank. */
+ * of range, empty, or `floats` does not match its rank, or the table's element type is unknown. */
 int lp_lora_fold_pack(const int64_t *tab, const int64_t *ins, int64_t layers, int64_t slot, float *dst,
                       int64_t floats) {
     if (slot < 0 || slot >= tab[LP_R_SLOTS] || layers < 1) return -1;
     const int64_t r_max = tab[LP_R_RMAX], rk = ((const int32_t *)(intptr_t)tab[LP_R_RANKS])[slot];
+    const int64_t wtype = tab[LP_R_WTYPE], wb = lp_weight_bytes(wtype);
     if (rk < 1 || rk > r_max || floats != lp_lora_fold_floats(tab, ins, layers, rk)) return -1;
+    if (wtype != LP_W_F32 && wtype != LP_W_BF16 && wtype != LP_W_F16) return -1;
     int64_t module_off[LP_LORA_MODULES + 1];
     module_offsets(tab, ins, rk, module_off);
 #pragma omp parallel for schedule(dynamic)
@@ -84,9 +87,9 @@ int lp_lora_fold_pack(const int64_t *tab, const int64_t *ins, int64_t layers, in
         const int64_t l = lm / LP_LORA_MODULES, m = lm % LP_LORA_MODULES, *mod = lp_lora_module(tab, m);
         const int64_t K = ins[m], N = lp_lora_module_out(mod), S = mod[0];
         const int64_t *ab = tab + LP_LORA_HEADER + lm * 2;
-        const float *A = (const float *)(intptr_t)ab[0] + slot * S * r_max * K;
-        const float *B = (const float *)(intptr_t)ab[1] + slot * N * r_max;
-        pack_module(A, B, K, N, S, mod + 1, r_max, rk, dst + l * module_off[LP_LORA_MODULES] + module_off[m]);
+        const char *A = (const char *)(intptr_t)ab[0] + slot * S * r_max * K * wb;
+        const char *B = (const char *)(intptr_t)ab[1] + slot * N * r_max * wb;
+        pack_module(A, B, wtype, K, N, S, mod + 1, r_max, rk, dst + l * module_off[LP_LORA_MODULES] + module_off[m]);
     }
     return 0;
 }

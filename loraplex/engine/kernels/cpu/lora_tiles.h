@@ -7,10 +7,34 @@
 #ifndef LORAPLEX_CPU_LORA_TILES_H
 #define LORAPLEX_CPU_LORA_TILES_H
 #include <stdint.h>
+#include <string.h>
+
+#include "lora_weights.h"
 
 #define MAX_RANK 256
 #define EXPAND_TILE 16 /* rows per packed A tile; outputs per unit of the expand's split */
 #define DOT_KC 768     /* features per dot-product pass: six tokens' worth (18 KB) stay in L1 */
+
+/* The slot buffers' element type, wt_t: lora.c's build variant (LP_LORA_WTYPE, lora_weights.h; fp32
+ * unless a variant file sets it). Weights are widened to fp32 as they are loaded (wload, wload8,
+ * wscalar); everything else is fp32. */
+#ifndef LP_LORA_WTYPE
+#define LP_LORA_WTYPE LP_W_F32
+#endif
+#if LP_LORA_WTYPE == LP_W_F32
+typedef float wt_t;
+static inline float wscalar(const wt_t *p) { return *p; }
+#else
+typedef uint16_t wt_t;
+static inline float wscalar(const wt_t *p) {
+#if LP_LORA_WTYPE == LP_W_BF16
+    return lp_bf16_to_f32(*p);
+#else
+    return lp_f16_to_f32(*p);
+#endif
+}
+#endif
+#define WT_BYTES ((int64_t)sizeof(wt_t))
 
 #if defined(__AVX2__) && defined(__FMA__)
 
@@ -65,10 +89,63 @@ static inline rvec_t rfma(rvec_t a, rvec_t b, rvec_t c) { return _mm256_fmadd_ps
 static inline __m256 rfold(rvec_t v) { return v; }
 #endif
 
+#if LP_LORA_WTYPE != LP_W_F32
+/* Eight 16-bit weights widened to fp32 (exact). */
+static inline __m256 widen8(__m128i h) {
+#if LP_LORA_WTYPE == LP_W_BF16
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+#else
+    return _mm256_cvtph_ps(h);
+#endif
+}
+#endif
+
+/* DOT_CHUNK weights from p, widened to fp32: all of them (whole), else the n live lanes of mask m (the
+ * others read as zero; nothing past them is touched). */
+static inline rvec_t wload(const wt_t *p, int whole, rmask_t m, int64_t n) {
+#if LP_LORA_WTYPE == LP_W_F32
+    (void)n;
+    return rload(p, whole, m);
+#else
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+    (void)n;
+    const __m256i h = whole ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(m, p);
+#else
+    (void)m;
+    uint16_t tail[DOT_CHUNK];
+    if (!whole) { /* a part vector through the stack (a row's end, one per span) */
+        const int64_t live = n < 0 ? 0 : n > DOT_CHUNK ? DOT_CHUNK : n;
+        memset(tail, 0, sizeof tail);
+        memcpy(tail, p, (size_t)live * sizeof(uint16_t));
+        p = tail;
+    }
+#if defined(__AVX512F__)
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+#else
+    return widen8(_mm_loadu_si128((const __m128i *)p));
+#endif
+#endif
+#if defined(__AVX512F__) && LP_LORA_WTYPE == LP_W_BF16
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+#elif defined(__AVX512F__)
+    return _mm512_cvtph_ps(h);
+#endif
+#endif
+}
+
+/* Eight weights from p, widened to fp32 (pack_tile's loads). */
+static inline __m256 wload8(const wt_t *p) {
+#if LP_LORA_WTYPE == LP_W_F32
+    return _mm256_loadu_ps(p);
+#else
+    return widen8(_mm_loadu_si128((const __m128i *)p));
+#endif
+}
+
 /* Shrink, R rows of A (a, row stride lda) x M tokens over kc features: y[m * ldy + r] (+)= A_r . x_m
  * (added when acc_y: a later chunk of features). Inlined with constant R and M so the R * M
  * accumulators stay in registers. Lanes beyond kc read as zero; nothing past a row is touched. */
-static inline __attribute__((always_inline)) void shrink_rm(const float *a, int64_t lda, int64_t kc,
+static inline __attribute__((always_inline)) void shrink_rm(const wt_t *a, int64_t lda, int64_t kc,
                                                             const float *const *xr, int64_t x0, float *y, int64_t ldy,
                                                             int acc_y, const int R, const int M) {
     rvec_t acc[4][6];
@@ -78,7 +155,7 @@ static inline __attribute__((always_inline)) void shrink_rm(const float *a, int6
         const int whole = kc - k >= DOT_CHUNK;
         const rmask_t mk = chunk_mask(kc - k);
         rvec_t av[4];
-        for (int r = 0; r < R; r++) av[r] = rload(a + r * lda + k, whole, mk);
+        for (int r = 0; r < R; r++) av[r] = wload(a + r * lda + k, whole, mk, kc - k);
         for (int m = 0; m < M; m++) {
             const rvec_t xv = rload(xr[m] + x0 + k, whole, mk);
             for (int r = 0; r < R; r++) acc[r][m] = rfma(av[r], xv, acc[r][m]);
@@ -97,7 +174,7 @@ static inline __attribute__((always_inline)) void shrink_rm(const float *a, int6
 /* Shrink by dot products over A's rows (fewer than MANY_TOKENS tokens): the tokens in groups, each
  * against the rows two at a time (four for one or two tokens: memory-bound, A read once in order),
  * over DOT_KC features at a time so a group's features stay in L1 while A comes from L2. */
-static void shrink_dot(const float *a, int64_t K, int64_t j0, int64_t j1, const float *const *xr, int m, float *y,
+static void shrink_dot(const wt_t *a, int64_t K, int64_t j0, int64_t j1, const float *const *xr, int m, float *y,
                        int64_t ldy) {
     const int ng = (m + 5) / 6;
     const int64_t step = m <= 2 ? K : DOT_KC;
@@ -108,7 +185,7 @@ static void shrink_dot(const float *a, int64_t K, int64_t j0, int64_t j1, const 
             const int t = m * g / ng, c = m * (g + 1) / ng - t;
             const float *const *xs = xr + t;
             float *ys = y + t * ldy;
-            const float *ax = a + x0;
+            const wt_t *ax = a + x0;
             int64_t j = j0;
             for (; c <= 2 && j + 4 <= j1; j += 4) {
                 if (c == 1)
@@ -151,7 +228,7 @@ static inline void rstore(float *p, rvec_t v, int whole, rmask_t m) {
  * ldb floats apart): out_m[c] = fma(bt[rk-1][c], y_m[rk-1], .. fma(bt[0][c], y_m[0], out_m[c])), in j
  * order. Every output's sum has that one order whatever M, V or the columns' split, so a token's bits
  * depend neither on its group nor on the threads. Bt's rows are read as they lie: no packing. */
-static inline __attribute__((always_inline)) void expand_cols(const float *bt, int64_t ldb, int64_t rk,
+static inline __attribute__((always_inline)) void expand_cols(const wt_t *bt, int64_t ldb, int64_t rk,
                                                               const float *const *yr, float *const *outr, int64_t n,
                                                               int64_t cols, const int M, const int V, const int FULL) {
     rvec_t acc[6][4];
@@ -163,9 +240,9 @@ static inline __attribute__((always_inline)) void expand_cols(const float *bt, i
     for (int m = 0; m < M; m++)
         for (int v = 0; v < V; v++) acc[m][v] = rload(outr[m] + n + v * DOT_CHUNK, FULL, mk[v]);
     for (int64_t j = 0; j < rk; j++) {
-        const float *b = bt + j * ldb + n;
+        const wt_t *b = bt + j * ldb + n;
         rvec_t bv[4];
-        for (int v = 0; v < V; v++) bv[v] = rload(b + v * DOT_CHUNK, FULL, mk[v]);
+        for (int v = 0; v < V; v++) bv[v] = wload(b + v * DOT_CHUNK, FULL, mk[v], cols - v * DOT_CHUNK);
         for (int m = 0; m < M; m++) {
             const rvec_t ym = rbcast(yr[m] + j);
             for (int v = 0; v < V; v++) acc[m][v] = rfma(bv[v], ym, acc[m][v]);
@@ -176,7 +253,7 @@ static inline __attribute__((always_inline)) void expand_cols(const float *bt, i
 }
 
 /* expand_cols over columns n0 .. n1-1 in steps of V vectors, the last step masked. */
-static inline __attribute__((always_inline)) void expand_span(const float *bt, int64_t ldb, int64_t rk,
+static inline __attribute__((always_inline)) void expand_span(const wt_t *bt, int64_t ldb, int64_t rk,
                                                               const float *const *yr, float *const *outr, int64_t n0,
                                                               int64_t n1, const int M, const int V) {
     const int64_t w = V * DOT_CHUNK;
@@ -188,7 +265,7 @@ static inline __attribute__((always_inline)) void expand_span(const float *bt, i
 /* The expand of a group of c (1 to 6) tokens over columns n0 .. n1-1: one or two tokens take four
  * vectors of columns at a time (four FMA chains each: memory-bound, Bt streamed), more take two
  * (up to 12 accumulators). */
-static void expand_group(const float *bt, int64_t ldb, int64_t rk, const float *const *yr, float *const *outr,
+static void expand_group(const wt_t *bt, int64_t ldb, int64_t rk, const float *const *yr, float *const *outr,
                          int64_t n0, int64_t n1, int c) {
     switch (c) {
         case 1: expand_span(bt, ldb, rk, yr, outr, n0, n1, 1, 4); break;
@@ -203,18 +280,18 @@ static void expand_group(const float *bt, int64_t ldb, int64_t rk, const float *
 /* Bt[k * 16 + i] = B[n0 + i, k] for k < rk, i < 16 (here A's rows, r_max = K apart);
  * rows at or beyond `rows` read as zero. Loads whole 8-column chunks, up to round_up(rk, 8) <= r_max,
  * but stores only k < rk. */
-static void pack_tile(const float *b, int64_t r_max, int64_t rk, int64_t n0, int64_t rows, float *bt) {
+static void pack_tile(const wt_t *b, int64_t r_max, int64_t rk, int64_t n0, int64_t rows, float *bt) {
     if (r_max % 8) { /* rows are not 8-float aligned chunks: scalar */
         for (int64_t k = 0; k < rk; k++)
             for (int64_t i = 0; i < EXPAND_TILE; i++)
-                bt[k * EXPAND_TILE + i] = i < rows ? b[(n0 + i) * r_max + k] : 0.0f;
+                bt[k * EXPAND_TILE + i] = i < rows ? wscalar(b + (n0 + i) * r_max + k) : 0.0f;
         return;
     }
     for (int h = 0; h < EXPAND_TILE; h += 8) {
         for (int64_t k0 = 0; k0 < rk; k0 += 8) {
             __m256 r[8];
             for (int i = 0; i < 8; i++)
-                r[i] = h + i < rows ? _mm256_loadu_ps(b + (n0 + h + i) * r_max + k0) : _mm256_setzero_ps();
+                r[i] = h + i < rows ? wload8(b + (n0 + h + i) * r_max + k0) : _mm256_setzero_ps();
             transpose8x8(r);
             for (int i = 0; i < 8 && k0 + i < rk; i++) _mm256_store_ps(bt + (k0 + i) * EXPAND_TILE + h, r[i]);
         }
