@@ -46,10 +46,14 @@ def test_bench_lora_reports_every_pattern_peft_and_both_loads(tmp_path):
     assert r["zipf_rank64_fleet"]["buffer_rank"] == 64  # the fleet's rank-64 adapter grew its slot buffers
     for key, of in (("zipf_bf16_slots", "zipf"), ("distinct_bf16_slots", "distinct")):  # the fp32 model's batches
         assert r[key]["slot_dtype"] == "bfloat16" and r[key]["distinct_adapters"] == r[of]["distinct_adapters"]
+        assert 0 <= r[key]["requests_as_fp32"] <= r[key]["requests"] == 4
+        assert 0 <= r[key]["tokens_before_difference"] <= 1
     for key in ("identical", "zipf", "distinct", "zipf_rank64_fleet", "zipf_bf16_slots", "distinct_bf16_slots"):
         assert r[key]["tok_s"] > 0 and len(r["rounds"][key]) == 1
         assert r["ratios"][f"{key}_vs_base"] == round(r[key]["tok_s"] / r["base_tok_s"], 3)
     assert r["peft_distinct"]["tok_s"] > 0 and "distinct_vs_peft" in r["paired_ratios"]
+    assert r["ratios"]["distinct_bf16_slots_vs_peft"] == round(r["distinct_bf16_slots"]["tok_s"]
+                                                               / r["peft_distinct"]["tok_s"], 2)
     assert r["adapter_load_ms"] > 0 and r["adapter_load_cached_ms"] > 0  # from disk, from the page cache
     assert r["adapter_slot_swap_ms"] > 0  # from the CPU tier into a device slot
 

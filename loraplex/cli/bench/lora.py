@@ -3,7 +3,9 @@ model alone and against HF PEFT's mixed-adapter batch, in one run. One more patt
 runs zipf's batch in an engine whose fleet also holds a rank-64 adapter (so its slot buffers are of rank
 64): what a mixed-rank fleet costs the rank-16 adapters. Two more, zipf_bf16_slots and
 distinct_bf16_slots, run those batches with bf16 slot buffers under the fp32 model (EngineConfig.lora_dtype):
-half the adapter bytes a step reads, each adapter's weights rounded to bf16 once.
+half the adapter bytes a step reads, each adapter's weights rounded to bf16 once. What the rounding costs
+in output is reported beside their speed: of the first round's greedy tokens, how many requests match the
+fp32 slots' tokens exactly, and the share of tokens generated before a request's first difference.
 
 The adapters are made by PEFT itself (rank 16 on all seven projections, random non-zero A and B),
 saved to a temporary directory, and loaded by both systems from there.
@@ -72,6 +74,19 @@ def make_adapters(loaded, root: Path, count: int, rank: int):
                     p.copy_(torch.randn(p.shape, generator=gen) * 0.04)
     model.save_pretrained(root)  # PEFT writes each named adapter to root/<name>
     return model.eval()
+
+
+def agreement(got: dict[str, list[int]], want: dict[str, list[int]]) -> dict:
+    """How far greedy outputs follow reference ones: requests whose tokens are all the same, and the share
+    of tokens generated before each request's first difference."""
+    same = before = total = 0
+    for key, ref in want.items():
+        out = got.get(key, [])
+        same += out == ref
+        before += next((i for i, (a, b) in enumerate(zip(out, ref, strict=False)) if a != b), min(len(out), len(ref)))
+        total += len(ref)
+    return {"requests_as_fp32": same, "requests": len(want), "tokens_before_difference": round(before / total, 3)
+            if total else None}
 
 
 def adapter_path(root: Path, i: int) -> Path:
@@ -184,9 +199,15 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
         peft_runs = []
         if not skip_peft:  # warmed up on the whole batch, as the engines are
             _peft(peft_model, loaded.tokenizer, prompts, patterns["distinct"], 2)
+        outputs: dict[str, dict[str, list[int]]] = {name: {} for name in patterns}  # first round: request -> tokens
+
+        def keep(name: str, events: list) -> None:
+            for ev in events:
+                outputs[name].setdefault(ev.request_id.rsplit("-", 1)[1], []).extend(ev.token_ids)
+
         for r in range(max(rounds, 1)):
             figures = step_interleaved(cores, {name: _requests(prompts, adapters, new_tokens, model, f"{name}{r}-")
-                                               for name, adapters in patterns.items()})
+                                               for name, adapters in patterns.items()}, keep if r == 0 else None)
             for name, tok_s in figures.items():
                 runs[name].append(round(tok_s, 2))
             if not skip_peft:
@@ -203,8 +224,9 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
             results[name] = {"tok_s": round(statistics.harmonic_mean(runs[name]), 2),
                              "distinct_adapters": len(set(adapters))}
         results[MIXED]["buffer_rank"] = cores[MIXED].lora.r_max
-        for name in BF16_SLOTS:
-            results[name]["slot_dtype"] = str(cores[name].lora.dtype).removeprefix("torch.")
+        for name, of in BF16_SLOTS.items():
+            results[name].update(slot_dtype=str(cores[name].lora.dtype).removeprefix("torch."),
+                                 **agreement(outputs[name], outputs[of]))
         results["adapter_load_ms"] = round(_load_ms(loaded, root, min(9, batch), rank, from_disk=True), 2)
         results["adapter_load_cached_ms"] = round(_load_ms(loaded, root, min(9, batch), rank, from_disk=False), 2)
         results["adapter_slot_swap_ms"] = round(_swap_ms(loaded, root, rank), 2) if batch >= 3 else None
@@ -215,7 +237,7 @@ def run_lora_bench(model: str, batch: int, rank: int, new_tokens: int, peft_new_
     results["ratios"] = {f"{k}_vs_base": round(results[k]["tok_s"] / base, 3) for k in patterns}
     results["paired_ratios"] = {f"{k}_vs_base": paired_ratio(runs, k, "base") for k in patterns}
     if not skip_peft:
-        results["ratios"]["distinct_vs_peft"] = round(results["distinct"]["tok_s"] / results["peft_distinct"]["tok_s"],
-                                                      2)
-        results["paired_ratios"]["distinct_vs_peft"] = paired_ratio({**runs, "peft": peft_runs}, "distinct", "peft")
+        for name in ("distinct", "distinct_bf16_slots"):
+            results["ratios"][f"{name}_vs_peft"] = round(results[name]["tok_s"] / results["peft_distinct"]["tok_s"], 2)
+            results["paired_ratios"][f"{name}_vs_peft"] = paired_ratio({**runs, "peft": peft_runs}, name, "peft")
     return results
