@@ -229,6 +229,7 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of which served from it
     adapters_loaded: int = 0  # adapters resident in device slots
     adapter_slots: int = 0  # device slots for adapters (max_loras of each resident model)
+    adapter_slot_bytes: int = 0  # memory of the slot buffers (at lora_dtype) and the folded adapter copies now
     adapter_loads: int = 0
     adapter_disk_loads: int = 0  # of adapter_loads, those that read the adapter from disk (not the CPU tier)
     adapter_load_seconds: float = 0.0  # wall time of every adapter load into a device slot

@@ -272,6 +272,7 @@ class EngineCore:
             adapter_load_seconds=lora.stats.load_seconds if lora else 0.0,
             adapter_evictions=lora.stats.evictions if lora else 0,
             adapter_merges=merge.builds if merge else 0, adapter_merged_bytes=merge.nbytes() if merge else 0,
+            adapter_slot_bytes=lora.nbytes() if lora else 0,
             spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens)
 
     # --- synchronous convenience -----------------------------------------------------------

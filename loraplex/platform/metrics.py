@@ -63,6 +63,8 @@ class EngineCollector:
                                   "decode steps wholly on them", value=s.adapter_merges)
         yield GaugeMetricFamily("loraplex_adapter_merged_bytes", "Memory of the merged adapter weight copies",
                                 value=s.adapter_merged_bytes)
+        yield GaugeMetricFamily("loraplex_adapter_slot_bytes", "Memory of the adapter slot buffers (at the slots' "
+                                "dtype) and the folded adapter copies", value=s.adapter_slot_bytes)
         yield CounterMetricFamily("loraplex_engine_generated_tokens", "Tokens the engine generated",
                                   value=s.generated_tokens)
         yield CounterMetricFamily("loraplex_engine_steps", "Engine steps run", value=s.num_steps)

@@ -29,7 +29,7 @@ def test_metrics_cover_latency_tokens_statuses_and_the_engine(api):
                  'loraplex_engine_queue_depth{priority="batch"}', "loraplex_prefix_cache_hit_rate",
                  "loraplex_adapter_loads_total", "loraplex_adapter_disk_loads_total",
                  "loraplex_adapter_load_seconds_total", "loraplex_adapter_merges_total",
-                 "loraplex_adapter_merged_bytes", "loraplex_spec_draft_tokens_total",
+                 "loraplex_adapter_merged_bytes", "loraplex_adapter_slot_bytes", "loraplex_spec_draft_tokens_total",
                  "loraplex_spec_accepted_tokens_total"):
         assert name in text, name
     assert f'loraplex_tokens_total{{kind="completion",model="synthetic:tiny",tenant="{tenant}"}}' in text

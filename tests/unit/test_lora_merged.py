@@ -37,6 +37,7 @@ def test_merged_adapter_matches_the_reference_and_follows_its_slot(adapter_dirs)
     assert merge.steps >= 8  # and run merged from then on
     stats = core.stats()
     assert stats.adapter_merges == 1 and stats.adapter_merged_bytes == merge.nbytes()
+    assert stats.adapter_slot_bytes == core.lora.nbytes() > 0
 
     # A mixed step (a2 with base requests) runs with LoRA work; the copy stays for a2's next run.
     merged_steps = merge.steps
