@@ -52,9 +52,10 @@ class EngineConfig:
     max_loras: int = 8
     max_lora_rank: int = 64
     max_cpu_loras: int = 32
-    # The slot buffers' element type: "auto" is the model's dtype. bfloat16 or float16 under an fp32 model on
-    # the CPU halves the slots' memory and what a step of many adapters reads (kernels/cpu/lora_weights.h);
-    # each adapter's weights are rounded to it once, as they are written into a slot.
+    # The slot buffers' element type: "auto" is the model's dtype. bfloat16 or float16 under an fp32 model
+    # halves the slots' memory and what a step of many adapters reads (on the CPU: kernels/cpu/lora_weights.h;
+    # the Triton kernels upcast both operands); each adapter's weights are rounded to it once, as they are
+    # written into a slot.
     lora_dtype: str = "auto"
     # CPU fused decode steps: once one adapter has held every token of this many decode steps in a row,
     # it is merged into a copy of the projection weights and such steps run without LoRA work
@@ -74,10 +75,6 @@ class EngineConfig:
             if getattr(self, name) != "auto" and getattr(self, name) not in _DTYPES:
                 raise ValueError(f"engine config: {name} must be auto or one of {sorted(_DTYPES)}, "
                                  f"got {getattr(self, name)!r}")
-        if self.lora_torch_dtype != self.torch_dtype and self.torch_device.type != "cpu":
-            raise ValueError(f"engine config: lora_dtype {self.lora_dtype} differs from the model's "
-                             f"{str(self.torch_dtype).removeprefix('torch.')}: on {self.torch_device.type} the adapter "
-                             "slots hold the model's dtype (use lora_dtype auto)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes", "max_loras",
                      "max_lora_rank", "max_cpu_loras"):
             if getattr(self, name) < 1:

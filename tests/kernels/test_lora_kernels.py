@@ -71,8 +71,11 @@ def inputs(index: LoraBatchIndex, module: str, dtype: torch.dtype, seed: int = 1
 
 
 def run_and_check(fn, kernel: str, index: LoraBatchIndex, module: str, r_max: int, dtype: torch.dtype,
-                  ranks: list[int] | None = None, pad_garbage: bool = False, rank_major: bool = False) -> None:
-    a, b, widths = make_weights(module, r_max, dtype, ranks=ranks, pad_garbage=pad_garbage, rank_major=rank_major)
+                  ranks: list[int] | None = None, pad_garbage: bool = False, rank_major: bool = False,
+                  weight_dtype: torch.dtype | None = None) -> None:
+    """dtype: the activations' (x, out); weight_dtype: A's and B's (default the same)."""
+    a, b, widths = make_weights(module, r_max, weight_dtype or dtype, ranks=ranks, pad_garbage=pad_garbage,
+                                rank_major=rank_major)
     rk = torch.tensor(ranks, dtype=torch.int32) if ranks is not None else None
     x, out = inputs(index, module, dtype)
     expected = ref_lora_shrink_expand(x, out, a, b, index.token_slots, widths, rk)
@@ -91,6 +94,19 @@ TORCH = [(lora_shrink_expand_torch, "segments"), (lora_shrink_expand_torch, "gat
 
 
 # ------------------------------------------------------------------------------ Triton kernels
+
+@pytest.mark.parametrize("dtype,weight_dtype",
+                         [(torch.float32, torch.bfloat16), (torch.float32, torch.float16),
+                          (torch.bfloat16, torch.float32)], ids=["f32-bf16", "f32-f16", "bf16-f32"])
+@pytest.mark.parametrize("fn,kernel", TRITON + TORCH, ids=["sgmv", "bgmv", "torch-segments", "torch-gather"])
+def test_weights_of_another_dtype_than_the_activations(fn, kernel: str, dtype, weight_dtype) -> None:
+    """16-bit slot buffers under an fp32 model (EngineConfig.lora_dtype), or the reverse: the operands are
+    multiplied in fp32, so the result is the reference's over the same weights, to the activations' tolerance."""
+    ranks = [16, 8, 3, 16] * (NUM_SLOTS // 4)
+    for shape, pattern in (("prefill", "skewed"), ("decode", "uniform")):
+        run_and_check(fn, kernel, make_batch(pattern, shape, True), "qkv", 16, dtype, ranks=ranks, pad_garbage=True,
+                      rank_major=True, weight_dtype=weight_dtype)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("r_max", [8, 16, 32, 64])

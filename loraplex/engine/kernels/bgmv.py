@@ -2,7 +2,8 @@
 
 No segments: each program takes one token and gathers its adapter's weights, so a batch where every
 request uses a different adapter costs what the weights cost to read once per token. Matrix-vector
-products are done as broadcast multiply + row sums (tl.dot needs 16-row tiles, a decode token has one).
+products are done as broadcast multiply + row sums (tl.dot needs 16-row tiles, a decode token has one),
+in fp32 whatever the dtypes (the weights may have another than the activations: EngineConfig.lora_dtype).
 Layout of A and B: see lora_ops.py.
 """
 
@@ -96,7 +97,7 @@ def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     """BGMV shrink: project every token onto its own adapter's low-rank space.
 
     Semantics:
-        x [T, in] (fp32/bf16/fp16), lora_a [num_slots, S*r_max, in] (x's dtype), token_slots [T] int
+        x [T, in] (fp32/bf16/fp16), lora_a [num_slots, S*r_max, in] (fp32/bf16/fp16), token_slots [T] int
         (-1 = no adapter), ranks [num_slots] int or None (None = every slot has rank r_max).
         For every token t with slot = token_slots[t] >= 0, slice s < S and k < r_max:
             y[t, s*r_max + k] = sum_i x[t, i] * A[slot, s*r_max + k, i]   if k < ranks[slot]
@@ -106,7 +107,7 @@ def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     split_k > 1 splits the in_features reduction over programs that atomically add into y.
     """
     r_max = check_a(lora_a, num_slices, ranks)
-    check_x(x, lora_a)
+    check_x(x, lora_a, mixed=True)
     check_triton_device(x)
     check_token_slots(token_slots, x.shape[0], lora_a.shape[0], x.device, check_values)
     if split_k < 1:
@@ -137,7 +138,7 @@ def bgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, token_
 
     Semantics:
         y [T, S*r_max] fp32, lora_b [num_slots, out_total, r_max] (contiguous or rank-major, any strides
-        work), out [T, out_total] (lora_b's dtype),
+        work), out [T, out_total] (fp32/bf16/fp16),
         token_slots [T] int, slice_widths (w_0..w_{S-1}) summing to out_total (None = S equal slices),
         off_s = w_0 + .. + w_{s-1}. For every token t with slot = token_slots[t] >= 0, slice s, n < w_s:
             out[t, off_s + n] += sum_{k < rank} y[t, s*r_max + k] * B[slot, off_s + n, k]

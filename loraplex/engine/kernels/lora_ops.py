@@ -346,13 +346,14 @@ def check_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, slice
     """Validate expand inputs; the slice count comes from y's width (S * r_max). Return (S, r_max, widths)."""
     _check_tensor("lora_b", lora_b, 3, FLOAT_DTYPES, rank_major_ok=True)
     _check_tensor("y", y, 2, (torch.float32,))
+    _check_tensor("out", out, 2, FLOAT_DTYPES)
     r_max = lora_b.shape[2]
     if r_max < 1 or y.shape[1] % r_max:
         raise ValueError(f"y columns ({y.shape[1]}) must be num_slices * r_max "
                          f"(r_max = lora_b.shape[2] = {r_max})")
     num_slices = y.shape[1] // r_max
     widths = check_b(lora_b, num_slices, slice_widths, ranks)
-    check_out(out, y.shape[0], lora_b)
+    check_out(out, y.shape[0], lora_b, out.dtype)  # (out's dtype may differ from B's)
     check_y(y, out.shape[0], num_slices * r_max, out.device)
     return num_slices, r_max, widths
 
@@ -428,9 +429,10 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor,
     """Triton version: out += LoRA deltas in place, shrink then expand, one launch each.
 
     kernel "sgmv" (segments, prefill-shaped), "bgmv" (per token, decode-shaped) or "auto"
-    (by index.prefers_segments). x [T, in], out [T, out_total], weights as in the module docstring.
+    (by index.prefers_segments). x [T, in], out [T, out_total] (one dtype), weights as in the module
+    docstring, of x's dtype or another (both upcast to fp32 then).
     """
-    num_slices, _, widths = check_call(x, out, lora_a, lora_b, index, slice_widths, ranks)
+    num_slices, _, widths = check_call(x, out, lora_a, lora_b, index, slice_widths, ranks, mixed=True)
     if kernel not in ("auto", "sgmv", "bgmv"):
         raise ValueError(f"kernel must be 'auto', 'sgmv' or 'bgmv', got {kernel!r}")
     if not triton_available(x.device):

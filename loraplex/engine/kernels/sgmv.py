@@ -2,7 +2,9 @@
 
 Tokens are grouped in segments that share one adapter slot (seg_starts [G+1], seg_slots [G], -1 =
 skip the segment); each program computes one tile of one segment, so a long segment is a real GEMM
-against its adapter's weights, read once per tile. Layout of A and B: see lora_ops.py.
+against its adapter's weights, read once per tile. Layout of A and B: see lora_ops.py. The weights may
+have another dtype than the activations (EngineConfig.lora_dtype): both are then upcast to fp32 in the
+tile, which is exact.
 """
 
 from __future__ import annotations
@@ -90,6 +92,7 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, y_ptr, seg_starts_ptr, seg_slots_ptr, rank
 def _sgmv_expand_kernel(y_ptr, b_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, ranks_ptr,
                         w0, w1, w2, w3, r_max, n_blocks, stride_ym, stride_bs, stride_bn, stride_bk, stride_om,
                         HAS_RANKS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                        Y_AS_B: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)  # (m block, n block within the slice)
     seg = tl.program_id(1)
@@ -120,7 +123,8 @@ def _sgmv_expand_kernel(y_ptr, b_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, ra
                      mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         bt = tl.load(b_ptr + slot * stride_bs + cols[None, :] * stride_bn + offs_k[:, None] * stride_bk,
                      mask=mask_n[None, :] & mask_k[:, None], other=0.0)  # [BLOCK_K, BLOCK_N] = B^T tile
-        yt = yt.to(bt.dtype)  # tensor-core operands; exact for fp32
+        if Y_AS_B:
+            yt = yt.to(bt.dtype)  # tensor-core operands; exact for fp32
         if UPCAST:
             yt, bt = yt.to(tl.float32), bt.to(tl.float32)
         acc += tl.dot(yt, bt, input_precision=PRECISION)
@@ -153,14 +157,17 @@ def padded_widths(widths: tuple[int, ...]) -> tuple[int, ...]:
     return widths + (0,) * (MAX_SLICES - len(widths))
 
 
-def dot_config(dtype: torch.dtype) -> tuple[str, bool]:
+def dot_config(dtype: torch.dtype, activations: torch.dtype | None = None) -> tuple[str, bool]:
     """(tl.dot input precision, upcast operands to fp32 first) for weights of this dtype.
 
     fp32 is exact ("ieee", no TF32 rounding); bf16/fp16 run on tensor cores with fp32 accumulation.
     The interpreter (TRITON_INTERPRET=1) multiplies bf16 bit patterns in tl.dot (it stores bf16 as
     uint16; triton-lang/triton#11584), so there bf16 tiles are upcast to fp32 first, which gives the
-    same products as a tensor core does.
+    same products as a tensor core does. Weights of another dtype than the `activations` (16-bit slots
+    under an fp32 model, or the reverse) are upcast with them, and multiplied exactly.
     """
+    if activations is not None and activations != dtype:
+        return "ieee", True
     if dtype == torch.bfloat16 and os.environ.get("TRITON_INTERPRET") == "1":
         return "ieee", True
     return ("ieee" if dtype == torch.float32 else "tf32"), False
@@ -180,7 +187,8 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_starts: torch.Tensor,
     """SGMV shrink: project each segment's tokens onto its adapter's low-rank space.
 
     Semantics:
-        x [T, in] (fp32/bf16/fp16), lora_a [num_slots, S*r_max, in] (x's dtype),
+        x [T, in] (fp32/bf16/fp16), lora_a [num_slots, S*r_max, in] (fp32/bf16/fp16: x's dtype, or
+        another, when both are upcast to fp32),
         seg_starts [G+1] int (0 = seg_starts[0] <= .. <= seg_starts[G] = T), seg_slots [G] int,
         ranks [num_slots] int or None (None = every slot has rank r_max).
         For every segment g with slot = seg_slots[g] >= 0, token t in [seg_starts[g], seg_starts[g+1]),
@@ -193,7 +201,7 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_starts: torch.Tensor,
     split_k > 1 splits the in_features reduction over programs that atomically add into y.
     """
     r_max = check_a(lora_a, num_slices, ranks)
-    check_x(x, lora_a)
+    check_x(x, lora_a, mixed=True)
     check_triton_device(x)
     check_segments(seg_starts, seg_slots, x.shape[0], lora_a.shape[0], x.device, check_values)
     if split_k < 1:
@@ -211,7 +219,7 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_starts: torch.Tensor,
     bk = block_k or pow2_block(x.shape[1], 16, 128)
     check_blocks(block_m=bm, block_n=bn, block_k=bk)
     n_blocks = triton.cdiv(r_max, bn)
-    precision, upcast = dot_config(x.dtype)
+    precision, upcast = dot_config(lora_a.dtype, x.dtype)
     grid = (triton.cdiv(longest, bm) * num_slices * n_blocks, seg_slots.shape[0], split_k)
     _sgmv_shrink_kernel[grid](
         x, lora_a, y, seg_starts, seg_slots, ranks if ranks is not None else seg_slots,
@@ -231,12 +239,13 @@ def sgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, seg_st
 
     Semantics:
         y [T, S*r_max] fp32, lora_b [num_slots, out_total, r_max] (contiguous or rank-major, any strides
-        work), out [T, out_total] (lora_b's dtype),
+        work), out [T, out_total] (fp32/bf16/fp16),
         slice_widths (w_0..w_{S-1}) summing to out_total (None = S equal slices), off_s = w_0+..+w_{s-1}.
         For every segment g with slot = seg_slots[g] >= 0, token t in it, slice s and n < w_s:
             out[t, off_s + n] += sum_{k < rank} y[t, s*r_max + k] * B[slot, off_s + n, k]
-        with rank = min(ranks[slot], r_max) (r_max without ranks). The dot runs on y cast to B's
-        dtype with fp32 accumulation, the add in fp32, rounded once to out's dtype.
+        with rank = min(ranks[slot], r_max) (r_max without ranks). When out has B's dtype the dot runs
+        on y cast to it, with fp32 accumulation; else on y and B in fp32. The add is in fp32, rounded
+        once to out's dtype.
         Rows of segments with slot -1 are not touched.
     """
     num_slices, r_max, widths = check_expand(y, lora_b, out, slice_widths, ranks)
@@ -250,11 +259,11 @@ def sgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, seg_st
     bk = block_k or pow2_block(r_max, 16, 64)
     check_blocks(block_m=bm, block_n=bn, block_k=bk)
     n_blocks = triton.cdiv(max(widths), bn)
-    precision, upcast = dot_config(lora_b.dtype)
+    precision, upcast = dot_config(lora_b.dtype, out.dtype)
     grid = (triton.cdiv(longest, bm) * n_blocks, seg_slots.shape[0], num_slices)
     _sgmv_expand_kernel[grid](
         y, lora_b, out, seg_starts, seg_slots, ranks if ranks is not None else seg_slots,
         *padded_widths(widths), r_max, n_blocks,
         y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), out.stride(0),
-        HAS_RANKS=ranks is not None, PRECISION=precision, UPCAST=upcast,
+        HAS_RANKS=ranks is not None, PRECISION=precision, UPCAST=upcast, Y_AS_B=out.dtype == lora_b.dtype,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
