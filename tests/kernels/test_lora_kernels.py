@@ -275,7 +275,7 @@ def _good():
 
 
 BAD = {
-    "x wrong dtype": lambda k: k.update(x=k["x"].half()),
+    "x and out of two dtypes": lambda k: k.update(x=k["x"].half()),
     "x wrong features": lambda k: k.update(x=k["x"][:, :-1].contiguous()),
     "x not contiguous": lambda k: k.update(x=k["x"].t().contiguous().t()),
     "x 1-d": lambda k: k.update(x=k["x"][0]),

@@ -257,12 +257,11 @@ def check_weights(lora_a: torch.Tensor, lora_b: torch.Tensor, slice_widths: Sequ
     return num_slices, r_max, check_b(lora_b, num_slices, slice_widths, ranks)
 
 
-def check_x(x: torch.Tensor, lora_a: torch.Tensor, mixed: bool = False) -> None:
-    """mixed: the weights may have another dtype than x (the torch path casts them as it uses them)."""
+def check_x(x: torch.Tensor, lora_a: torch.Tensor) -> None:
+    """x may have another float dtype than the weights (16-bit slots under an fp32 model): every path
+    multiplies them in one dtype (the torch path x's, the kernels fp32)."""
     _check_tensor("x", x, 2, FLOAT_DTYPES)
     _same_device(lora_a, x=x)
-    if x.dtype != lora_a.dtype and not mixed:
-        raise ValueError(f"x dtype {x.dtype} differs from lora_a dtype {lora_a.dtype}")
     if x.shape[1] != lora_a.shape[2]:
         raise ValueError(f"x has {x.shape[1]} features but lora_a expects in_features={lora_a.shape[2]}")
 
@@ -276,7 +275,7 @@ def check_y(y: torch.Tensor, num_tokens: int, cols: int, device: torch.device) -
 
 
 def check_out(out: torch.Tensor, num_tokens: int, lora_b: torch.Tensor, dtype: torch.dtype | None = None) -> None:
-    """dtype: what out must hold (default lora_b's)."""
+    """dtype: what out must hold (the activations'), or None for any float dtype."""
     _check_tensor("out", out, 2, FLOAT_DTYPES)
     _same_device(lora_b, out=out)
     if tuple(out.shape) != (num_tokens, lora_b.shape[1]):
@@ -284,8 +283,6 @@ def check_out(out: torch.Tensor, num_tokens: int, lora_b: torch.Tensor, dtype: t
                          f"slice widths), got {tuple(out.shape)}")
     if dtype is not None and out.dtype != dtype:
         raise ValueError(f"out dtype {out.dtype} differs from x dtype {dtype}")
-    if dtype is None and out.dtype != lora_b.dtype:
-        raise ValueError(f"out dtype {out.dtype} differs from lora_b dtype {lora_b.dtype}")
 
 
 def check_token_slots(token_slots: torch.Tensor, num_tokens: int, num_slots: int, device: torch.device,
@@ -326,13 +323,13 @@ def check_segments(seg_starts: torch.Tensor, seg_slots: torch.Tensor, num_tokens
 
 def check_call(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
                index: LoraBatchIndex, slice_widths: Sequence[int] | None,
-               ranks: torch.Tensor | None, mixed: bool = False) -> tuple[int, int, tuple[int, ...]]:
-    """mixed: the weights may have another dtype than x and out (which share one)."""
+               ranks: torch.Tensor | None) -> tuple[int, int, tuple[int, ...]]:
+    """x and out share one dtype; the weights may have another (check_x)."""
     if not isinstance(index, LoraBatchIndex):
         raise ValueError(f"index must be a LoraBatchIndex, got {type(index).__name__}")
     dims = check_weights(lora_a, lora_b, slice_widths, ranks)
-    check_x(x, lora_a, mixed)
-    check_out(out, x.shape[0], lora_b, x.dtype if mixed else None)
+    check_x(x, lora_a)
+    check_out(out, x.shape[0], lora_b, x.dtype)
     if index.num_tokens != x.shape[0]:
         raise ValueError(f"index describes {index.num_tokens} tokens but x has {x.shape[0]}")
     if index.max_slot >= lora_a.shape[0]:
@@ -346,14 +343,13 @@ def check_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, slice
     """Validate expand inputs; the slice count comes from y's width (S * r_max). Return (S, r_max, widths)."""
     _check_tensor("lora_b", lora_b, 3, FLOAT_DTYPES, rank_major_ok=True)
     _check_tensor("y", y, 2, (torch.float32,))
-    _check_tensor("out", out, 2, FLOAT_DTYPES)
     r_max = lora_b.shape[2]
     if r_max < 1 or y.shape[1] % r_max:
         raise ValueError(f"y columns ({y.shape[1]}) must be num_slices * r_max "
                          f"(r_max = lora_b.shape[2] = {r_max})")
     num_slices = y.shape[1] // r_max
     widths = check_b(lora_b, num_slices, slice_widths, ranks)
-    check_out(out, y.shape[0], lora_b, out.dtype)  # (out's dtype may differ from B's)
+    check_out(out, y.shape[0], lora_b)  # (out's dtype may differ from B's)
     check_y(y, out.shape[0], num_slices * r_max, out.device)
     return num_slices, r_max, widths
 
@@ -372,7 +368,7 @@ def lora_shrink_expand_torch(x: torch.Tensor, out: torch.Tensor, lora_a: torch.T
     Math runs in x's dtype (fp32 on CPU by default); weights of another dtype (16-bit slots under an
     fp32 model) are cast to it as they are used.
     """
-    num_slices, r_max, widths = check_call(x, out, lora_a, lora_b, index, slice_widths, ranks, mixed=True)
+    num_slices, r_max, widths = check_call(x, out, lora_a, lora_b, index, slice_widths, ranks)
     if kernel not in ("auto", "segments", "gather", "grouped"):
         raise ValueError(f"kernel must be 'auto', 'segments', 'gather' or 'grouped', got {kernel!r}")
     if index.num_lora_tokens == 0:
@@ -432,7 +428,7 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor,
     (by index.prefers_segments). x [T, in], out [T, out_total] (one dtype), weights as in the module
     docstring, of x's dtype or another (both upcast to fp32 then).
     """
-    num_slices, _, widths = check_call(x, out, lora_a, lora_b, index, slice_widths, ranks, mixed=True)
+    num_slices, _, widths = check_call(x, out, lora_a, lora_b, index, slice_widths, ranks)
     if kernel not in ("auto", "sgmv", "bgmv"):
         raise ValueError(f"kernel must be 'auto', 'sgmv' or 'bgmv', got {kernel!r}")
     if not triton_available(x.device):

@@ -201,7 +201,7 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_starts: torch.Tensor,
     split_k > 1 splits the in_features reduction over programs that atomically add into y.
     """
     r_max = check_a(lora_a, num_slices, ranks)
-    check_x(x, lora_a, mixed=True)
+    check_x(x, lora_a)
     check_triton_device(x)
     check_segments(seg_starts, seg_slots, x.shape[0], lora_a.shape[0], x.device, check_values)
     if split_k < 1:

@@ -225,7 +225,7 @@ static void shrink_rows(const wt_t *a, int64_t K, int64_t rk, int64_t j0, int64_
     shrink_dot(a, K, j, j1, xr, m, y, ldy);
 }
 
-/* Outputs n0 .. n1-1 of one slice (bt = its column 0 in B's row 0, rows ldb floats apart) for m tokens:
+/* Outputs n0 .. n1-1 of one slice (bt = its column 0 in B's row 0, rows ldb elements apart) for m tokens:
  * out_t[n] += B[:rk, n] . y_t, by groups of up to six tokens over a panel of columns whose rk rows
  * (PANEL_FLOATS in all) stay in L1 while the groups read them. */
 static void expand_range(const wt_t *bt, int64_t ldb, int64_t rk, int64_t n0, int64_t n1, const float *y,

@@ -225,7 +225,7 @@ static inline void rstore(float *p, rvec_t v, int whole, rmask_t m) {
 
 /* The expand for M tokens over V vectors of columns n .. n + cols - 1 (cols <= V * DOT_CHUNK; FULL:
  * cols is exactly that), B rank-major (bt: row j holds rank j's weights to the slice's outputs, rows
- * ldb floats apart): out_m[c] = fma(bt[rk-1][c], y_m[rk-1], .. fma(bt[0][c], y_m[0], out_m[c])), in j
+ * ldb elements apart): out_m[c] = fma(bt[rk-1][c], y_m[rk-1], .. fma(bt[0][c], y_m[0], out_m[c])), in j
  * order. Every output's sum has that one order whatever M, V or the columns' split, so a token's bits
  * depend neither on its group nor on the threads. Bt's rows are read as they lie: no packing. */
 static inline __attribute__((always_inline)) void expand_cols(const wt_t *bt, int64_t ldb, int64_t rk,
