@@ -1,5 +1,6 @@
 """`loraplex adapters upload|list|delete|gc` against the real `loraplex serve` (embedded SQLite),
-with the uploaded adapter then served to the `openai` client; bad input is one `loraplex: error:` line."""
+with the uploaded adapter then served to the `openai` client; bad input is one `loraplex: error:` line.
+The server's adapter slots are bf16 under the fp32 model (`--lora-dtype`)."""
 
 from __future__ import annotations
 
@@ -10,8 +11,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import torch
 
 from loraplex.engine.api import PEFT_FILES
+from loraplex.engine.lora.slots import slot_buffer_bytes
+from loraplex.engine.models.synthetic import synthetic_model
 from tests.e2e import test_serve_models as serve_models
 from tests.e2e.server import free_port, start
 from tests.e2e.test_cli_platform import EMBEDDED, loraplex, one_line_error
@@ -30,7 +34,7 @@ LIMIT = 2_000_000  # bytes an upload may send: more than the tiny model's rank-8
 
 @pytest.fixture(scope="module")
 def server(data_env):
-    srv = start({**data_env, "LORAPLEX_ADAPTER_MAX_BYTES": str(LIMIT)}, "--no-demo")
+    srv = start({**data_env, "LORAPLEX_ADAPTER_MAX_BYTES": str(LIMIT)}, "--no-demo", "--lora-dtype", "bfloat16")
     try:
         yield srv
     finally:
@@ -66,12 +70,23 @@ def ok(out) -> str:
     return out.stdout
 
 
-def test_upload_serve_delete_and_collect(cli_env, tenant, peft_dir):
+def slot_bytes(server) -> int:
+    (line,) = [x for x in httpx.get(f"{server.base_url}/metrics").text.splitlines()
+               if x.startswith("loraplex_adapter_slot_bytes ")]
+    return int(float(line.split()[1]))
+
+
+def test_upload_serve_delete_and_collect(cli_env, server, tenant, peft_dir):
     first = ok(loraplex(cli_env, "adapters", "upload", str(peft_dir), "--tenant", "acme", "--name", "tuned",
                         "--base-model", MODEL))
     assert first.count(": uploaded ") == 2 and "registered adapter tuned for tenant acme" in first
     tuned = ask(tenant, "tuned")
     assert tuned != ask(tenant, MODEL) and tuned == ask(tenant, f"{MODEL}:tuned")
+    # the 8 slots of rank 8 hold bf16: their buffers, and the adapter's fp32 folded copy (the repeated
+    # prompt's uncached last 8 tokens ran as one decode step, wholly on it), less than fp32 buffers alone
+    config = synthetic_model("tiny")[0]
+    assert slot_buffer_bytes(config, 8, 8, torch.bfloat16) - 32 <= slot_bytes(server) < slot_buffer_bytes(
+        config, 8, 8, torch.float32) - 32
 
     again = ok(loraplex(cli_env, "adapters", "upload", str(peft_dir), "--tenant", "acme", "--name", "again",
                         "--base-model", MODEL))
