@@ -36,12 +36,8 @@ from typing import NamedTuple
 
 import torch
 
-from loraplex.engine.kernels.cpu.copy_blocks import (
-    DESTINATION_TYPES,
-    copy_blocks,
-    copy_blocks_available,
-    scale_bits_column,
-)
+from loraplex.engine.kernels.cpu.build import WEIGHT_CODES
+from loraplex.engine.kernels.cpu.copy_blocks import copy_blocks, copy_blocks_available, scale_bits_column
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora, stacked_b
 from loraplex.engine.lora.peft import (
     FUSED,
@@ -144,7 +140,7 @@ class LoraSlots:
         # a table holds no address, so adapters of one header and shape (which share their offsets) reuse
         # one whatever the slot (_slot_blocks).
         self._tables: OrderedDict[tuple[int, int, int], tuple[object, torch.Tensor]] = OrderedDict()
-        self._copy_in_c = self.device.type == "cpu" and dtype in DESTINATION_TYPES and copy_blocks_available()
+        self._copy_in_c = self.device.type == "cpu" and dtype in WEIGHT_CODES and copy_blocks_available()
         self._lock = threading.RLock()
         self.r_max = 0  # the buffers' rank (_grow)
         self._buffers: tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] = ([], [])
@@ -195,9 +191,9 @@ class LoraSlots:
             return table
         with self._lock:  # (not built from buffers a growth is swapping out)
             if self._kernel_table is None and self.device.type == "cpu":
-                from loraplex.engine.kernels.cpu.decode_step import WEIGHT_TYPES, DecodeStepLora, decode_step_available
+                from loraplex.engine.kernels.cpu.decode_step import DecodeStepLora, decode_step_available
 
-                if self.dtype in WEIGHT_TYPES and decode_step_available():
+                if self.dtype in WEIGHT_CODES and decode_step_available():
                     a, b = self._buffers
                     self._kernel_table = DecodeStepLora(a, b, self.ranks, {f: self.slice_widths(f) for f in FUSED})
             return self._kernel_table

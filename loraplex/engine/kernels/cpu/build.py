@@ -29,6 +29,8 @@ from loraplex.engine.config import default_cache_dir
 log = logging.getLogger(__name__)
 
 SOURCE_DIR = Path(__file__).parent
+# The element types of LoRA slot buffers and their codes in the kernels' tables (lora_weights.h, LP_W_*)
+WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-Wall", "-Werror"]
 
 

@@ -9,10 +9,9 @@ import struct
 
 import torch
 
-from loraplex.engine.kernels.cpu.build import functions
+from loraplex.engine.kernels.cpu.build import WEIGHT_CODES, functions
 
 BLOCK_FIELDS = 8  # src, dst, rows, cols, src_ld, dst_ld, scale bits, src column stride
-DESTINATION_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # lora_weights.h's LP_W_*
 
 
 @functools.cache
@@ -46,11 +45,11 @@ def copy_blocks(table: torch.Tensor, dtype: torch.dtype = torch.float32) -> None
     columns); their destinations must not overlap. The caller owns the addresses: the sources must lie in
     live fp32 CPU tensors and the destinations in live CPU tensors of `dtype` (fp32, bf16 or fp16: the
     products are rounded to it), which is why the table holds integers, not tensors."""
-    if dtype not in DESTINATION_TYPES:
+    if dtype not in WEIGHT_CODES:
         raise ValueError(f"the destination dtype must be float32, bfloat16 or float16, got {dtype}")
     if table.dtype != torch.int64 or table.dim() != 2 or table.shape[1] != BLOCK_FIELDS or table.device.type != "cpu":
         raise ValueError(f"the table must be an int64 CPU tensor [blocks, {BLOCK_FIELDS}], got {table.dtype} "
                          f"{tuple(table.shape)} on {table.device}")
     table = table.contiguous()
-    if table.shape[0] and _fns()["lp_copy_blocks_to"](table.data_ptr(), table.shape[0], DESTINATION_TYPES[dtype]):
+    if table.shape[0] and _fns()["lp_copy_blocks_to"](table.data_ptr(), table.shape[0], WEIGHT_CODES[dtype]):
         raise ValueError("a block has negative sizes, a column stride below 1 or a row stride shorter than its row")

@@ -15,15 +15,13 @@ from collections.abc import Sequence
 
 import torch
 
-from loraplex.engine.kernels.cpu.build import functions, require
+from loraplex.engine.kernels.cpu.build import WEIGHT_CODES, functions, require
 from loraplex.engine.kernels.cpu.linear import PackedWeight
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 LORA_MODULES = ("qkv", "o", "gate_up", "down")  # decode_step.c's order
 _LORA_WIDTHS = 4
 _STEP = struct.Struct("20q")
-# The slot buffers' element types and their codes in the LoRA table (lora_weights.h, LP_W_*)
-WEIGHT_TYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _ERRORS = {-1: "invalid sizes", -2: "a cache slot, block id, position or row is out of range",
            -3: "out of memory"}
 
@@ -153,9 +151,9 @@ class DecodeStepLora:
         num_slots = ranks.shape[0]
         r_max = lora_b[0][LORA_MODULES[0]].shape[2]
         dtype = lora_a[0][LORA_MODULES[0]].dtype
-        if dtype not in WEIGHT_TYPES:
+        if dtype not in WEIGHT_CODES:
             raise ValueError(f"the slot buffers must be float32, bfloat16 or float16, got {dtype}")
-        fields = [num_slots, r_max, ranks.data_ptr(), WEIGHT_TYPES[dtype]]
+        fields = [num_slots, r_max, ranks.data_ptr(), WEIGHT_CODES[dtype]]
         for m in LORA_MODULES:
             widths = tuple(slice_widths[m])
             if not 1 <= len(widths) <= _LORA_WIDTHS:

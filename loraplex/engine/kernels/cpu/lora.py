@@ -23,7 +23,7 @@ from loraplex.engine.kernels.lora_ops import MAX_SLICES, LoraBatchIndex, is_rank
 
 MAX_RANK = 256  # lora.c's bound on r_max (its stack buffers)
 F32, I32 = torch.float32, torch.int32
-# The slot buffers' element types lora.c is built for: dtype -> its entry point's suffix
+# lora.c's builds, one per slot buffers' element type (build.WEIGHT_CODES): dtype -> its entry point's suffix
 WEIGHT_KERNELS = {torch.float32: "f32", torch.bfloat16: "bf16", torch.float16: "f16"}
 # lp_lora_*_packed's argument block per slice count: 15 int64 fields, then the slice widths
 _PACKED = {s: struct.Struct(f"{15 + s}q") for s in range(1, MAX_SLICES + 1)}
