@@ -23,17 +23,11 @@
 #endif
 #if LP_LORA_WTYPE == LP_W_F32
 typedef float wt_t;
-static inline float wscalar(const wt_t *p) { return *p; }
 #else
 typedef uint16_t wt_t;
-static inline float wscalar(const wt_t *p) {
-#if LP_LORA_WTYPE == LP_W_BF16
-    return lp_bf16_to_f32(*p);
-#else
-    return lp_f16_to_f32(*p);
 #endif
-}
-#endif
+/* One weight as fp32 (the type is a constant here: the compiler keeps only its branch). */
+static inline float wscalar(const wt_t *p) { return lp_weight_at(p, 0, LP_LORA_WTYPE); }
 #define WT_BYTES ((int64_t)sizeof(wt_t))
 
 #if defined(__AVX2__) && defined(__FMA__)
