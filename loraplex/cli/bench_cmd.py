@@ -39,6 +39,14 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
                       "help": "rounds, each with the patterns' engines taking turns step by step, then "
                               "HF PEFT's batch; all count"}),
     ]),
+    "weights": ("weights", "bf16 base weights (--weight-dtype bfloat16) vs fp32 ones: tokens/s at each batch, "
+                           "agreement of greedy tokens, batch 1 against the memory roofline", [
+        ("--model", {"default": DEFAULT_MODEL}),
+        ("--new-tokens", {"type": int, "default": 64}),
+        ("--batches", {"default": "1,8,32", "help": "batch sizes, comma-separated"}),
+        ("--rounds", {"type": int, "default": 3,
+                      "help": "rounds, each with both engines taking turns step by step at every batch size"}),
+    ]),
     "gateway": ("gateway", "latency the platform adds (auth, limits, routing, usage) and its max rps", [
         ("--database-url", {"default": "postgresql://postgres@localhost:5432/postgres",
                             "help": "Postgres server for a scratch database (dropped after); 'sqlite' for embedded"}),

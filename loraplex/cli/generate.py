@@ -34,6 +34,8 @@ def add_parser(sub) -> None:
     shape.add_argument("--json-object", action="store_true", help="hold the output to one JSON object (JSON mode)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--weight-dtype", default="auto",
+                   help="auto (the model's dtype) or bfloat16: base weights rounded to bf16 under a float32 model")
     p.set_defaults(func=run)
 
 
@@ -72,7 +74,8 @@ def _engine(args) -> EngineCore:
     from loraplex.engine.config import EngineConfig
     from loraplex.engine.core import EngineCore
 
-    core = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype))
+    core = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                   weight_dtype=args.weight_dtype))
     if args.adapter:
         core.add_adapter(ADAPTER_ID, args.adapter)
     return core

@@ -57,6 +57,11 @@ class EngineConfig:
     # the Triton kernels upcast both operands); each adapter's weights are rounded to it once, as they are
     # written into a slot.
     lora_dtype: str = "auto"
+    # The base weights' element type under an fp32 model: "auto" keeps the model's dtype. "bfloat16" rounds
+    # every weight once at load (as if a bf16 checkpoint had been loaded, which loses nothing for one) and,
+    # with the CPU kernels, packs the projections and LM head in bf16 (kernels/cpu/linear_bf16.c), halving
+    # what a decode step reads; activations and sums stay fp32.
+    weight_dtype: str = "auto"
     # CPU fused decode steps: once one adapter has held every token of this many decode steps in a row,
     # it is merged into a copy of the projection weights and such steps run without LoRA work
     # (lora/merged.py; one copy, about the size of the projections). 0: never.
@@ -75,6 +80,12 @@ class EngineConfig:
             if getattr(self, name) != "auto" and getattr(self, name) not in _DTYPES:
                 raise ValueError(f"engine config: {name} must be auto or one of {sorted(_DTYPES)}, "
                                  f"got {getattr(self, name)!r}")
+        if self.weight_dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"engine config: weight_dtype must be auto, float32 or bfloat16, "
+                             f"got {self.weight_dtype!r}")
+        if self.weight_dtype != "auto" and self.torch_dtype not in (torch.float32, _DTYPES[self.weight_dtype]):
+            raise ValueError(f"engine config: weight_dtype {self.weight_dtype} needs a float32 model, the model's "
+                             f"dtype is {self.dtype}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes", "max_loras",
                      "max_lora_rank", "max_cpu_loras"):
             if getattr(self, name) < 1:
@@ -104,6 +115,11 @@ class EngineConfig:
         if self.dtype == "auto":
             return torch.bfloat16 if self.torch_device.type == "cuda" else torch.float32
         return _DTYPES[self.dtype]
+
+    @property
+    def weight_torch_dtype(self) -> torch.dtype:
+        """The base weights' element type (weight_dtype; "auto": the model's)."""
+        return self.torch_dtype if self.weight_dtype == "auto" else _DTYPES[self.weight_dtype]
 
     @property
     def lora_torch_dtype(self) -> torch.dtype:

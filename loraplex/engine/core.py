@@ -54,13 +54,18 @@ class EngineCore:
         if config.num_threads:
             torch.set_num_threads(config.num_threads)
         self.config = config
+        wdtype = config.weight_torch_dtype
         if loaded is None:
-            loaded = load_model(resolve_model(config.model), config.torch_dtype, config.torch_device)
+            loaded = load_model(resolve_model(config.model), config.torch_dtype, config.torch_device,
+                                weight_dtype=wdtype)
+        elif wdtype != config.torch_dtype and loaded.rounded_to != wdtype:
+            raise ValueError(f"weight_dtype {config.weight_dtype} needs weights loaded with weight_dtype={wdtype} "
+                             f"(load_model), these were rounded to {loaded.rounded_to}")
         self.model_name = config.model
         self.loaded = loaded  # the weights as loaded (the pool's CPU tier keeps them on eviction)
         self.tokenizer = loaded.tokenizer
         self.token_bytes = self.tokenizer.token_bytes()
-        model = LlamaModel(loaded.config, loaded.weights)
+        model = LlamaModel(loaded.config, loaded.weights, wdtype)
         mcfg = loaded.config
         bs = config.block_size
         num_blocks = kv_blocks(config, mcfg)

@@ -87,12 +87,13 @@ def adapter_device_bytes(cfg: EngineConfig, model: LlamaConfig, device: torch.de
     at `max_lora_rank`, the most they grow to from the first adapter's rank); with the CPU kernels also
     the folded copies of the adapters that dominate a step (at most one per slot, about a slot's size
     each, in the model's dtype whatever the slots' lora_dtype) and, with merging on, the merged copy of the
-    projections (at most all of them; lora/merged.py)."""
+    projections (at most all of them, packed at weight_dtype; lora/merged.py)."""
     slots = slot_buffer_bytes(model, cfg.max_loras, cfg.max_lora_rank, cfg.lora_torch_dtype)
     if not uses_cpu_kernels(device, cfg.torch_dtype):
         return slots
     folds = slot_buffer_bytes(model, cfg.max_loras, cfg.max_lora_rank, cfg.torch_dtype)
-    projections = model.num_layers * sum(i * o for i, o in module_dims(model).values()) * cfg.torch_dtype.itemsize
+    weights = model.num_layers * sum(i * o for i, o in module_dims(model).values())
+    projections = weights * cfg.weight_torch_dtype.itemsize
     return slots + folds + (projections if cfg.lora_merge_after_steps else 0)
 
 
@@ -128,7 +129,7 @@ class ModelPool:
         src = resolve_model(source or name)
         cfg = replace(config or EngineConfig(), model=name, device=str(self.device))
         try:
-            loaded = load_model(src, cfg.torch_dtype, torch.device("cpu"))
+            loaded = load_model(src, cfg.torch_dtype, torch.device("cpu"), weight_dtype=cfg.weight_torch_dtype)
         except (ValueError, OSError) as e:
             raise InvalidRequestError(f"model {name!r} cannot be loaded from {source or name}: {e}", "model") from e
         device_bytes, adapter_bytes, weight_bytes = self._sizes(cfg, loaded.config, cfg.torch_dtype,
@@ -151,7 +152,7 @@ class ModelPool:
         """(weights + KV pool on the device, adapter memory once it has adapters, weights in host memory)."""
         weight_bytes = model.num_params() * dtype.itemsize
         kv_bytes = blocks * block_size * model.kv_bytes_per_token(dtype)
-        return (weight_bytes * weight_copies(self.device, dtype) + kv_bytes,
+        return (int(weight_bytes * weight_copies(self.device, dtype, cfg.weight_torch_dtype)) + kv_bytes,
                 adapter_device_bytes(cfg, model, self.device), weight_bytes)
 
     def unregister_model(self, name: str) -> None:
@@ -340,9 +341,10 @@ class ModelPool:
 
     def _build(self, entry: ModelEntry, tier: str) -> EngineCore:
         t0 = time.perf_counter()
-        host = entry.host or load_model(entry.source, entry.config.torch_dtype, torch.device("cpu"))
-        loaded = host if self.device.type == "cpu" else LoadedModel(
-            host.name, host.config, {k: v.to(self.device) for k, v in host.weights.items()}, host.tokenizer)
+        host = entry.host or load_model(entry.source, entry.config.torch_dtype, torch.device("cpu"),
+                                        weight_dtype=entry.config.weight_torch_dtype)
+        loaded = host if self.device.type == "cpu" else replace(
+            host, weights={k: v.to(self.device) for k, v in host.weights.items()})
         core = EngineCore(entry.config, loaded=loaded)
         for adapter_id, (path, version) in entry.adapters.items():
             # read on their first requests: a reload costs the same whatever the fleet, and an adapter whose
@@ -406,8 +408,7 @@ class ModelPool:
             if lru is None:
                 return
             lru.host, lru.tier = None, "disk"
-        entry.host = LoadedModel(loaded.name, loaded.config,
-                                 {k: v.to("cpu") for k, v in loaded.weights.items()}, loaded.tokenizer)
+        entry.host = replace(loaded, weights={k: v.to("cpu") for k, v in loaded.weights.items()})
         entry.tier = "cpu"
 
     def _host_bytes(self) -> int:

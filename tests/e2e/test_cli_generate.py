@@ -27,6 +27,13 @@ def test_json_output_has_text_token_ids_and_usage():
     assert body["finish_reason"] in ("stop", "length")
 
 
+def test_bf16_weights_generate():
+    out = loraplex("generate", "--model", "synthetic:tiny", "--prompt", "hello", "--max-tokens", "5", "--json",
+                   "--weight-dtype", "bfloat16")
+    assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["token_ids"]) == 5
+
+
 def test_seeded_sampling_is_reproducible_across_processes():
     args = ("generate", "--model", "synthetic:tiny", "--prompt", "abc", "--temperature", "0.9", "--seed", "7",
             "--max-tokens", "12", "--json")
@@ -65,6 +72,8 @@ def test_a_schema_the_engine_cannot_enforce_is_refused_before_the_model_loads(tm
         (("--prompt", "hi", "--max-tokens", "0"), "max_tokens"),
         (("--prompt", "hi", "--temperature", "-1"), "temperature"),
         (("--prompt", "hi", "--model", "nope"), "not found"),
+        (("--prompt", "hi", "--weight-dtype", "int8"), "weight_dtype must be auto, float32 or bfloat16, got 'int8'"),
+        (("--prompt", "hi", "--dtype", "float16", "--weight-dtype", "bfloat16"), "needs a float32 model"),
     ],
 )
 def test_bad_input_prints_one_line_and_exits_2(args, needle):

@@ -86,7 +86,8 @@ class MergedAdapter:
                 base = self.model.w[f"layers.{li}.{module}"]  # [out, in]
                 out = scratch.setdefault(tuple(base.shape), torch.empty_like(base))
                 if self.slots.merged_weight(li, module, slot, base, out):
-                    layer[position] = pack(out, keep_weight=False)
+                    # (in the model's packed element type: a step's weights share one)
+                    layer[position] = pack(out, keep_weight=False, dtype=base_layer[position].data.dtype)
             layers.append(tuple(layer))
         self._key, self._layers = key, layers
         self.builds += 1

@@ -1,9 +1,9 @@
 """The decoder's per-layer operations, in two implementations chosen once per model.
 
 `TorchOps` runs anywhere (CUDA, CPU, any dtype). `CpuKernelOps` replaces the projections (over
-weights packed once), the residual add + RMSNorm, RoPE and decode attention with the C kernels of
-kernels/cpu when the model runs on the CPU in fp32 and the kernels are built; results agree with
-TorchOps to float rounding.
+weights packed once, in fp32 or, with EngineConfig.weight_dtype bfloat16, in bf16), the residual add +
+RMSNorm, RoPE and decode attention with the C kernels of kernels/cpu when the model runs on the CPU in
+fp32 and the kernels are built; results agree with TorchOps to float rounding.
 """
 
 from __future__ import annotations
@@ -72,11 +72,12 @@ class TorchOps:
 
 
 class CpuKernelOps(TorchOps):
-    def __init__(self, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
+    def __init__(self, rope_cos: torch.Tensor, rope_sin: torch.Tensor, packed_dtype: torch.dtype = torch.float32):
         super().__init__(rope_cos, rope_sin)
         from loraplex.engine.kernels.cpu import decode_step, layer_ops, linear
 
         self.k, self.lin, self.step = layer_ops, linear, decode_step
+        self.packed_dtype = packed_dtype  # the packed projections' element type (float32 or bfloat16)
         # (id(kv_caches), id(layers)) -> (kv_caches, layers, DecodeStepModel); layers are the model's, or
         # a merged adapter's copy of them (lora/merged.py)
         self._step_models: dict[tuple[int, int], tuple] = {}
@@ -88,7 +89,7 @@ class CpuKernelOps(TorchOps):
         return positions.contiguous()
 
     def prepare(self, w):
-        return self.lin.pack(w)  # linear.c's panel layout
+        return self.lin.pack(w, dtype=self.packed_dtype)  # linear.c's panel layout
 
     def linear(self, x, w, bias=None):
         return self.lin.packed_linear(x, w, bias)
@@ -158,12 +159,18 @@ def uses_cpu_kernels(device: torch.device, dtype: torch.dtype) -> bool:
     return linear_available() and layer_ops_available() and decode_step_available()
 
 
-def weight_copies(device: torch.device, dtype: torch.dtype) -> int:
-    """Copies of the weights a resident model holds: 2 with the CPU kernels (the loaded weights,
-    which prefill-sized GEMMs and reloads use, and the packed projections), else 1."""
-    return 2 if uses_cpu_kernels(device, dtype) else 1
+def weight_copies(device: torch.device, dtype: torch.dtype, packed_dtype: torch.dtype | None = None) -> float:
+    """Copies of the weights a resident model holds, in units of the weights at `dtype`: with the CPU
+    kernels the loaded weights (which prefill-sized GEMMs, the embedding and reloads use) and the
+    packed projections at `packed_dtype` (default: dtype), so 2, or 1.5 with bf16 panels; else 1."""
+    if not uses_cpu_kernels(device, dtype):
+        return 1
+    return 1 + (packed_dtype or dtype).itemsize / dtype.itemsize
 
 
-def ops_for(rope_cos: torch.Tensor, rope_sin: torch.Tensor) -> TorchOps:
-    kind = CpuKernelOps if uses_cpu_kernels(rope_cos.device, rope_cos.dtype) else TorchOps
-    return kind(rope_cos, rope_sin)
+def ops_for(rope_cos: torch.Tensor, rope_sin: torch.Tensor, packed_dtype: torch.dtype | None = None) -> TorchOps:
+    """The model's operations; packed_dtype (CPU kernels only; default: the model's dtype) is the
+    element type its projections are packed in."""
+    if uses_cpu_kernels(rope_cos.device, rope_cos.dtype):
+        return CpuKernelOps(rope_cos, rope_sin, packed_dtype or rope_cos.dtype)
+    return TorchOps(rope_cos, rope_sin)

@@ -117,7 +117,10 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
 class LlamaModel:
     """The decoder as plain tensors; `forward` is one step over a flat token batch."""
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor]):
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], packed_dtype: torch.dtype | None = None):
+        """packed_dtype: the element type the CPU kernels pack the projections and LM head in (default:
+        the weights' dtype); a narrower one expects weights already rounded to it (load_model's
+        weight_dtype), so that every path computes with the same values."""
         expected = config.weight_shapes()
         missing = sorted(set(expected) - set(weights))
         if missing:
@@ -137,7 +140,7 @@ class LlamaModel:
         angles = torch.cat((angles, angles), dim=-1)  # [max_pos, head_dim]
         self.rope_cos = angles.cos().to(self.dtype).to(self.device)
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
-        self.ops = ops_for(self.rope_cos, self.rope_sin)
+        self.ops = ops_for(self.rope_cos, self.rope_sin, packed_dtype)
         self.lm_head_w = self.ops.prepare(self.lm_head)
         self.layers = [self._layer_weights(n) for n in range(config.num_layers)]
 

@@ -42,6 +42,8 @@ class LoadedModel:
     config: LlamaConfig
     weights: dict[str, torch.Tensor]
     tokenizer: Tokenizer
+    # the element type the weights' values were rounded to (load_model's weight_dtype; None: not rounded)
+    rounded_to: torch.dtype | None = None
 
 
 def _smollm2_source(name: str) -> ModelSource:
@@ -83,9 +85,12 @@ def resolve_model(name: str) -> ModelSource:
 
 
 def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               cache_dir: str | Path | None = None) -> LoadedModel:
+               cache_dir: str | Path | None = None, weight_dtype: torch.dtype | None = None) -> LoadedModel:
     """Reads the weights (GGUF via the dequantized cache under `cache_dir`, default
-    $LORAPLEX_CACHE_DIR or ~/.cache/loraplex) and moves them to `dtype` on `device`."""
+    $LORAPLEX_CACHE_DIR or ~/.cache/loraplex) and moves them to `dtype` on `device`; with a narrower
+    `weight_dtype` (EngineConfig.weight_torch_dtype) each value is first rounded to it (nearest even),
+    into fresh tensors: a model that packs its projections in that type computes with the same weights
+    on every path."""
     if source.kind == "gguf":
         config, weights, tokenizer = load_gguf(source.path, cache_dir)
     elif source.kind == "hf":
@@ -95,11 +100,15 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
     # .to is a no-op (no copy, the mmap stays shared) when dtype and device already match.
-    weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+    rounded_to = weight_dtype if weight_dtype is not None and weight_dtype != dtype else None
+    if rounded_to is not None:
+        weights = {k: v.to(dtype=rounded_to).to(device=device, dtype=dtype) for k, v in weights.items()}
+    else:
+        weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
     if source.add_bos is not None:
         tokenizer.add_bos = source.add_bos
     tokenizer.pad_vocab(config.vocab_size)
-    return LoadedModel(name=source.name, config=config, weights=weights, tokenizer=tokenizer)
+    return LoadedModel(name=source.name, config=config, weights=weights, tokenizer=tokenizer, rounded_to=rounded_to)
 
 
 def build_model(loaded: LoadedModel) -> LlamaModel:

@@ -12,7 +12,8 @@
  *     gu = x @ Wgu^T (+ LoRA); act = silu(gate) * up; delta = act @ Wdown^T (+ LoRA down)
  *   then for each i < n_logits, row r = logits_rows[i]:
  *   logits[i] = (rms_norm(h[r] + delta[r]) * norm) @ Wlm^T.
- * h [B, H] is the residual stream (embedding rows in, updated in place); scratch holds the
+ * The packed projections and LM head are all fp32 or all bf16 (the table's M_WTYPE, LP_W_*: linear.c
+ * or linear_bf16.c serves them). h [B, H] is the residual stream (embedding rows in, updated in place); scratch holds the
  * activations (decode_step_scratch_floats). The model and LoRA tables are int64 blocks built once
  * (layout below); the step block is built per call. Returns 0, or a negative code and writes no
  * K/V when a slot, block id or length is out of range.
@@ -37,7 +38,7 @@
 
 /* Model table: MODEL_FIELDS header fields, then LAYER_FIELDS per layer. */
 enum { M_LAYERS, M_HIDDEN, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_INTER, M_VOCAB, M_BLOCK_SIZE, M_CACHE_SLOTS,
-       M_EPS_BITS, M_ROPE_COS, M_ROPE_SIN, M_MAX_POS, M_NORM, M_LM_HEAD, MODEL_FIELDS };
+       M_EPS_BITS, M_ROPE_COS, M_ROPE_SIN, M_MAX_POS, M_NORM, M_LM_HEAD, M_WTYPE, MODEL_FIELDS };
 enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, LAYER_FIELDS };
 /* The LoRA table's layout is in kernels.h (LP_R_*). */
 enum { LORA_MODULES = LP_LORA_MODULES, LORA_WIDTHS = LP_LORA_WIDTHS, LORA_HEADER = LP_LORA_HEADER };
@@ -150,13 +151,21 @@ static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
     return side;
 }
 
+/* y = x @ W^T (+ bias) over one of the model's packed weights [N, K], in its element type (side may be
+ * NULL). */
+static int project(const int64_t *model, const float *x, int64_t T, int64_t K, const void *wp, int64_t N,
+                   const float *bias, float *y, const lp_side_t *side) {
+    if (model[M_WTYPE] == LP_W_BF16) return lp_linear_packed_side_bf16(x, T, K, K, wp, N, bias, y, side);
+    return lp_linear_packed_side_f32(x, T, K, K, wp, N, bias, y, side);
+}
+
 /* y = x @ W^T (+ bias) for one layer's module, plus its adapter deltas when the step has any: the
  * fold's inside the GEMM, the others' by lora.c, whose weights the GEMM asks for while it runs.
  * Modules come in order (layer by layer, qkv, o, gate_up, down), as the fold block holds them. */
-static int gemm(step_lora_t *lo, int64_t layer, int module, const float *x, int64_t T, const float *wp,
+static int gemm(step_lora_t *lo, int64_t layer, int module, const float *x, int64_t T, const void *wp,
                 int64_t N, const float *bias, float *y) {
     const int64_t K = module_in(lo->model, module);
-    if (!lo->tab) return lp_linear_packed_f32(x, T, K, K, wp, N, bias, y);
+    if (!lo->tab) return project(lo->model, x, T, K, wp, N, bias, y, 0);
     lp_side_t side = side_spans(lo, layer, module);
     int rc;
     if (lo->fold_slot >= 0) {
@@ -172,9 +181,10 @@ static int gemm(step_lora_t *lo, int64_t layer, int module, const float *x, int6
             sp[0] = (int64_t)(intptr_t)lo->fold_next, sp[1] = 1, sp[2] = 0;
             sp[3] = lp_fold_shrink_floats(module_in(lo->model, next), lp_lora_module(lo->tab, next)[0], rk) * 4;
         }
-        rc = lp_linear_fold_f32(x, T, K, K, wp, N, bias, y, &side, &fold);
+        rc = lo->model[M_WTYPE] == LP_W_BF16 ? lp_linear_fold_bf16(x, T, K, K, wp, N, bias, y, &side, &fold)
+                                              : lp_linear_fold_f32(x, T, K, K, wp, N, bias, y, &side, &fold);
     } else {
-        rc = lp_linear_packed_side_f32(x, T, K, K, wp, N, bias, y, &side);
+        rc = project(lo->model, x, T, K, wp, N, bias, y, &side);
     }
     return rc ? rc : lora(lo, layer, module, x, y, T);
 }
@@ -224,6 +234,7 @@ static int check_step(const int64_t *model, const int64_t *step) {
     const int64_t *tables = PTR(const int64_t *, step[S_TABLES]), *pos = PTR(const int64_t *, step[S_POSITIONS]);
     const int64_t *rows = PTR(const int64_t *, step[S_LOGIT_ROWS]);
     if (B < 1 || max_blocks < 1 || step[S_N_LOGITS] < 0 || step[S_N_LOGITS] > B) return -1;
+    if (model[M_WTYPE] != LP_W_F32 && model[M_WTYPE] != LP_W_BF16) return -1;
     if (step[S_LORA] && (step[S_LORA_NUM_GROUPS] < 0 || step[S_LORA_NUM_GROUPS] > B)) return -1; /* scratch */
     for (int64_t b = 0; b < B; b++) {
         if (slot[b] < 0 || slot[b] >= slots || lens[b] < 1 || lens[b] > max_blocks * bs) return -2;
@@ -259,7 +270,7 @@ int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
     for (int64_t l = 0; l < model[M_LAYERS]; l++) {
         const int64_t *w = model + MODEL_FIELDS + l * LAYER_FIELDS;
         lp_add_rms_norm_f32(h, prev, PTR(const float *, w[L_IN_NORM]), B, H, eps, x);
-        if ((rc = gemm(&lo, l, MOD_QKV, x, B, PTR(const float *, w[L_QKV]), qkv_out,
+        if ((rc = gemm(&lo, l, MOD_QKV, x, B, PTR(const void *, w[L_QKV]), qkv_out,
                        PTR(const float *, w[L_QKV_BIAS]), qkv)))
             return rc;
         lp_rope_f32(qkv, B, qkv_out, nh + kvh, D, pos, cos_t, sin_t);
@@ -271,11 +282,11 @@ int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
         if ((rc = lp_decode_attention_f32(qkv, qkv_out, k_cache, v_cache, tables, step[S_MAX_BLOCKS], lens, B,
                                           nh, kvh, D, model[M_BLOCK_SIZE], scale, attn)))
             return rc;
-        if ((rc = gemm(&lo, l, MOD_O, attn, B, PTR(const float *, w[L_O]), H, 0, delta))) return rc;
+        if ((rc = gemm(&lo, l, MOD_O, attn, B, PTR(const void *, w[L_O]), H, 0, delta))) return rc;
         lp_add_rms_norm_f32(h, delta, PTR(const float *, w[L_POST_NORM]), B, H, eps, x);
-        if ((rc = gemm(&lo, l, MOD_GATE_UP, x, B, PTR(const float *, w[L_GATE_UP]), 2 * I, 0, gu))) return rc;
+        if ((rc = gemm(&lo, l, MOD_GATE_UP, x, B, PTR(const void *, w[L_GATE_UP]), 2 * I, 0, gu))) return rc;
         lp_silu_mul_f32(gu, B, I, act);
-        if ((rc = gemm(&lo, l, MOD_DOWN, act, B, PTR(const float *, w[L_DOWN]), H, 0, delta))) return rc;
+        if ((rc = gemm(&lo, l, MOD_DOWN, act, B, PTR(const void *, w[L_DOWN]), H, 0, delta))) return rc;
         prev = delta;
     }
     /* the sampled rows: final residual add and norm into x's first rows, then the LM head */
@@ -285,6 +296,6 @@ int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
         lp_add_rms_norm_f32(x + i * H, delta + rows[i] * H, PTR(const float *, model[M_NORM]), 1, H, eps, x + i * H);
     }
     if (n == 0) return 0;
-    return lp_linear_packed_f32(x, n, H, H, PTR(const float *, model[M_LM_HEAD]), model[M_VOCAB], 0,
-                                PTR(float *, step[S_LOGITS]));
+    return project(model, x, n, H, PTR(const void *, model[M_LM_HEAD]), model[M_VOCAB], 0,
+                   PTR(float *, step[S_LOGITS]), 0);
 }

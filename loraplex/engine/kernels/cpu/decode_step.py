@@ -52,8 +52,8 @@ def _double_bits(v: float) -> int:
 
 class DecodeStepModel:
     """The model table: dimensions, then per layer (input norm, qkv, qkv bias or None, o, post norm,
-    gate_up, down, K cache, V cache). Projections are PackedWeights; caches [blocks, block_size,
-    kv_heads, head_dim] fp32, contiguous; rope tables [max_pos, head_dim]."""
+    gate_up, down, K cache, V cache). Projections are PackedWeights, all fp32 or all bf16 with the LM
+    head; caches [blocks, block_size, kv_heads, head_dim] fp32, contiguous; rope tables [max_pos, head_dim]."""
 
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
                  rope_cos: torch.Tensor, rope_sin: torch.Tensor, norm: torch.Tensor, lm_head: PackedWeight,
@@ -68,11 +68,15 @@ class DecodeStepModel:
         require("norm", norm, 1)
         qkv_out = (heads + 2 * kv_heads) * head_dim
         cache_shape = tuple(layers[0][7].shape)  # the first layer's K cache
+        wtype = lm_head.data.dtype  # (pack() made it float32 or bfloat16)
         for (in_norm, qkv, qkv_bias, o, post_norm, gate_up, down, k_cache, v_cache) in layers:
             for name, w, n, k in (("qkv", qkv, qkv_out, hidden), ("o", o, hidden, heads * head_dim),
                                   ("gate_up", gate_up, 2 * intermediate, hidden), ("down", down, hidden, intermediate)):
                 if (w.out_features, w.in_features) != (n, k):
                     raise ValueError(f"{name} is [{w.out_features}, {w.in_features}], expected [{n}, {k}]")
+                if w.data.dtype != wtype:
+                    raise ValueError(f"{name} is packed as {w.data.dtype} but the LM head as {wtype}: one step "
+                                     f"takes one weight type")
             for name, t, width in (("input norm", in_norm, hidden), ("post norm", post_norm, hidden),
                                    ("qkv bias", qkv_bias, qkv_out)):
                 if t is not None:
@@ -89,7 +93,7 @@ class DecodeStepModel:
         self._keep = (rope_cos, rope_sin, norm, lm_head, list(layers))
         fields = [len(layers), hidden, heads, kv_heads, head_dim, intermediate, lm_head.out_features,
                   cache_shape[1], cache_shape[0] * cache_shape[1], _double_bits(eps), _ptr(rope_cos),
-                  _ptr(rope_sin), rope_cos.shape[0], _ptr(norm), _ptr(lm_head)]
+                  _ptr(rope_sin), rope_cos.shape[0], _ptr(norm), _ptr(lm_head), WEIGHT_CODES[wtype]]
         for layer in layers:
             fields += [_ptr(t) for t in layer]
         self.table = torch.tensor(fields, dtype=torch.int64)

@@ -90,6 +90,16 @@ int lp_linear_packed_side_f32(const float *x, int64_t M, int64_t lda, int64_t K,
                               const float *bias, float *y, const lp_side_t *side);
 int lp_linear_fold_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
                        const float *bias, float *y, const lp_side_t *side, const lp_fold_t *fold);
+/* linear_bf16.c: the same over bf16 weight panels (wp holds bf16 bits) */
+int lp_linear_packed_bf16(const float *x, int64_t M, int64_t lda, int64_t K, const uint16_t *wp, int64_t N,
+                          const float *bias, float *y);
+int lp_linear_packed_side_bf16(const float *x, int64_t M, int64_t lda, int64_t K, const uint16_t *wp, int64_t N,
+                               const float *bias, float *y, const lp_side_t *side);
+int lp_linear_fold_bf16(const float *x, int64_t M, int64_t lda, int64_t K, const uint16_t *wp, int64_t N,
+                        const float *bias, float *y, const lp_side_t *side, const lp_fold_t *fold);
+/* A fold's shrink (its fp32 panels) by thread t of nt, which every build of linear.c runs first. */
+void lp_linear_fold_shrink(const float *x, int64_t M, int64_t lda, int64_t K, const lp_fold_t *fold, int64_t t,
+                           int64_t nt);
 void lp_add_rms_norm_f32(float *h, const float *delta, const float *w, int64_t T, int64_t H, float eps, float *out);
 void lp_rope_f32(float *x, int64_t T, int64_t stride, int64_t n_heads, int64_t D, const int64_t *pos,
                  const float *cos_t, const float *sin_t);

@@ -12,6 +12,14 @@
  * with AVX2), the threads splitting the panels; rows are taken in blocks of 64 so a block of x stays in cache.
  * Software prefetches keep the weights arriving at the rate the kernel uses them (see panel()).
  *
+ * bf16 weights (linear_bf16.c builds this file again with LP_LINEAR_WTYPE LP_W_BF16: lp_pack_bf16,
+ * lp_linear_packed_bf16, ...): the panels hold each weight rounded once to bf16 (nearest even), and
+ * the kernel widens them to fp32 as it loads them (exact: a bf16 value b is the fp32 of bits b << 16).
+ * x, y, the bias, the fold and every sum stay fp32, and the sums run in the same order as the fp32
+ * build's, so y equals the fp32 build's y over the rounded weights bit for bit. Why: a decode step at
+ * small batches streams every weight once per step, so half the bytes is up to twice the tokens/s;
+ * and checkpoints published in bf16 (most HF models) lose nothing.
+ *
  * Fold (lp_linear_fold_f32): with one adapter's LoRA folded in, for the rows it applies to,
  *     y[m, n] += sum_{e < len_p} ys[m, e0_p + e] * bp_p[e, n - p * NR]     (p = n / NR)
  * where ys[m, :] = x[m, :] @ ap^T is computed first (its own panels, the threads splitting the rows),
@@ -27,17 +35,34 @@
 #include <omp.h>
 #endif
 
+#ifndef LP_LINEAR_WTYPE
+#define LP_LINEAR_WTYPE LP_W_F32
+#endif
+#if LP_LINEAR_WTYPE == LP_W_BF16
+typedef uint16_t wt_t; /* a panel's element: bf16 bits */
+#define LINEAR_FN(name) name##_bf16
+#define WAT(p, i) lp_bf16_to_f32((p)[i])
+#elif LP_LINEAR_WTYPE == LP_W_F32
+typedef float wt_t;
+#define LINEAR_FN(name) name##_f32
+#define WAT(p, i) ((p)[i])
+#else
+#error "linear.c is built for fp32 or bf16 weights"
+#endif
+
 #define NR LP_NR
 #define VW LP_VW
 #define ROW_BLOCK 64
 /* Below this many weights a second thread costs more than it saves. */
 #define PARALLEL_MIN_WEIGHTS (64 * 1024)
 
+#if LP_LINEAR_WTYPE == LP_W_F32 /* (the type-independent exports: once, in the fp32 build) */
 int64_t lp_panel_columns(void) { return NR; }
 
 int64_t lp_fold_shrink_width(int64_t S, int64_t rank) { return lp_fold_width(S, rank); }
 
 int64_t lp_packed_size(int64_t N, int64_t K) { return (N + NR - 1) / NR * NR * K; }
+#endif
 
 /* Side prefetch (lp_side_t): a compute-bound GEMM asks for memory the kernel after it reads (the
  * step's LoRA weights) with bandwidth the GEMM leaves idle; what arrives is evicted to L3 by the weight
@@ -94,6 +119,7 @@ typedef struct {
 
 static const ext_t NO_EXT = {0};
 
+#if LP_LINEAR_WTYPE == LP_W_F32
 int64_t lp_fold_ext(const int64_t *widths, int64_t S, int64_t rank, int64_t N, int64_t p, int64_t *e0) {
     int64_t c0 = p * NR, c1 = (c0 + NR < N ? c0 + NR : N) - 1, s0 = -1, s1 = -1, off = 0;
     for (int64_t s = 0; s < S; off += widths[s++]) {
@@ -106,15 +132,16 @@ int64_t lp_fold_ext(const int64_t *widths, int64_t S, int64_t rank, int64_t N, i
     *e0 = s0 * rank;
     return s0 < 0 || s1 < 0 ? 0 : (s1 - s0 + 1) * rank;
 }
+#endif
 
-void lp_pack_f32(const float *w, int64_t N, int64_t K, float *wp) {
+void LINEAR_FN(lp_pack)(const float *w, int64_t N, int64_t K, wt_t *wp) {
     int64_t panels = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t k = 0; k < K; k++)
             for (int64_t j = 0; j < NR; j++) {
                 int64_t n = p * NR + j;
-                wp[(p * K + k) * NR + j] = n < N ? w[n * K + k] : 0.0f;
+                lp_weight_store(wp, (p * K + k) * NR + j, LP_LINEAR_WTYPE, n < N ? w[n * K + k] : 0.0f);
             }
 }
 
@@ -131,6 +158,9 @@ typedef __m512 vec_t;
 #define VZERO _mm512_setzero_ps
 #define VFMA _mm512_fmadd_ps
 #define VADD _mm512_add_ps
+/* 16 bf16 weights widened to fp32 */
+#define WLOAD16(p) \
+    _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
 #else
 #define MR 4
 typedef __m256 vec_t;
@@ -140,6 +170,14 @@ typedef __m256 vec_t;
 #define VZERO _mm256_setzero_ps
 #define VFMA _mm256_fmadd_ps
 #define VADD _mm256_add_ps
+/* 8 bf16 weights widened to fp32 */
+#define WLOAD16(p) \
+    _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#endif
+#if LP_LINEAR_WTYPE == LP_W_F32
+#define WLOAD VLOAD
+#else
+#define WLOAD WLOAD16
 #endif
 _Static_assert(NR == 3 * VW, "a panel row is three vectors");
 /* Side lines: one per 2^SIDE_SHIFT k-steps. Denser was slower on Zen 3 (AVX2) and on a Xeon with
@@ -161,20 +199,20 @@ static __attribute__((noinline)) void store_cols(const float *tmp, int64_t cols,
  * pf + k * pfstep on each k; with SIDE also one line of side on every 2^SIDE_SHIFT-th k below side_k.
  * The folded expand (ext) runs on full panels only (NV 3). */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, int64_t lda, int64_t K,
-                                                             const float *wp, const float *bias, float *y,
+                                                             const wt_t *wp, const float *bias, float *y,
                                                              int64_t ldy, int64_t cols, uintptr_t pf,
                                                              int64_t pfstep, int64_t pfn, const char *side,
                                                              int64_t side_k, const ext_t *ext, const float *ey,
                                                              const int R, const int NV, const int PF, const int SIDE) {
-    const int W = NV * VW; /* floats per panel row */
+    const int W = NV * VW; /* weights per panel row */
     vec_t acc[MR][3];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 3
         for (int c = 0; c < NV; c++) acc[r][c] = VZERO();
     for (int64_t k = 0; k < K; k++) {
-        vec_t b0 = VLOAD(wp + k * W), b1 = NV > 1 ? VLOAD(wp + k * W + VW) : VZERO(),
-              b2 = NV > 2 ? VLOAD(wp + k * W + 2 * VW) : VZERO();
+        vec_t b0 = WLOAD(wp + k * W), b1 = NV > 1 ? WLOAD(wp + k * W + VW) : VZERO(),
+              b2 = NV > 2 ? WLOAD(wp + k * W + 2 * VW) : VZERO();
         /* Pins the panel row in registers. Left alone, GCC folds the three loads into every row's
          * FMAs (12 loads per k instead of 3), and the load ports, not the FMAs, set the pace. With
          * 1-2 rows the FMAs are not the limit, and the folded form (fewer instructions) was faster. */
@@ -265,10 +303,10 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
  * prefetcher alone); one row needs neither. A group asks for one line per whole 64 bytes of its
  * per-k share (at least one). A prefetch never faults, so the ones that run past the last panel are
  * harmless (their addresses are integers, not pointers past the array). */
-static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float *wp, int64_t nv, const float *bias,
-                  float *y, int64_t ldy, int64_t cols, const float *next, side_t *sd, int64_t side_lines,
+static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const wt_t *wp, int64_t nv, const float *bias,
+                  float *y, int64_t ldy, int64_t cols, const wt_t *next, side_t *sd, int64_t side_lines,
                   const ext_t *ext) {
-    const int64_t row_bytes = nv * VW * 4;
+    const int64_t row_bytes = nv * VW * (int64_t)sizeof(wt_t);
     int64_t groups = (M + MR - 1) / MR, step = (row_bytes + groups - 1) / groups, m = 0;
     uintptr_t pf = (uintptr_t)next;
     if (groups == 1) pf = (uintptr_t)wp + (M == 2 ? 1024 : 1536), step = row_bytes;
@@ -293,14 +331,14 @@ static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float
     }
 }
 #else
-static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float *wp, int64_t nv, const float *bias,
-                  float *y, int64_t ldy, int64_t cols, const float *next, side_t *sd, int64_t side_lines,
+static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const wt_t *wp, int64_t nv, const float *bias,
+                  float *y, int64_t ldy, int64_t cols, const wt_t *next, side_t *sd, int64_t side_lines,
                   const ext_t *ext) {
     (void)next, (void)sd, (void)side_lines;
     for (int64_t m = 0; m < M; m++)
         for (int64_t j = 0; j < cols; j++) {
             float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) s += x[m * lda + k] * wp[k * nv * VW + j];
+            for (int64_t k = 0; k < K; k++) s += x[m * lda + k] * WAT(wp, k * nv * VW + j);
             for (int64_t e = 0; e < ext->len; e++) s += ext->y[m * ext->ld + e] * ext->b[e * NR + j];
             y[m * ldy + j] = s + (bias ? bias[j] : 0.0f);
         }
@@ -310,10 +348,12 @@ static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const float
 /* Floats per row of a fold's shrink output (its panels' columns): the row stride of fold->y. */
 static inline int64_t fold_ld(const lp_fold_t *fold) { return fold->pa * lp_fold_width(fold->S, fold->rank); }
 
-/* The fold's first phase, by this thread (its share of the rows, panels of ap against each): the
- * shrink ys = x @ ap^T, zeroed in the rows the adapter does not apply to. */
-static void fold_shrink(const float *x, int64_t M, int64_t lda, int64_t K, const lp_fold_t *fold, int64_t t,
-                        int64_t nt) {
+#if LP_LINEAR_WTYPE == LP_W_F32
+/* The fold's first phase, by thread t of nt (its share of the rows, panels of ap against each): the
+ * shrink ys = x @ ap^T, zeroed in the rows the adapter does not apply to. The fold's panels are fp32
+ * whatever the GEMM's weights, so every build calls this one (kernels.h). */
+void lp_linear_fold_shrink(const float *x, int64_t M, int64_t lda, int64_t K, const lp_fold_t *fold, int64_t t,
+                           int64_t nt) {
     const int64_t aw = lp_fold_width(fold->S, fold->rank), ld = fold_ld(fold), r0 = M * t / nt, r1 = M * (t + 1) / nt;
     side_t none = {0};
     for (int64_t m0 = r0; m0 < r1; m0 += ROW_BLOCK) {
@@ -325,10 +365,11 @@ static void fold_shrink(const float *x, int64_t M, int64_t lda, int64_t K, const
     for (int64_t m = r0; fold->keep && m < r1; m++)
         if (!fold->keep[m]) memset(fold->y + m * ld, 0, sizeof(float) * ld);
 }
+#endif
 
 /* y = x @ W^T (+ bias), asking for the side lines while it runs (side may be NULL), with the fold's
  * adapter delta added to its rows (fold may be NULL). */
-static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N, const float *bias,
+static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t *wp, int64_t N, const float *bias,
                   float *y, const lp_side_t *side, const lp_fold_t *fold) {
     if (M < 0 || K < 1 || N < 1 || lda < K) return -1;
     if (side && side->n < 0) return -1;
@@ -343,7 +384,7 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const float
         t = omp_get_thread_num(), nt = omp_get_num_threads();
 #endif
         if (fold) {
-            fold_shrink(x, M, lda, K, fold, t, nt);
+            lp_linear_fold_shrink(x, M, lda, K, fold, t, nt);
 #pragma omp barrier
         }
         /* a contiguous run of panels per thread, so "the next panel" is the thread's own; the row
@@ -379,17 +420,17 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const float
     return 0;
 }
 
-int lp_linear_packed_side_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
+int LINEAR_FN(lp_linear_packed_side)(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t *wp, int64_t N,
                               const float *bias, float *y, const lp_side_t *side) {
     return linear(x, M, lda, K, wp, N, bias, y, side, 0);
 }
 
-int lp_linear_fold_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
+int LINEAR_FN(lp_linear_fold)(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t *wp, int64_t N,
                        const float *bias, float *y, const lp_side_t *side, const lp_fold_t *fold) {
     return linear(x, M, lda, K, wp, N, bias, y, side, fold);
 }
 
-int lp_linear_packed_f32(const float *x, int64_t M, int64_t lda, int64_t K, const float *wp, int64_t N,
+int LINEAR_FN(lp_linear_packed)(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t *wp, int64_t N,
                          const float *bias, float *y) {
     return linear(x, M, lda, K, wp, N, bias, y, 0, 0);
 }

@@ -1,4 +1,5 @@
-"""Linear layers over packed weights on the CPU, through linear.c (see its Semantics)."""
+"""Linear layers over packed weights on the CPU, through linear.c (see its Semantics): fp32 panels, or
+bf16 ones (linear_bf16.c) widened as they are loaded, with fp32 activations and sums either way."""
 
 from __future__ import annotations
 
@@ -19,16 +20,26 @@ class _Fold(ctypes.Structure):
                 ("keep", _P)]
 
 
+# The packed panels' element types and their kernels' suffix (linear.c, linear_bf16.c)
+PACKED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
 @functools.cache
 def _fns() -> dict | None:
+    per_type = {}
+    for t in PACKED_DTYPES.values():
+        per_type |= {
+            f"lp_pack_{t}": (None, [_P, _I64, _I64, _P]),
+            f"lp_linear_packed_{t}": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P]),
+            f"lp_linear_fold_{t}": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P,
+                                                   ctypes.POINTER(_Fold)]),
+        }
     return functions({
         "lp_panel_columns": (_I64, []),
         "lp_fold_shrink_width": (_I64, [_I64, _I64]),
         "lp_packed_size": (_I64, [_I64, _I64]),
-        "lp_pack_f32": (None, [_P, _I64, _I64, _P]),
-        "lp_linear_packed_f32": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P]),
-        "lp_linear_fold_f32": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P, ctypes.POINTER(_Fold)]),
         "lp_fold_module_floats": (_I64, [_I64, _I64, _I64, _P, _I64]),
+        **per_type,
     })
 
 
@@ -60,9 +71,10 @@ def packed_max_rows() -> int:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight [out_features, in_features] in linear.c's panel layout (flat fp32 storage), with the
-    weight itself (the loaded tensor, no copy) for prefill-sized batches; `weight` is None for a copy
-    made only for decode steps (an adapter merged into the weights, lora/merged.py)."""
+    """A weight [out_features, in_features] in linear.c's panel layout (flat storage, fp32 or bf16:
+    `data.dtype`), with the weight itself (the loaded tensor, no copy) for prefill-sized batches;
+    `weight` is None for a copy made only for decode steps (an adapter merged into the weights,
+    lora/merged.py)."""
 
     data: torch.Tensor
     weight: torch.Tensor | None
@@ -70,14 +82,17 @@ class PackedWeight:
     in_features: int
 
 
-def pack(w: torch.Tensor, keep_weight: bool = True) -> PackedWeight:
-    """Packs a weight [out, in] (fp32, CPU) once, at model load; keep_weight=False drops the
-    reference to `w` (the packed copy then serves packed_max_rows() rows at most)."""
+def pack(w: torch.Tensor, keep_weight: bool = True, dtype: torch.dtype = torch.float32) -> PackedWeight:
+    """Packs a weight [out, in] (fp32, CPU) once, at model load, into panels of `dtype` (float32, or
+    bfloat16: each weight rounded to nearest even, as torch's .to() rounds); keep_weight=False drops
+    the reference to `w` (the packed copy then serves packed_max_rows() rows at most)."""
     fns = _fns()
     require("w", w, 2)
+    if dtype not in PACKED_DTYPES:
+        raise ValueError(f"packed weights are float32 or bfloat16, got {dtype}")
     n, k = w.shape
-    data = torch.empty(fns["lp_packed_size"](n, k), dtype=torch.float32)
-    fns["lp_pack_f32"](w.data_ptr(), n, k, data.data_ptr())
+    data = torch.empty(fns["lp_packed_size"](n, k), dtype=dtype)
+    fns[f"lp_pack_{PACKED_DTYPES[dtype]}"](w.data_ptr(), n, k, data.data_ptr())
     return PackedWeight(data, w if keep_weight else None, n, k)
 
 
@@ -100,9 +115,9 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
-    fns["lp_linear_packed_f32"](x.data_ptr(), x.shape[0], max(x.stride(0), w.in_features), w.in_features,
-                                w.data.data_ptr(), w.out_features, None if bias is None else bias.data_ptr(),
-                                y.data_ptr())
+    fns[f"lp_linear_packed_{PACKED_DTYPES[w.data.dtype]}"](
+        x.data_ptr(), x.shape[0], max(x.stride(0), w.in_features), w.in_features, w.data.data_ptr(), w.out_features,
+        None if bias is None else bias.data_ptr(), y.data_ptr())
     return y
 
 
@@ -144,8 +159,9 @@ def packed_linear_fold(x: torch.Tensor, w: PackedWeight, block: torch.Tensor, wi
     fold = _Fold(block.data_ptr(), block.data_ptr() + pa * k * aw * 4, pa, rank, len(widths), wt.data_ptr(),
                  y_scratch.data_ptr(), None if keep is None else keep.data_ptr())
     y = torch.empty(t, w.out_features, dtype=torch.float32)
-    rc = _fns()["lp_linear_fold_f32"](x.data_ptr(), t, k, k, w.data.data_ptr(), w.out_features, None, y.data_ptr(),
-                                      None, ctypes.byref(fold))
+    name = f"lp_linear_fold_{PACKED_DTYPES[w.data.dtype]}"
+    rc = _fns()[name](x.data_ptr(), t, k, k, w.data.data_ptr(), w.out_features, None, y.data_ptr(), None,
+                      ctypes.byref(fold))
     if rc:
-        raise ValueError("lp_linear_fold_f32 refused the call: invalid sizes")
+        raise ValueError(f"{name} refused the call: invalid sizes")
     return y
