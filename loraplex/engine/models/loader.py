@@ -101,10 +101,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
         raise ValueError(f"unknown model source kind {source.kind!r}")
     # .to is a no-op (no copy, the mmap stays shared) when dtype and device already match.
     rounded_to = weight_dtype if weight_dtype is not None and weight_dtype != dtype else None
-    if rounded_to is not None:
-        weights = {k: v.to(dtype=rounded_to).to(device=device, dtype=dtype) for k, v in weights.items()}
-    else:
-        weights = {k: v.to(device=device, dtype=dtype) for k, v in weights.items()}
+    weights = {k: (v.to(rounded_to) if rounded_to else v).to(device=device, dtype=dtype) for k, v in weights.items()}
     if source.add_bos is not None:
         tokenizer.add_bos = source.add_bos
     tokenizer.pad_vocab(config.vocab_size)
