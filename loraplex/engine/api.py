@@ -239,6 +239,8 @@ class EngineStats:
     spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
     spec_accepted_tokens: int = 0  # of which the model agreed with (each saved a step)
     models_resident: int = 0  # base models on the device (the rest wait on the CPU tier or disk)
+    # memory of the resident models' weights: as loaded, plus the CPU kernels' packed copies (at weight_dtype)
+    model_weight_bytes: int = 0
     model_loads: int = 0
     model_evictions: int = 0
 

@@ -66,6 +66,7 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         self.token_bytes = self.tokenizer.token_bytes()
         model = LlamaModel(loaded.config, loaded.weights, wdtype)
+        self.weight_bytes = model.weight_bytes() + model.packed_bytes()  # (what stats() reports)
         mcfg = loaded.config
         bs = config.block_size
         num_blocks = kv_blocks(config, mcfg)
@@ -278,7 +279,8 @@ class EngineCore:
             adapter_evictions=lora.stats.evictions if lora else 0,
             adapter_merges=merge.builds if merge else 0, adapter_merged_bytes=merge.nbytes() if merge else 0,
             adapter_slot_bytes=lora.nbytes() if lora else 0,
-            spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens)
+            spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens,
+            model_weight_bytes=self.weight_bytes)
 
     # --- synchronous convenience -----------------------------------------------------------
 

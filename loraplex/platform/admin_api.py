@@ -182,7 +182,8 @@ async def engine_stats(platform: PlatformDep) -> a.EngineStatsOut:
     return a.EngineStatsOut(s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_used, s.kv_blocks_free,
                             s.num_steps, s.generated_tokens, s.prompt_tokens_computed, s.adapters_loaded,
                             s.adapter_loads, s.models_resident, s.model_loads, s.model_evictions,
-                            s.prefix_hit_tokens, s.prefix_query_tokens, s.spec_draft_tokens, s.spec_accepted_tokens)
+                            s.prefix_hit_tokens, s.prefix_query_tokens, s.spec_draft_tokens, s.spec_accepted_tokens,
+                            s.model_weight_bytes)
 
 
 @get("/engine/workers")

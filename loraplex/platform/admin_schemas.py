@@ -119,6 +119,7 @@ class EngineStatsOut(Struct):
     prefix_query_tokens: int  # prompt tokens looked up in it
     spec_draft_tokens: int  # speculative decoding: drafts verified
     spec_accepted_tokens: int  # of which kept
+    model_weight_bytes: int  # the resident models' weights, with the CPU kernels' packed copies
 
 
 def tenant_out(t: Tenant) -> TenantOut:

@@ -63,6 +63,9 @@ class EngineCollector:
                                   "decode steps wholly on them", value=s.adapter_merges)
         yield GaugeMetricFamily("loraplex_adapter_merged_bytes", "Memory of the merged adapter weight copies",
                                 value=s.adapter_merged_bytes)
+        yield GaugeMetricFamily("loraplex_model_weight_bytes", "Memory of the resident base models' weights: as "
+                                "loaded, plus the CPU kernels' packed copies (at --weight-dtype)",
+                                value=s.model_weight_bytes)
         yield GaugeMetricFamily("loraplex_adapter_slot_bytes", "Memory of the adapter slot buffers (at the slots' "
                                 "dtype) and the folded adapter copies", value=s.adapter_slot_bytes)
         yield CounterMetricFamily("loraplex_engine_generated_tokens", "Tokens the engine generated",

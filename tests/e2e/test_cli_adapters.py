@@ -1,6 +1,7 @@
 """`loraplex adapters upload|list|delete|gc` against the real `loraplex serve` (embedded SQLite),
 with the uploaded adapter then served to the `openai` client; bad input is one `loraplex: error:` line.
-The server's adapter slots are bf16 under the fp32 model (`--lora-dtype`)."""
+The server's adapter slots and base weights are bf16 under the fp32 model (`--lora-dtype`,
+`--weight-dtype`)."""
 
 from __future__ import annotations
 
@@ -34,7 +35,8 @@ LIMIT = 2_000_000  # bytes an upload may send: more than the tiny model's rank-8
 
 @pytest.fixture(scope="module")
 def server(data_env):
-    srv = start({**data_env, "LORAPLEX_ADAPTER_MAX_BYTES": str(LIMIT)}, "--no-demo", "--lora-dtype", "bfloat16")
+    srv = start({**data_env, "LORAPLEX_ADAPTER_MAX_BYTES": str(LIMIT)}, "--no-demo", "--lora-dtype", "bfloat16",
+                "--weight-dtype", "bfloat16")
     try:
         yield srv
     finally:
@@ -70,10 +72,26 @@ def ok(out) -> str:
     return out.stdout
 
 
-def slot_bytes(server) -> int:
-    (line,) = [x for x in httpx.get(f"{server.base_url}/metrics").text.splitlines()
-               if x.startswith("loraplex_adapter_slot_bytes ")]
+def gauge(server, name: str) -> int:
+    (line,) = [x for x in httpx.get(f"{server.base_url}/metrics").text.splitlines() if x.startswith(f"{name} ")]
     return int(float(line.split()[1]))
+
+
+def slot_bytes(server) -> int:
+    return gauge(server, "loraplex_adapter_slot_bytes")
+
+
+def test_the_server_runs_bf16_base_weights(server):
+    """--weight-dtype reaches the engine: its weights gauge counts bf16 panels beside the loaded fp32
+    tensors, as an engine made here with that setting does, less than fp32 panels would take."""
+    from loraplex.engine.config import EngineConfig
+    from loraplex.engine.core import EngineCore
+
+    def weight_bytes(weight_dtype: str) -> int:
+        cfg = EngineConfig(model=MODEL, device="cpu", num_kv_blocks=8, weight_dtype=weight_dtype)
+        return EngineCore(cfg).stats().model_weight_bytes
+
+    assert gauge(server, "loraplex_model_weight_bytes") == weight_bytes("bfloat16") < weight_bytes("auto")
 
 
 def test_upload_serve_delete_and_collect(cli_env, server, tenant, peft_dir):

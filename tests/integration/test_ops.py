@@ -30,7 +30,7 @@ def test_metrics_cover_latency_tokens_statuses_and_the_engine(api):
                  "loraplex_adapter_loads_total", "loraplex_adapter_disk_loads_total",
                  "loraplex_adapter_load_seconds_total", "loraplex_adapter_merges_total",
                  "loraplex_adapter_merged_bytes", "loraplex_adapter_slot_bytes", "loraplex_spec_draft_tokens_total",
-                 "loraplex_spec_accepted_tokens_total"):
+                 "loraplex_spec_accepted_tokens_total", "loraplex_model_weight_bytes"):
         assert name in text, name
     assert f'loraplex_tokens_total{{kind="completion",model="synthetic:tiny",tenant="{tenant}"}}' in text
     assert 'loraplex_requests_total{endpoint="/v1/chat/completions",status="404"}' in text

@@ -137,3 +137,13 @@ def test_a_pool_counts_bf16_panels_at_half_size_and_reloads_the_rounded_weights(
         assert pool.entry("m1").core.runner.model.layers[0][1].data.dtype == BF16
     finally:
         pool.shutdown()
+
+
+def test_stats_count_the_loaded_weights_and_the_packed_copies_at_their_dtype():
+    fp32 = EngineCore(config(), loaded=_loaded(MODEL))
+    bf16 = EngineCore(config(weight_dtype="bfloat16"))
+    loaded = fp32.runner.model.weight_bytes()
+    assert bf16.runner.model.weight_bytes() == loaded  # (fp32 tensors holding the rounded values)
+    packed32 = fp32.stats().model_weight_bytes - loaded
+    assert packed32 == fp32.runner.model.packed_bytes() > 0
+    assert bf16.stats().model_weight_bytes == loaded + packed32 // 2

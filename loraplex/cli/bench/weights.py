@@ -27,13 +27,6 @@ from loraplex.engine.models.loader import load_model, resolve_model
 WEIGHT_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
-def packed_bytes(core: EngineCore) -> int:
-    """Bytes of the packed projections and LM head: what an all-decode step reads of the weights."""
-    model = core.runner.model
-    packed = [model.lm_head_w] + [layer[i] for layer in model.layers for i in (1, 3, 5, 6)]
-    return sum(p.data.numel() * p.data.element_size() for p in packed)
-
-
 def _requests(prompts: list[str], new_tokens: int, model: str, tag: str) -> list[GenerateRequest]:
     sp = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     return [GenerateRequest(f"{tag}-{i}", model, prompt=p, sampling=sp) for i, p in enumerate(prompts)]
@@ -73,7 +66,8 @@ def run_weights_bench(model: str, new_tokens: int, batches: str, rounds: int = 3
     results = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "model": model, "dtype": "float32", "new_tokens": new_tokens, "measure": "step-interleaved",
-        "mem_read_gbs": round(gbs, 2), "packed_bytes": {name: packed_bytes(core) for name, core in cores.items()},
+        "mem_read_gbs": round(gbs, 2),
+        "packed_bytes": {name: core.runner.model.packed_bytes() for name, core in cores.items()},
     }
     for b in sizes:
         row = {f"{name}_tok_s": round(statistics.harmonic_mean(runs[b][name]), 2) for name in cores}

@@ -22,10 +22,9 @@ import torch
 from loraplex.engine.kernels.cpu.linear import pack
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex
 from loraplex.engine.lora.slots import LoraSlots
+from loraplex.engine.models.llama import PROJECTIONS
 
 log = logging.getLogger(__name__)
-
-_LAYER_POSITIONS = {"qkv": 1, "o": 3, "gate_up": 5, "down": 6}  # each fused projection's place in a layer tuple
 
 
 class MergedAdapter:
@@ -69,7 +68,7 @@ class MergedAdapter:
             return 0
         pairs = zip(self._layers, self.model.layers, strict=True)
         return sum(layer[i].data.numel() * layer[i].data.element_size() for layer, base in pairs
-                   for i in _LAYER_POSITIONS.values() if layer[i] is not base[i])
+                   for i in PROJECTIONS.values() if layer[i] is not base[i])
 
     def _drop(self) -> None:
         self._key, self._layers = None, None
@@ -82,7 +81,7 @@ class MergedAdapter:
         layers = []
         for li, base_layer in enumerate(self.model.layers):
             layer = list(base_layer)
-            for module, position in _LAYER_POSITIONS.items():
+            for module, position in PROJECTIONS.items():
                 base = self.model.w[f"layers.{li}.{module}"]  # [out, in]
                 out = scratch.setdefault(tuple(base.shape), torch.empty_like(base))
                 if self.slots.merged_weight(li, module, slot, base, out):

@@ -114,6 +114,10 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return inv_freq
 
 
+# Each fused projection's place in a layer tuple (LlamaModel.layers)
+PROJECTIONS = {"qkv": 1, "o": 3, "gate_up": 5, "down": 6}
+
+
 class LlamaModel:
     """The decoder as plain tensors; `forward` is one step over a flat token batch."""
 
@@ -153,6 +157,12 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.w.values())
+
+    def packed_bytes(self) -> int:
+        """Bytes of the CPU kernels' packed projections and LM head (what an all-decode step reads of
+        the weights; at the packed dtype); 0 where the ops use the weights as they are."""
+        packed = [self.lm_head_w] + [layer[i] for layer in self.layers for i in PROJECTIONS.values()]
+        return sum(p.data.numel() * p.data.element_size() for p in packed if not isinstance(p, torch.Tensor))
 
     def forward(
         self,
