@@ -97,3 +97,19 @@ def test_bench_fleet_runs_both_placements_on_real_workers(tmp_path):
     assert bad.returncode == 2 and "--popularity is uniform or zipf:<s>" in bad.stderr
     assert r["ratios"]["tok_s_affinity_vs_least_loaded"] == round(
         r["policies"]["affinity"]["tok_s"] / r["policies"]["least_loaded"]["tok_s"], 3)
+
+
+def test_bench_weights_compares_bf16_and_fp32_weights_at_each_batch(tmp_path):
+    r = run_bench(tmp_path, "weights", "--model", "synthetic:tiny", "--batches", "1,3", "--new-tokens", "4",
+                  "--rounds", "2")
+    assert r["packed_bytes"]["bf16"] * 2 == r["packed_bytes"]["fp32"]
+    ppl = r["prompt_perplexity"]
+    assert ppl["fp32"] > 1 and ppl["bf16"] > 1 and ppl["bf16_vs_fp32"] == round(ppl["bf16"] / ppl["fp32"], 4)
+    for key, batch in (("batch1", 1), ("batch3", 3)):
+        row = r[key]
+        assert row["fp32_tok_s"] > 0 and row["bf16_tok_s"] > 0 and len(row["rounds"]["bf16"]) == 2
+        assert row["bf16_vs_fp32"] == round(row["bf16_tok_s"] / row["fp32_tok_s"], 3)
+        assert row["bf16_agreement"]["requests"] == batch
+    assert r["batch1"]["bf16_roofline_tok_s"] == round(r["mem_read_gbs"] * 1e9 / r["packed_bytes"]["bf16"], 2)
+    bad = loraplex("bench", "weights", "--batches", "0", "--json", str(tmp_path / "bad.json"))
+    assert bad.returncode == 2 and "--batches: positive batch sizes" in bad.stderr

@@ -7,10 +7,13 @@ tokens/s (the harmonic mean of its rounds: every round generates the same tokens
 the median of the per-round ratios), and how far the bf16 engine's greedy tokens follow the fp32
 engine's. At batch 1 a step reads every packed weight once, so each engine is also set against the
 memory roofline measured in the same rounds: read bandwidth over the bytes of its packed weights.
+What the rounding costs in quality: each engine's perplexity over the bench's prompts (their tokens'
+log-probabilities, as `echo` with `logprobs` scores a prompt).
 """
 
 from __future__ import annotations
 
+import math
 import platform
 import statistics
 
@@ -32,8 +35,24 @@ def _requests(prompts: list[str], new_tokens: int, model: str, tag: str) -> list
     return [GenerateRequest(f"{tag}-{i}", model, prompt=p, sampling=sp) for i, p in enumerate(prompts)]
 
 
+def prompt_perplexity(core: EngineCore, prompts: list[str], model: str) -> float:
+    """exp of the mean negative log-probability of every prompt token after the first, each prompt
+    scored by the engine (prompt log-probabilities, one token generated)."""
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    for i, p in enumerate(prompts):
+        core.add(core.prepare(GenerateRequest(f"ppl-{i}", model, prompt=p, sampling=sp)))
+    logprobs: list[float] = []
+    while core.has_work():
+        for ev in core.step():
+            logprobs += [lp.logprob for lp in ev.prompt_logprobs if lp.logprob is not None]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
 def run_weights_bench(model: str, new_tokens: int, batches: str, rounds: int = 3) -> dict:
-    sizes = sorted({int(b) for b in batches.split(",")})
+    try:
+        sizes = sorted({int(b) for b in batches.split(",")})
+    except ValueError:
+        sizes = []
     if not sizes or sizes[0] < 1:
         raise ValueError(f"--batches: positive batch sizes, comma-separated, got {batches!r}")
     torch.manual_seed(0)
@@ -62,13 +81,16 @@ def run_weights_bench(model: str, new_tokens: int, batches: str, rounds: int = 3
                                                for name in cores}, keep if r == 0 else None)
             for name, tok_s in figures.items():
                 runs[b][name].append(round(tok_s, 2))
-    gbs = max(bandwidth)
+    gbs = round(max(bandwidth), 2)
     results = {
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "model": model, "dtype": "float32", "new_tokens": new_tokens, "measure": "step-interleaved",
-        "mem_read_gbs": round(gbs, 2),
+        "mem_read_gbs": gbs,
         "packed_bytes": {name: core.runner.model.packed_bytes() for name, core in cores.items()},
     }
+    perplexity = {name: prompt_perplexity(core, prompts, model) for name, core in cores.items()}
+    results["prompt_perplexity"] = {name: round(v, 4) for name, v in perplexity.items()}
+    results["prompt_perplexity"]["bf16_vs_fp32"] = round(perplexity["bf16"] / perplexity["fp32"], 4)
     for b in sizes:
         row = {f"{name}_tok_s": round(statistics.harmonic_mean(runs[b][name]), 2) for name in cores}
         row["bf16_vs_fp32"] = round(row["bf16_tok_s"] / row["fp32_tok_s"], 3)
