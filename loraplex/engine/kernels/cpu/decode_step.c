@@ -13,10 +13,10 @@
  *   then for each i < n_logits, row r = logits_rows[i]:
  *   logits[i] = (rms_norm(h[r] + delta[r]) * norm) @ Wlm^T.
  * The packed projections and LM head are all fp32 or all bf16 (the table's M_WTYPE, LP_W_*: linear.c
- * or linear_bf16.c serves them). h [B, H] is the residual stream (embedding rows in, updated in place); scratch holds the
- * activations (decode_step_scratch_floats). The model and LoRA tables are int64 blocks built once
- * (layout below); the step block is built per call. Returns 0, or a negative code and writes no
- * K/V when a slot, block id or length is out of range.
+ * or linear_bf16.c serves them). h [B, H] is the residual stream (embedding rows in, updated in
+ * place); scratch holds the activations (decode_step_scratch_floats). The model and LoRA tables are
+ * int64 blocks built once (layout below); the step block is built per call. Returns 0, or a negative
+ * code and writes no K/V when a slot, block id or length is out of range.
  *
  * LoRA: at SIDE_MIN_ROWS rows or more (compute-bound GEMMs) each projection's GEMM asks for the A and
  * B rows of the step's adapters that its LoRA call reads next (lp_side_t): they come in under the
