@@ -54,6 +54,13 @@ class Settings:
     # Wrong admin tokens from one address before it is refused for the rest of the window (0: no limit).
     admin_auth_max_failures: int = 10
     admin_auth_window_s: float = 300.0
+    # Failed tenant authentications (401s on /v1) from one address before it is answered 429 for
+    # the rest of the window (0: no limit). Behind a proxy every client shares its address.
+    auth_max_failures: int = 100
+    auth_failure_window_s: float = 60.0
+    # The largest request body the APIs read (413 beyond it); adapter blob uploads have their own
+    # limit, adapter_max_bytes.
+    max_body_bytes: int = 2 << 20
     # A cached key is re-read from the database after this long, so a key revoked or expired on
     # another instance is refused within it (the issue asks for one second).
     auth_cache_ttl_s: float = 0.5
@@ -83,10 +90,17 @@ class Settings:
     default_max_tokens: int | None = None
     # How long cached keys and models keep serving while the database is unreachable.
     db_outage_grace_s: float = 900.0
+    # Postgres: opening a connection gives up after this long (so an outage that drops packets is
+    # noticed in seconds and cached keys keep serving), a statement after this long (0: never).
+    db_connect_timeout_s: float = 2.0
+    db_command_timeout_s: float = 30.0
     # Budget counters: how often this process reconciles them with the ledger and heartbeats,
     # and after how long without a heartbeat another process counts as dead.
     reconcile_interval_s: float = 1.0
     dead_process_after_s: float = 30.0
+    # On SIGTERM `serve` stops admitting generations and waits this long for those in flight; what
+    # is still running then is aborted and billed what it generated.
+    drain_timeout_s: float = 30.0
 
     @classmethod
     def from_env(cls, environ: dict | None = None) -> Settings:
@@ -99,6 +113,9 @@ class Settings:
             admin_token=env.get("LORAPLEX_ADMIN_TOKEN") or None,
             admin_auth_max_failures=_integer(env, "LORAPLEX_ADMIN_AUTH_MAX_FAILURES", 10, 0),
             admin_auth_window_s=_number(env, "LORAPLEX_ADMIN_AUTH_WINDOW", 300.0, 1.0),
+            auth_max_failures=_integer(env, "LORAPLEX_AUTH_MAX_FAILURES", 100, 0),
+            auth_failure_window_s=_number(env, "LORAPLEX_AUTH_FAILURE_WINDOW", 60.0, 1.0),
+            max_body_bytes=_integer(env, "LORAPLEX_MAX_BODY_BYTES", 2 << 20, 1024),
             auth_cache_ttl_s=_number(env, "LORAPLEX_AUTH_CACHE_TTL", 0.5, 0.0),
             catalog_cache_ttl_s=_number(env, "LORAPLEX_CATALOG_CACHE_TTL", 2.0, 0.0),
             adapter_sweep_interval_s=_number(env, "LORAPLEX_ADAPTER_SWEEP_INTERVAL", 30.0, 0.0),
@@ -113,8 +130,11 @@ class Settings:
             request_timeout_s=_number(env, "LORAPLEX_REQUEST_TIMEOUT", 600.0, 0.0),
             default_max_tokens=_integer(env, "LORAPLEX_DEFAULT_MAX_TOKENS", None, 1),
             db_outage_grace_s=_number(env, "LORAPLEX_DB_OUTAGE_GRACE", 900.0, 0.0),
+            db_connect_timeout_s=_number(env, "LORAPLEX_DB_CONNECT_TIMEOUT", 2.0, 0.1),
+            db_command_timeout_s=_number(env, "LORAPLEX_DB_COMMAND_TIMEOUT", 30.0, 0.0),
             reconcile_interval_s=_number(env, "LORAPLEX_BUDGET_RECONCILE_INTERVAL", 1.0, 0.05),
             dead_process_after_s=_number(env, "LORAPLEX_DEAD_PROCESS_AFTER", 30.0, 1.0),
+            drain_timeout_s=_number(env, "LORAPLEX_DRAIN_TIMEOUT", 30.0, 0.0),
         )
 
     @property

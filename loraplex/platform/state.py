@@ -58,7 +58,8 @@ class Platform:
     @classmethod
     def build(cls, settings: Settings, engine: EngineClient, usage: UsageSink | None = None) -> Platform:
         """`usage`: a sink that sees every usage event besides the ledger (tests, benchmarks)."""
-        db = make_engine(settings.effective_database_url)
+        db = make_engine(settings.effective_database_url, connect_timeout_s=settings.db_connect_timeout_s,
+                         command_timeout_s=settings.db_command_timeout_s)
         sessions = session_factory(db)
         instance = secrets.token_hex(6)
         tail = Tail()

@@ -1,4 +1,11 @@
-"""Async database engines for Postgres (asyncpg) and SQLite (aiosqlite)."""
+"""Async database engines for Postgres (asyncpg) and SQLite (aiosqlite).
+
+Postgres connections time out: opening one after `connect_timeout_s` (asyncpg's own default is
+60 s, so a database behind a network that drops packets held every request that needed a new
+connection for a minute), and any statement after `command_timeout_s` (asyncpg has none: a
+statement on a connection whose packets vanish waited for the kernel to give up, many minutes).
+The key and catalog caches wait even less before serving what they hold (outage.py).
+"""
 
 from __future__ import annotations
 
@@ -29,7 +36,13 @@ def is_sqlite(url: str) -> bool:
     return make_url(url).get_backend_name() == "sqlite"
 
 
-def make_engine(url: str) -> AsyncEngine:
+DEFAULT_CONNECT_TIMEOUT_S = 2.0
+DEFAULT_COMMAND_TIMEOUT_S = 30.0
+
+
+def make_engine(url: str, *, connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
+                command_timeout_s: float | None = DEFAULT_COMMAND_TIMEOUT_S) -> AsyncEngine:
+    """`command_timeout_s` None or 0: statements never time out."""
     url = async_url(url)
     if is_sqlite(url):
         database = make_url(url).database
@@ -38,7 +51,8 @@ def make_engine(url: str) -> AsyncEngine:
         engine = create_async_engine(url, connect_args={"timeout": 30})
         event.listen(engine.sync_engine, "connect", _sqlite_pragmas)
         return engine
-    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True)
+    connect_args = {"timeout": connect_timeout_s, "command_timeout": command_timeout_s or None}
+    return create_async_engine(url, pool_size=10, max_overflow=20, pool_pre_ping=True, connect_args=connect_args)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:
