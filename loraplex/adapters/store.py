@@ -35,7 +35,7 @@ from pathlib import Path
 
 from loraplex.engine.api import PEFT_FILES
 
-_DIGEST = re.compile(r"^sha256:([0-9a-f]{64})$")
+_DIGEST = re.compile(r"sha256:([0-9a-f]{64})")  # matched whole
 _WRITE_CHUNK = 1 << 20  # bytes gathered before a write (and hash) on a worker thread
 
 
@@ -63,7 +63,7 @@ class Collected:
 
 def parse_digest(text: str, param: str = "digest") -> str:
     """The hex of a "sha256:<64 hex digits>" digest (case-insensitive)."""
-    match = _DIGEST.match(text.strip().lower())
+    match = _DIGEST.fullmatch(text.strip().lower())
     if match is None:
         raise StoreError("invalid_digest", f"{text!r} is not a digest: expected sha256:<64 hex digits>", param)
     return match.group(1)

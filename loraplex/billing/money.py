@@ -14,7 +14,7 @@ from decimal import Decimal, InvalidOperation
 MICRO_DIGITS = 6
 PICO_DIGITS = 12
 MAX_PRICE = Decimal(10) ** 9  # per 1M tokens; far above any real price, and it keeps costs in 64 bits
-_CURRENCY = re.compile(r"^[A-Z]{3}$")
+_CURRENCY = re.compile(r"[A-Z]{3}")  # matched whole
 
 
 class MoneyError(ValueError):
@@ -42,7 +42,7 @@ def parse_price(value: object, param: str) -> int:
 
 
 def check_currency(value: object) -> str:
-    if not isinstance(value, str) or not _CURRENCY.match(value):
+    if not isinstance(value, str) or not _CURRENCY.fullmatch(value):
         raise MoneyError(f"currency must be three capital letters (ISO 4217, e.g. USD), got {value!r}", "currency")
     return value
 

@@ -12,8 +12,10 @@ from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 
 BUDGET_PERIODS = ("day", "month", "total")
-_MONTH = re.compile(r"^(\d{4})-(\d{2})$")
-_DAY = re.compile(r"^\d{4}-\d{2}-\d{2}$")
+_MONTH = re.compile(r"([0-9]{4})-([0-9]{2})")  # ASCII digits, matched whole
+_DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
+_SHAPE = "period must be YYYY-MM, YYYY-MM-DD or YYYY-MM-DD..YYYY-MM-DD"
+MAX_PERIOD_CHARS = 32
 
 
 class PeriodError(ValueError):
@@ -66,12 +68,15 @@ class DateRange:
 
 
 def _day(text: str) -> date:
-    if not _DAY.match(text):
-        raise PeriodError(f"period must be YYYY-MM, YYYY-MM-DD or YYYY-MM-DD..YYYY-MM-DD, got {text!r}")
+    if not _DAY.fullmatch(text):
+        raise PeriodError(f"{_SHAPE}, got {text!r}")
     try:
-        return date.fromisoformat(text)
+        day = date.fromisoformat(text)
     except ValueError as exc:
         raise PeriodError(f"period: {text!r} is not a date ({exc})") from None
+    if day == date.max:  # its range would end on the day after, which no date can hold
+        raise PeriodError(f"period: {text!r} is past the last day a period may cover")
+    return day
 
 
 def month_range(year: int, month: int) -> DateRange:
@@ -81,18 +86,21 @@ def month_range(year: int, month: int) -> DateRange:
 
 
 def parse_period(text: str) -> DateRange:
-    """`YYYY-MM` (a month), `YYYY-MM-DD` (a day) or `YYYY-MM-DD..YYYY-MM-DD` (inclusive)."""
+    """`YYYY-MM` (a month), `YYYY-MM-DD` (a day) or `YYYY-MM-DD..YYYY-MM-DD` (inclusive), years
+    0001 to 9999 (a range ending on 9999-12-31 is refused: its end, the day after, is no date)."""
     text = (text or "").strip()
-    month = _MONTH.match(text)
+    if len(text) > MAX_PERIOD_CHARS:
+        raise PeriodError(f"{_SHAPE}, got {len(text)} characters")
+    month = _MONTH.fullmatch(text)
     if month:
         year, number = int(month.group(1)), int(month.group(2))
-        if not 1 <= number <= 12:
-            raise PeriodError(f"period: {text!r} is not a month (YYYY-MM)")
+        if not 1 <= number <= 12 or not 1 <= year <= 9999 or (year, number) == (9999, 12):
+            raise PeriodError(f"period: {text!r} is not a month (YYYY-MM, 0001-01 to 9999-11)")
         return month_range(year, number)
     first, sep, last = text.partition("..")
     start = _day(first) if first else None
     if start is None:
-        raise PeriodError(f"period must be YYYY-MM, YYYY-MM-DD or YYYY-MM-DD..YYYY-MM-DD, got {text!r}")
+        raise PeriodError(f"{_SHAPE}, got {text!r}")
     end = _day(last) if sep else start
     if end < start:
         raise PeriodError(f"period: {text!r} ends before it starts")

@@ -10,6 +10,7 @@ from msgspec import Meta, Struct
 from loraplex.platform.db.tables import Adapter, ApiKey, Model, Tenant, as_utc
 
 PositiveInt = Annotated[int, Meta(ge=1)]
+MAX_KEY_LIFETIME_S = 100 * 366 * 86_400  # expires_in_s: far enough, and a date Python and Postgres can hold
 
 
 class TenantIn(Struct, kw_only=True):
@@ -32,7 +33,7 @@ class KeyIn(Struct, kw_only=True):
 
     name: str | None = None
     expires_at: datetime | None = None
-    expires_in_s: PositiveInt | None = None
+    expires_in_s: Annotated[int, Meta(ge=1, le=MAX_KEY_LIFETIME_S)] | None = None
     allowed_models: list[str] | None = None
     allowed_adapters: list[str] | None = None
     max_priority: str = "standard"

@@ -4,10 +4,12 @@ A key is served from the cache for at most `ttl_s` (default 0.5 s) after its row
 key revoked on any instance, or a tenant disabled there, is refused everywhere within that time
 without a message bus; a key in use is re-read in the background before that, so requests do
 not wait for the database. Expiry is checked on every request against the cached time, so it is
-exact. Unknown keys are cached too, so a flood of bad keys costs one query per key and TTL.
-Concurrent misses for the same key share one query. The principal carries the budgets of its
-tenant and key, so budget changes also reach every instance within the TTL. While the database
-is down, cached keys keep working for `outage_grace_s` (outage.py).
+exact. Only valid keys enter that cache, so no number of bad keys can push a good one out:
+refusals (unknown, revoked, disabled) go to a small bounded cache of their own, so a client
+retrying one bad key costs one query per TTL, and a flood of distinct bad keys is throttled per
+address (auth_throttle.py). Concurrent misses for the same key share one query. The principal
+carries the budgets of its tenant and key, so budget changes also reach every instance within
+the TTL. While the database is down, cached keys keep working for `outage_grace_s` (outage.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -29,6 +32,8 @@ from loraplex.platform.errors import unauthorized
 from loraplex.platform.tenancy.budgets import rules_for_key
 from loraplex.platform.tenancy.keys import find_by_secret_hash, hash_key, looks_like_key
 
+MAX_KEY_CHARS = 128  # our keys have 47; anything longer is refused without hashing or a lookup
+MAX_REFUSALS = 4096  # refused keys remembered (for one TTL) at once; the oldest are forgotten first
 MISSING_KEY = ("You didn't provide an API key. Send it in the Authorization header: "
                "'Authorization: Bearer lpx-...'.")
 WRONG_KEY = "Incorrect API key provided."
@@ -98,16 +103,23 @@ class AuthCache:
                  clock=time.monotonic, outage_grace_s: float = 900.0):
         self._sessions = sessions
         self._cache: RefreshingCache[str, Principal | str] = RefreshingCache(
-            self._load, ttl_s, what="API keys", grace_s=outage_grace_s, max_entries=max_entries, clock=clock)
+            self._load, ttl_s, what="API keys", grace_s=outage_grace_s, max_entries=max_entries, clock=clock,
+            keep=lambda found: isinstance(found, Principal))
+        self._refused = Refusals(ttl_s, MAX_REFUSALS, clock)
 
     async def authenticate(self, authorization: str | None) -> Principal:
         key = _bearer(authorization)
         if key is None:
             raise unauthorized(MISSING_KEY)
-        if not looks_like_key(key):
+        if len(key) > MAX_KEY_CHARS or not looks_like_key(key):
             raise unauthorized(WRONG_KEY)
-        found = await self._cache.get(hash_key(key))
+        secret_hash = hash_key(key)
+        refused = self._refused.get(secret_hash)
+        if refused is not None:
+            raise unauthorized(refused)
+        found = await self._cache.get(secret_hash)
         if isinstance(found, str):
+            self._refused.add(secret_hash, found)
             raise unauthorized(found)
         if found.expires_at is not None and found.expires_at <= utcnow():
             raise unauthorized("This API key has expired.")
@@ -116,6 +128,12 @@ class AuthCache:
     def invalidate(self) -> None:
         """Forgets every entry (after a revocation or a tenant change made on this instance)."""
         self._cache.invalidate()
+        self._refused.clear()
+
+    @property
+    def cached_keys(self) -> int:
+        """How many valid keys the cache holds (tests, diagnostics)."""
+        return len(self._cache)
 
     async def _load(self, secret_hash: str) -> Principal | str:
         async with self._sessions() as session:
@@ -123,6 +141,38 @@ class AuthCache:
             if row is None:
                 return WRONG_KEY
             return principal_of(row, await rules_for_key(session, row.tenant_id, row.id))
+
+
+class Refusals:
+    """Why recently refused keys were refused, for `ttl_s` each and at most `max_entries` of them
+    (the oldest forgotten first): bounded whatever keys clients make up."""
+
+    def __init__(self, ttl_s: float, max_entries: int, clock=time.monotonic):
+        self._ttl, self._max, self._clock = ttl_s, max_entries, clock
+        self._entries: OrderedDict[str, tuple[float, str]] = OrderedDict()
+
+    def get(self, secret_hash: str) -> str | None:
+        entry = self._entries.get(secret_hash)
+        if entry is None:
+            return None
+        if self._clock() - entry[0] >= self._ttl:
+            del self._entries[secret_hash]
+            return None
+        return entry[1]
+
+    def add(self, secret_hash: str, reason: str) -> None:
+        if self._ttl <= 0:
+            return
+        self._entries[secret_hash] = (self._clock(), reason)
+        self._entries.move_to_end(secret_hash)
+        while len(self._entries) > self._max:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
 
 
 def _bearer(header: str | None) -> str | None:

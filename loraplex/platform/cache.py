@@ -10,12 +10,18 @@ nobody used for a while is read in line, as before. Concurrent reads of one entr
 query. `invalidate()` forgets every entry and every read in flight, so a change made through this
 instance is seen by the next request. While the database is down, entries keep serving for
 `grace_s` (outage.py).
+
+Memory stays bounded whatever the keys are: at most `max_entries`, the least recently stored
+dropped first; an entry past its TTL and the outage grace is dropped as newer ones are stored;
+and a value `keep` refuses (a miss: a key or model that does not exist) is answered but never
+stored, so strings a client invents take no room.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Hashable
 from typing import Generic, TypeVar
 
@@ -27,7 +33,8 @@ V = TypeVar("V")
 
 class RefreshingCache(Generic[K, V]):
     def __init__(self, load: Callable[[K], Awaitable[V]], ttl_s: float, *, what: str, grace_s: float = 900.0,
-                 refresh_at: float = 0.75, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic):
+                 refresh_at: float = 0.75, max_entries: int = 100_000, clock: Callable[[], float] = time.monotonic,
+                 keep: Callable[[V], bool] | None = None):
         self._load = load
         self._ttl = ttl_s
         self._refresh_after = ttl_s * refresh_at
@@ -35,7 +42,8 @@ class RefreshingCache(Generic[K, V]):
         self._grace = grace_s
         self._max = max_entries
         self._clock = clock
-        self._entries: dict[K, tuple[float, V]] = {}
+        self._keep = keep
+        self._entries: OrderedDict[K, tuple[float, V]] = OrderedDict()  # least recently stored first
         self._reads: dict[K, asyncio.Task] = {}
         self._generation = 0  # bumped by invalidate(): reads begun before it are not stored
 
@@ -72,7 +80,23 @@ class RefreshingCache(Generic[K, V]):
         loaded_at, value = await load_or_stale(lambda: self._load(key), entry, self._clock(), self._grace,
                                                self._what)
         if generation == self._generation:
-            if len(self._entries) >= self._max:
-                self._entries.clear()
-            self._entries[key] = (loaded_at, value)
+            if self._keep is not None and not self._keep(value):
+                self._entries.pop(key, None)
+            else:
+                self._store(key, (loaded_at, value))
         return value
+
+    def _store(self, key: K, entry: tuple[float, V]) -> None:
+        """Stores as the most recent entry, then drops the oldest while there are too many or they
+        are too old to serve even during an outage."""
+        self._entries[key] = entry
+        self._entries.move_to_end(key)
+        useless_before = self._clock() - max(self._ttl, self._grace)
+        while self._entries:
+            oldest = next(iter(self._entries.values()))
+            if len(self._entries) <= self._max and oldest[0] >= useless_before:
+                break
+            self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._entries)

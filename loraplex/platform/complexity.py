@@ -1,4 +1,4 @@
-"""How demanding a request looks, scored from 0 to 1 from the request alone, for `model: "auto"`.
+r"""How demanding a request looks, scored from 0 to 1 from the request alone, for `model: "auto"`.
 
 The router (auto_route.py) sends a request to the cheapest model whose `auto_max_complexity` is at
 least this score, so the score must be something an operator can predict: a weighted sum of named
@@ -15,8 +15,12 @@ signals, each 0-1, capped at 1, all read off the request's own text and fields (
 | dialogue  | 0.10   | 4 turns or fewer            | 16+ turns                                          |
 
 Content signals read the last user turn (what is asked now; a system prompt is fixed per
-application and would score every request alike), its first and last 16K characters when longer;
-length reads the whole prompt. Terms count once each, whole words only.
+application and would score every request alike), at most SCAN_CHARS (8,000) characters of it:
+its first and last 4,000 when longer, so the score costs the same for a 10 KB turn as for a 10 MB
+one; length reads the whole prompt's size. Terms count once each, whole words only. Every pattern
+runs in linear time (`[ \t]*` where a line's indentation is meant, never `\s*` under MULTILINE,
+which would run across blank lines from every line start, and no nested quantifiers), so no text
+makes a score slow.
 
 "Hello" scores 0; "Write a Python function that parses dates" 0.17; a proof by induction asked for
 step by step, with LaTeX, 0.37; a code review with a fenced block and four numbered questions 0.65,
@@ -49,15 +53,16 @@ _REASONING_PHRASES = (
     "tradeoff", "pros and cons", "analyze", "analyse", "evaluate", "justify", "critique", "design", "plan",
     "reason about", "derive", "root cause", "what would happen", "implications", "assess", "strategy",
 )
-SCAN_CHARS = 32_000
+SCAN_CHARS = 8_000
 _REASONING = re.compile(r"\b(?:" + "|".join(re.escape(p) for p in _REASONING_PHRASES) + r")\b")
 _WORD = re.compile(r"[a-z][a-z0-9+#]*")
 _FENCE = re.compile(r"```|~~~")
-_CODE_LINE = re.compile(r"^\s*(def |class |import |from \S+ import |return\b|for\s*\(|if\s*\(|#include|"
-                        r"(const|let|var|fn|func|public|private)\s|SELECT\s|.*[;{}]\s*$)", re.MULTILINE)
+# `[ \t]*+` (possessive) gives nothing back to `.*`, which would otherwise retry every split of a line's indentation
+_CODE_LINE = re.compile(r"^[ \t]*+(?:def |class |import |from \S+ import |return\b|for[ \t]*\(|if[ \t]*\(|#include|"
+                        r"(?:const|let|var|fn|func|public|private)\s|SELECT\s|.*[;{}][ \t]*$)", re.MULTILINE)
 _LATEX = re.compile(r"\\(frac|sum|int|sqrt|lim|prod|begin|alpha|beta|theta|cdot|leq|geq)\b|\$[^$\n]+\$")
 _EQUATION = re.compile(r"[a-zA-Z0-9)\]]\s*(\^|\*\*)\s*\d|\b\d+\s*[-+*/^]\s*\d+\s*=|\b[a-z]\s*=\s*[-\d(]")
-_ASK = re.compile(r"\?|^\s*(\d+[.)]|[-*•])\s+\S", re.MULTILINE)
+_ASK = re.compile(r"\?|^[ \t]*+(?:\d+[.)]|[-*•])[ \t]+\S", re.MULTILINE)
 
 
 @dataclass(frozen=True)
@@ -109,8 +114,8 @@ def _multipart(text: str) -> float:
 
 
 def _scanned(text: str) -> str:
-    """The first and last SCAN_CHARS / 2 of a longer turn: the ask is usually at one end, the length
-    signal has already reached 1 by then, and the cost of a score stays bounded."""
+    """The first and last SCAN_CHARS / 2 of a longer turn: the ask is usually at one end, and the
+    cost of a score stays bounded whatever the turn's length."""
     if len(text) <= SCAN_CHARS:
         return text
     return f"{text[:SCAN_CHARS // 2]}\n{text[-(SCAN_CHARS // 2):]}"

@@ -12,7 +12,7 @@ import re
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
-from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 
 from loraplex.engine.api import ContextLengthExceededError, EngineError, InvalidRequestError, ModelNotFoundError
 
@@ -21,7 +21,11 @@ _MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
           404: "invalid_request_error", 405: "invalid_request_error", 409: "conflict_error",
-          429: "rate_limit_error", 503: "service_unavailable"}
+          413: "invalid_request_error", 429: "rate_limit_error", 503: "service_unavailable"}
+SHOWN_NAME_CHARS = 64  # how much of a name an error message repeats: a 1 MB model name is not echoed
+# What tenant or admin input raises deep in a library (a date out of range, a number too big for a
+# timedelta, JSON nested past the recursion limit): a 400 for that request, never a 500.
+BAD_INPUT_ERRORS = (ValueError, OverflowError, RecursionError)
 
 
 class PlatformError(ValueError):
@@ -47,9 +51,16 @@ def conflict(message: str, param: str | None = None) -> PlatformError:
     return PlatformError(409, message, code="already_exists", param=param)
 
 
+def shown(name: str, limit: int = SHOWN_NAME_CHARS) -> str:
+    """A name as an error message repeats it: whole when short, else its start and a count."""
+    if len(name) <= limit:
+        return name
+    return f"{name[:limit]}... ({len(name)} characters)"
+
+
 def model_not_found(model: str) -> PlatformError:
     """The one answer for a model that is missing, another tenant's, or not allowed to this key."""
-    return not_found(f"The model `{model}` does not exist or you do not have access to it.", "model",
+    return not_found(f"The model `{shown(model)}` does not exist or you do not have access to it.", "model",
                      code="model_not_found")
 
 
@@ -77,7 +88,7 @@ def _from_http_exception(exc: HTTPException) -> PlatformError:
     if isinstance(exc, ValidationException):
         problems = [e for e in (exc.extra or []) if isinstance(e, dict)]
         if problems:
-            message = str(problems[0].get("message", "invalid value"))
+            message = shown(str(problems[0].get("message", "invalid value")), 300)  # it may quote the value
             key = problems[0].get("key")
             if key in (None, "data"):  # the body itself: name the missing field, if that is the problem
                 missing = _MISSING_FIELD.search(message)
@@ -101,13 +112,32 @@ def platform_error_of(request: Request, exc: Exception) -> PlatformError:
     if isinstance(exc, EngineError):
         return from_engine_error(exc)
     if isinstance(exc, HTTPException):
+        if exc.status_code == 413:
+            limit = request.route_handler.resolve_request_max_body_size()
+            return PlatformError(413, f"The request body is larger than this endpoint's limit of {limit} bytes.",
+                                 code="request_too_large")
         return _from_http_exception(exc)
+    if isinstance(exc, BAD_INPUT_ERRORS):
+        return bad_input(request, exc)
+    if isinstance(exc, DataError):  # a value the database cannot store (too long, out of range): the input's fault
+        log.warning("value refused by the database on %s %s: %s", request.method, request.url.path,
+                    type(exc.orig).__name__)
+        return invalid("A value in the request is too long or out of range.", code="invalid_value")
     if isinstance(exc, OperationalError | DBAPIError | ConnectionError | OSError):
         log.error("storage unavailable on %s %s: %s", request.method, request.url.path, type(exc).__name__)
         return PlatformError(503, "The platform's database is unavailable; try again later.",
                              code="database_unavailable")
     log.exception("internal error on %s %s", request.method, request.url.path)
     return PlatformError(500, "Internal server error.", code="internal_error")
+
+
+def bad_input(request: Request, exc: BaseException) -> PlatformError:
+    """The last resort for BAD_INPUT_ERRORS that no check caught at its source: a 400 that does not
+    repeat the input (it may be huge), logged as a warning without a traceback (it may be deep)."""
+    log.warning("bad input on %s %s: %s", request.method, request.url.path, type(exc).__name__)
+    if isinstance(exc, RecursionError):
+        return invalid("The request is nested too deeply.", code="too_deeply_nested")
+    return invalid("A value in the request is out of range or malformed.")
 
 
 def handle_exception(request: Request, exc: Exception) -> Response:

@@ -1,27 +1,28 @@
-"""OpenAI request fields -> the engine's GenerateRequest parts."""
+"""OpenAI request fields -> the engine's GenerateRequest parts, checked against schemas.py's limits."""
 
 from __future__ import annotations
 
 import json
+import re
 
 from loraplex.engine.api import MAX_LOGPROBS, SamplingParams
 from loraplex.platform import schemas as s
 from loraplex.platform import tool_calls
-from loraplex.platform.errors import invalid
+from loraplex.platform.errors import invalid, shown
+from loraplex.platform.schemas import too_deep
 
-MAX_STOP = 4
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's JSON mode: the output is one JSON object
-MAX_CHOICES = 16  # n: each choice is a sequence in the engine's batch
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]{0,9}")  # canonical: "1", never "01", "+1", " 1" or "1.0"
 
 
 def check_supported(data: s.ChatCompletionRequest | s.CompletionRequest) -> None:
-    if not 1 <= data.n <= MAX_CHOICES:
-        raise invalid(f"n must be in [1, {MAX_CHOICES}], got {data.n}", "n")
+    if not 1 <= data.n <= s.MAX_CHOICES:
+        raise invalid(f"n must be in [1, {s.MAX_CHOICES}], got {data.n}", "n")
     best_of = getattr(data, "best_of", None)
     if best_of is not None:
-        if not data.n <= best_of <= MAX_CHOICES:
-            raise invalid(f"best_of must be in [n, {MAX_CHOICES}] (n is {data.n}), got {best_of}", "best_of")
+        if not data.n <= best_of <= s.MAX_CHOICES:
+            raise invalid(f"best_of must be in [n, {s.MAX_CHOICES}] (n is {data.n}), got {best_of}", "best_of")
         if data.stream and best_of > data.n:
             raise invalid("best_of cannot be streamed: the best choices are known only at the end", "best_of")
     if data.stream_options is not None and not data.stream:
@@ -36,8 +37,8 @@ def generated_choices(data: s.ChatCompletionRequest | s.CompletionRequest) -> in
 def sampling(data: s.ChatCompletionRequest | s.CompletionRequest, max_tokens: int | None) -> SamplingParams:
     stop = data.stop
     stops = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
-    if len(stops) > MAX_STOP:
-        raise invalid(f"stop may have at most {MAX_STOP} sequences, got {len(stops)}", "stop")
+    if len(stops) > s.MAX_STOP:
+        raise invalid(f"stop may have at most {s.MAX_STOP} sequences, got {len(stops)}", "stop")
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if data.temperature is None else data.temperature,
@@ -72,11 +73,16 @@ def echo_text(data: s.CompletionRequest) -> str | bool | None:
 
 
 def logit_bias(bias: dict[str, float] | None) -> tuple[tuple[int, float], ...]:
-    """OpenAI's map of token ids (JSON keys) to biases; the engine checks the ids and the range."""
+    """OpenAI's map of token ids (JSON keys) to biases, at most MAX_LOGIT_BIAS of them. A key must be
+    written canonically, so one token cannot be biased twice under two spellings; the engine checks
+    that the ids exist and the range."""
+    if bias is not None and len(bias) > s.MAX_LOGIT_BIAS:
+        raise invalid(f"logit_bias may have at most {s.MAX_LOGIT_BIAS} entries, got {len(bias)}", "logit_bias")
     out = []
     for key, value in (bias or {}).items():
-        if not (key.isascii() and key.isdecimal()):
-            raise invalid(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+        if not _TOKEN_ID.fullmatch(key):
+            raise invalid(f"logit_bias keys must be token ids written as plain decimal integers, got "
+                          f"{shown(key)!r}", "logit_bias")
         out.append((int(key), float(value)))
     return tuple(out)
 
@@ -117,6 +123,8 @@ def json_schema(fmt: s.ResponseFormat | None) -> str | None:
     if fmt.json_schema is None:
         raise invalid("response_format.json_schema is required when type is json_schema", "response_format")
     schema = fmt.json_schema.schema
+    if too_deep(schema):
+        raise invalid(f"response_format's schema nests more than {s.MAX_JSON_DEPTH} levels deep", "response_format")
     return json.dumps(True if schema is None else schema)  # declared key order kept: it is the output's
 
 
@@ -144,7 +152,9 @@ def chat_messages(data: s.ChatCompletionRequest) -> tuple[dict, ...]:
         if m.role == "tool":
             content = f"Result of function call {m.tool_call_id or ''}:\n{content}"
         if m.tool_calls:
-            content = "\n".join(([content] if content else []) + [tool_calls.call_text(c) for c in m.tool_calls])
+            calls = [tool_calls.call_text(c, f"messages[{i}].tool_calls[{j}].function.arguments")
+                     for j, c in enumerate(m.tool_calls)]
+            content = "\n".join(([content] if content else []) + calls)
         out.append({"role": role, "content": content})
     return tuple(out)
 

@@ -4,6 +4,9 @@
 tenant only, and whatever the key may not use answers exactly as a model that does not exist.
 The catalog is cached for `catalog_cache_ttl_s` (cache.py: entries in use are re-read in the
 background); while the database is down, the cached catalog keeps serving for a while (outage.py).
+What the cache holds is bounded by the catalog, not by what clients ask for: a name longer than
+MAX_NAME_CHARS answers 404 without a lookup, and an adapter that does not exist is looked up
+again next time rather than remembered per requested string.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from loraplex.platform.auth import Principal
 from loraplex.platform.background import Background
 from loraplex.platform.cache import RefreshingCache
 from loraplex.platform.errors import PlatformError, model_not_found
+from loraplex.platform.schemas import MAX_NAME_CHARS
 from loraplex.platform.tenancy.catalog import auto_models, existing_engine_ids, find_adapter, list_models
 
 log = logging.getLogger("loraplex.platform")
@@ -64,9 +68,15 @@ class ModelRouter:
         self._models: RefreshingCache[None, frozenset[str]] = RefreshingCache(
             self._load_models, ttl_s, what="models", grace_s=outage_grace_s, clock=clock)
         self._adapters: RefreshingCache[tuple[int, str], AdapterRef | None] = RefreshingCache(
-            self._load_adapter, ttl_s, what="adapters", grace_s=outage_grace_s, clock=clock)
+            self._load_adapter, ttl_s, what="adapters", grace_s=outage_grace_s, clock=clock,
+            keep=lambda ref: ref is not None)
         self._auto: RefreshingCache[None, AutoPool] = RefreshingCache(
             self._load_auto, ttl_s, what="auto models", grace_s=outage_grace_s, clock=clock)
+
+    @property
+    def cached_adapters(self) -> int:
+        """How many adapters the cache holds (tests, diagnostics): only ones that exist."""
+        return len(self._adapters)
 
     def invalidate(self) -> None:
         self._models.invalidate()
@@ -97,6 +107,8 @@ class ModelRouter:
             return None if row is None else AdapterRef(row.name, row.base_model.name, row.engine_id, row.path)
 
     async def resolve(self, principal: Principal, requested: str) -> Target:
+        if len(requested) > MAX_NAME_CHARS:
+            raise model_not_found(requested)
         bases = await self.base_models()
         if requested in bases:
             if not model_allowed(principal, requested):

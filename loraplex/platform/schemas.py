@@ -2,6 +2,11 @@
 
 Fields OpenAI has and we do not use are accepted and ignored, as OpenAI-compatible servers do;
 fields whose meaning we cannot honour (the deprecated functions) are refused with a 400.
+
+What one request may carry is bounded by the limits below, OpenAI's where it documents them, each
+a 400 naming its field: the counts and lengths as the body is decoded (they show in /schema), the
+rest where the field is read (openai_convert.py, tool_calls.py). The body as a whole is bounded by
+LORAPLEX_MAX_BODY_BYTES (413).
 """
 
 from __future__ import annotations
@@ -11,18 +16,33 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+MAX_MESSAGES = 2048  # OpenAI's
+MAX_TEXT_CHARS = 10 << 20  # a message's content, a text part, a prompt, a call's arguments: OpenAI's 10 MiB
+MAX_CONTENT_PARTS = 1024  # text parts of one message
+MAX_TOOLS = 128  # OpenAI's
+MAX_TOOL_CALLS = 128  # calls in one earlier assistant turn
+MAX_TOOLS_SCHEMA_BYTES = 256 << 10  # the tools' parameters together, as JSON text
+MAX_STOP = 4  # OpenAI's
+MAX_STOP_CHARS = 1024  # one stop string
+MAX_LOGIT_BIAS = 300  # OpenAI's; keys are token ids written canonically ("1", not "01")
+MAX_CHOICES = 16  # n and best_of: each choice is a sequence in the engine's batch
+MAX_JSON_DEPTH = 64  # nesting of a tool's parameters, a response_format schema, a call's arguments
+MAX_NAME_CHARS = 256  # a model or adapter name; a longer one answers 404 without a lookup
+
 NonNegInt = Annotated[int, Meta(ge=0)]
 PositiveInt = Annotated[int, Meta(ge=1)]
+Text = Annotated[str, Meta(max_length=MAX_TEXT_CHARS)]
+StopText = Annotated[str, Meta(max_length=MAX_STOP_CHARS)]
 
 
 class ContentPart(Struct):
     type: str
-    text: str | None = None
+    text: Text | None = None
 
 
 class FunctionCall(Struct):
     name: str
-    arguments: str  # JSON text, as OpenAI sends it
+    arguments: Text  # JSON text, as OpenAI sends it
 
 
 class ToolCall(Struct, kw_only=True):
@@ -33,9 +53,9 @@ class ToolCall(Struct, kw_only=True):
 
 class ChatMessage(Struct):
     role: str
-    content: str | list[ContentPart] | None = None
+    content: Text | Annotated[list[ContentPart], Meta(max_length=MAX_CONTENT_PARTS)] | None = None
     name: str | None = None
-    tool_calls: list[ToolCall] | None = None  # an assistant turn that called tools
+    tool_calls: Annotated[list[ToolCall], Meta(max_length=MAX_TOOL_CALLS)] | None = None  # an assistant turn's calls
     tool_call_id: str | None = None  # a tool turn: the call it answers
 
 
@@ -82,7 +102,7 @@ class _Sampling(Struct, kw_only=True):
     temperature: float | None = None
     top_p: float | None = None
     seed: int | None = None
-    stop: str | list[str] | None = None
+    stop: StopText | Annotated[list[StopText], Meta(max_length=MAX_STOP)] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     stream: bool = False
@@ -92,14 +112,15 @@ class _Sampling(Struct, kw_only=True):
     logprobs: bool | int | None = None
     ignore_eos: bool = False  # vLLM's extension: generate max_tokens even past end-of-sequence tokens
     response_format: ResponseFormat | None = None  # also on /v1/completions, as vLLM allows
-    logit_bias: dict[str, float] | None = None  # token id (as a JSON key) -> bias in [-100, 100]
+    # token id (as a JSON key) -> bias in [-100, 100]
+    logit_bias: Annotated[dict[str, float], Meta(max_length=MAX_LOGIT_BIAS)] | None = None
 
 
 class ChatCompletionRequest(_Sampling, kw_only=True):
-    messages: list[ChatMessage]
+    messages: Annotated[list[ChatMessage], Meta(max_length=MAX_MESSAGES)]
     max_completion_tokens: PositiveInt | None = None
     top_logprobs: int | None = None  # with logprobs: true, the alternatives per token (0-20)
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Meta(max_length=MAX_TOOLS)] | None = None
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None  # a forced call is one; an "auto" answer may list several
     # The deprecated function calling: declared only so that a request using it gets a 400 instead of
@@ -109,7 +130,7 @@ class ChatCompletionRequest(_Sampling, kw_only=True):
 
 
 class CompletionRequest(_Sampling, kw_only=True):
-    prompt: str | list[str | int]
+    prompt: Text | Annotated[list[Text | int], Meta(max_length=MAX_TEXT_CHARS)]
     max_tokens: NonNegInt | None = None  # 0: nothing generated (with echo and logprobs: the prompt scored)
     echo: bool = False
     best_of: int | None = None  # generate this many, return the n with the highest log-probability per token
@@ -254,3 +275,18 @@ class ErrorBody(Struct):
 
 
 encode = msgspec.json.Encoder().encode
+
+
+def too_deep(value: object, limit: int = MAX_JSON_DEPTH) -> bool:
+    """Whether a decoded JSON value nests objects and arrays more than `limit` deep; iterative, so a
+    value of any depth is measured without recursion."""
+    stack = [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((child, depth + 1) for child in children if isinstance(child, dict | list))
+    return False

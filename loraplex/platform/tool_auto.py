@@ -15,10 +15,10 @@ known to be a call); any other answer streams as content at once.
 from __future__ import annotations
 
 import json
-import re
 
 from loraplex.platform import schemas as s
 from loraplex.platform.openai_format import ChatFormat, Logprobs
+from loraplex.platform.schemas import too_deep
 
 AUTO_PROMPT = ("You can call these functions. To call one, answer with only a JSON object {\"name\": <the "
                "function's name>, \"arguments\": <an object of its parameters>}{several}; to answer without calling "
@@ -29,7 +29,6 @@ SEVERAL = ", or a JSON list of such objects to call several"
 def auto_prompt(parallel: bool) -> str:
     """The header of the tools' system text; `parallel_tool_calls: false` leaves out lists of calls."""
     return AUTO_PROMPT.replace("{several}", SEVERAL if parallel else "")
-_FENCE = re.compile(r"^```(?:json)?\s*(.*?)\s*```$", re.DOTALL)
 _OPENERS = ("{", "[", "`")
 
 
@@ -38,16 +37,23 @@ def call_id(rid: str, index: int) -> str:
     return f"call_{rid}" if index == 0 else f"call_{rid}_{index}"
 
 
+def _unfenced(body: str) -> str:
+    """The inside of a ```json fence that wraps the whole answer, or the answer (string operations,
+    linear in its length whatever the model wrote)."""
+    if len(body) < 6 or not body.startswith("```") or not body.endswith("```"):
+        return body
+    inner = body[3:-3]
+    return (inner[4:] if inner.startswith("json") else inner).strip()
+
+
 def parse_calls(text: str, names: frozenset[str], parallel: bool = True) -> list[tuple[str, str]] | None:
     """The answer's calls as (name, arguments as JSON text), or None when it is not wholly a call of
     listed tools (or, without `parallel`, of one)."""
-    body = text.strip()
-    fenced = _FENCE.match(body)
-    if fenced:
-        body = fenced.group(1)
     try:
-        value = json.loads(body)
-    except ValueError:
+        value = json.loads(_unfenced(text.strip()))
+    except (ValueError, RecursionError):
+        return None
+    if too_deep(value):
         return None
     calls = value if isinstance(value, list) else [value]
     if len(calls) > 1 and not parallel:

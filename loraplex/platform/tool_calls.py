@@ -18,14 +18,15 @@ from dataclasses import dataclass
 from msgspec import UNSET
 
 from loraplex.platform import schemas as s
-from loraplex.platform.errors import invalid
+from loraplex.platform.errors import invalid, shown
 from loraplex.platform.openai_format import ChatFormat, Logprobs
+from loraplex.platform.schemas import too_deep
 from loraplex.platform.tool_auto import AutoToolFormat, auto_prompt, call_id
 
 TOOLS_PROMPT = ("Call one of these functions. Answer with a JSON object {\"name\": <the function's name>, "
                 "\"arguments\": <an object of its parameters>} and nothing else.\n")
 NO_PARAMETERS = {"type": "object", "additionalProperties": False}
-_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")  # OpenAI's rule for function names
+_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for function names (matched whole)
 # The call's text up to its arguments' first character (which must have come: whitespace before it may grow)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*(?=\S)')
 
@@ -58,11 +59,12 @@ def plan(data: s.ChatCompletionRequest) -> ToolPlan | None:
     if choice == "none":
         return None
     names = [t.function.name for t in tools]
-    bad = next((n for n in names if not _NAME.match(n)), None)
+    bad = next((n for n in names if not _NAME.fullmatch(n)), None)
     if bad is not None:
-        raise invalid(f"function names are 1-64 letters, digits, '_' or '-', got {bad!r}", "tools")
+        raise invalid(f"function names are 1-64 letters, digits, '_' or '-', got {shown(bad)!r}", "tools")
     if len(set(names)) != len(names):
         raise invalid("function names must be unique", "tools")
+    check_parameters(tools)
     if data.response_format is not None and data.response_format.type != "text":
         raise invalid("response_format cannot be combined with tools (unless tool_choice is none)", "response_format")
     if choice in (None, "auto"):
@@ -78,6 +80,18 @@ def plan(data: s.ChatCompletionRequest) -> ToolPlan | None:
         raise invalid("stop cannot be combined with a forced tool call", "stop")
     return ToolPlan(json.dumps(call_schema(candidates), ensure_ascii=False), _prompt(TOOLS_PROMPT, tools),
                     frozenset(names))
+
+
+def check_parameters(tools: list[s.Tool]) -> None:
+    """The tools' parameters within schemas.py's limits on nesting and size, before anything walks them."""
+    size = 0
+    for i, tool in enumerate(tools):
+        params = tool.function.parameters
+        if too_deep(params):
+            raise invalid(f"the parameters of tools[{i}] nest more than {s.MAX_JSON_DEPTH} levels deep", "tools")
+        size += len(json.dumps(params, ensure_ascii=False).encode())
+        if size > s.MAX_TOOLS_SCHEMA_BYTES:
+            raise invalid(f"the tools' parameters take more than {s.MAX_TOOLS_SCHEMA_BYTES} bytes as JSON", "tools")
 
 
 def call_schema(tools: list[s.Tool]) -> dict:
@@ -136,12 +150,18 @@ def with_prompt(messages: tuple[dict, ...], tools_plan: ToolPlan) -> tuple[dict,
     return ({"role": "system", "content": tools_plan.prompt}, *messages)
 
 
-def call_text(call: s.ToolCall) -> str:
-    """An earlier assistant turn's call, written back as the model was asked to write it."""
+def call_text(call: s.ToolCall, param: str = "messages") -> str:
+    """An earlier assistant turn's call, written back as the model was asked to write it. Arguments
+    that are not JSON are kept as their text; JSON nested past MAX_JSON_DEPTH is refused (`param`)."""
+    deep = invalid(f"tool call arguments nest more than {s.MAX_JSON_DEPTH} levels deep", param)
     try:
         arguments = json.loads(call.function.arguments)
+    except RecursionError:
+        raise deep from None
     except ValueError:
         arguments = call.function.arguments
+    if too_deep(arguments):
+        raise deep
     return json.dumps({"name": call.function.name, "arguments": arguments}, ensure_ascii=False)
 
 
@@ -156,8 +176,12 @@ class CallText:
         self.sent = 0  # characters of the arguments already given out
 
     def push(self, text: str) -> tuple[str | None, str]:
-        """(the name, the first time it is known; the arguments' text that is now certain)."""
+        """(the name, the first time it is known; the arguments' text that is now certain). Text of
+        whitespace alone makes nothing certain: it returns at once, so however much whitespace a
+        model writes, the call's text is not scanned again for each piece of it."""
         self.text += text
+        if not text.strip():
+            return None, ""
         named = None
         if self.name is None:
             head = _HEAD.match(self.text)

@@ -9,10 +9,12 @@ from sqlalchemy.ext.asyncio import AsyncSession
 from loraplex.billing.budgets import BudgetError, BudgetRule
 from loraplex.billing.periods import PeriodError, check_budget_period
 from loraplex.platform.db.tables import ApiKey, Budget, Tenant, utcnow
-from loraplex.platform.errors import invalid, not_found
+from loraplex.platform.errors import invalid, not_found, shown
 from loraplex.platform.tenancy.common import commit_or_conflict
 from loraplex.platform.tenancy.keys import PREFIX_LEN
 from loraplex.platform.tenancy.tenants import get_tenant
+
+MAX_LIMIT_TOKENS = 2**53 - 1  # counted exactly by the Redis counters' Lua numbers (and far below BIGINT's)
 
 
 def rule_of(row: Budget) -> BudgetRule:
@@ -44,6 +46,9 @@ async def set_budget(session: AsyncSession, tenant_name: str, period: str, limit
         rule.validate()
     except BudgetError as exc:
         raise invalid(str(exc), exc.param) from None
+    if limit_tokens > MAX_LIMIT_TOKENS:  # soft_limit_tokens is no larger, as validated
+        raise invalid(f"limit_tokens must be at most {MAX_LIMIT_TOKENS}, got {shown(str(limit_tokens))}",
+                      "limit_tokens")
     tenant, key = await _scope(session, tenant_name, key_prefix)
 
     async def work() -> Budget:

@@ -11,16 +11,19 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.db.tables import Adapter, Model
-from loraplex.platform.errors import conflict, invalid, not_found
+from loraplex.platform.errors import conflict, invalid, not_found, shown
 from loraplex.platform.tenancy.common import check_name, commit_or_conflict
 from loraplex.platform.tenancy.tenants import get_tenant
 
 AUTO = "auto"
+MAX_SOURCE_CHARS = 1000  # the widths of the source and path columns
+MAX_PATH_CHARS = 4096
 
 
 def _check_model_name(name: str) -> str:
     if not isinstance(name, str) or not name or len(name) > 200 or any(c.isspace() for c in name):
-        raise invalid(f"model name must be 1-200 characters without spaces, got {name!r}", "name")
+        raise invalid(f"model name must be 1-200 characters without spaces, got "
+                      f"{shown(name) if isinstance(name, str) else name!r}", "name")
     return check_not_auto(name, "model")
 
 
@@ -63,6 +66,8 @@ async def register_model(session: AsyncSession, name: str, source: str | None = 
     _check_model_name(name)
     auto_max_complexity = check_max_complexity(auto_max_complexity)
     source = source or name
+    if not isinstance(source, str) or len(source) > MAX_SOURCE_CHARS:
+        raise invalid(f"source must be at most {MAX_SOURCE_CHARS} characters", "source")
     if await find_model(session, name) is not None:
         raise conflict(f"model {name!r} already exists", "name")
 
@@ -85,7 +90,7 @@ async def set_auto_route(session: AsyncSession, name: str, auto_max_complexity: 
     value = check_max_complexity(auto_max_complexity)
     row = await find_model(session, name)
     if row is None:
-        raise not_found(f"model {name!r} is not registered", "name", code="model_not_found")
+        raise not_found(f"model {shown(name)!r} is not registered", "name", code="model_not_found")
     row.auto_max_complexity = value
     await session.commit()
     return row
@@ -107,12 +112,12 @@ async def register_adapter(session: AsyncSession, tenant_name: str, name: str, b
     """Inserts the row, lets `validate` check it against the engine (it gets the row with its id),
     and commits only if that passes: a bad adapter leaves no row."""
     check_not_auto(check_name(name, "adapter"), "adapter")
-    if not isinstance(path, str) or not path:
-        raise invalid("path must be the adapter's directory", "path")
+    if not isinstance(path, str) or not path or len(path) > MAX_PATH_CHARS:
+        raise invalid(f"path must be the adapter's directory (at most {MAX_PATH_CHARS} characters)", "path")
     tenant = await get_tenant(session, tenant_name)
     model = await find_model(session, base_model)
     if model is None:
-        raise not_found(f"base model {base_model!r} is not registered", "base_model", code="model_not_found")
+        raise not_found(f"base model {shown(base_model)!r} is not registered", "base_model", code="model_not_found")
     if await find_adapter(session, tenant.id, name) is not None:
         raise conflict(f"adapter {name!r} already exists for tenant {tenant_name!r}", "name")
 
@@ -139,7 +144,7 @@ async def delete_adapter(session: AsyncSession, tenant_name: str, name: str) -> 
     tenant = await get_tenant(session, tenant_name)
     row = await find_adapter(session, tenant.id, name)
     if row is None:
-        raise not_found(f"adapter {name!r} not found for tenant {tenant_name!r}", "name")
+        raise not_found(f"adapter {shown(name)!r} not found for tenant {tenant_name!r}", "name")
     await session.delete(row)
     await session.commit()
     return row

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 
 from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -17,6 +17,9 @@ from loraplex.platform.tenancy.common import check_name, commit_or_conflict
 from loraplex.platform.tenancy.tenants import get_tenant
 
 KEY_MARK = "lpx-"
+MAX_INT_COLUMN = 2**31 - 1  # rpm_limit and tpm_limit are 32-bit integer columns
+MAX_SCOPE_NAMES = 1024  # names in allowed_models / allowed_adapters
+MAX_SCOPE_NAME_CHARS = 256
 PREFIX_LEN = len(KEY_MARK) + 8  # what lists and `keys revoke` show: lpx- and 8 characters of the secret
 
 
@@ -53,16 +56,22 @@ class KeySpec:
                           "max_priority")
         for field in ("rpm_limit", "tpm_limit"):
             value = getattr(self, field)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise invalid(f"{field} must be a positive integer, got {value!r}", field)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                      or not 1 <= value <= MAX_INT_COLUMN):
+                raise invalid(f"{field} must be an integer from 1 to {MAX_INT_COLUMN}, got {value!r}", field)
         if self.expires_at is not None:
-            expires = as_utc(self.expires_at)
+            try:
+                expires = as_utc(self.expires_at).astimezone(UTC)
+            except OverflowError:
+                raise invalid("expires_at is out of range", "expires_at") from None
             if expires <= utcnow():
                 raise invalid("expires_at must be in the future", "expires_at")
         for field in ("allowed_models", "allowed_adapters"):
             value = getattr(self, field)
-            if value is not None and not all(isinstance(v, str) and v for v in value):
-                raise invalid(f"{field} must be a list of names", field)
+            if value is not None and (len(value) > MAX_SCOPE_NAMES or not all(
+                    isinstance(v, str) and 0 < len(v) <= MAX_SCOPE_NAME_CHARS for v in value)):
+                raise invalid(f"{field} must be a list of at most {MAX_SCOPE_NAMES} names of 1-"
+                              f"{MAX_SCOPE_NAME_CHARS} characters", field)
 
 
 async def create_key(session: AsyncSession, tenant_name: str, spec: KeySpec = KeySpec()) -> tuple[ApiKey, str]:
@@ -74,7 +83,7 @@ async def create_key(session: AsyncSession, tenant_name: str, spec: KeySpec = Ke
     async def work() -> ApiKey:
         row = ApiKey(
             tenant_id=tenant.id, prefix=secret[:PREFIX_LEN], secret_hash=hash_key(secret), name=spec.name,
-            expires_at=as_utc(spec.expires_at),
+            expires_at=as_utc(spec.expires_at).astimezone(UTC) if spec.expires_at is not None else None,
             allowed_models=list(spec.allowed_models) if spec.allowed_models is not None else None,
             allowed_adapters=list(spec.allowed_adapters) if spec.allowed_adapters is not None else None,
             max_priority=spec.max_priority, rpm_limit=spec.rpm_limit, tpm_limit=spec.tpm_limit)

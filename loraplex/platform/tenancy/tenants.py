@@ -6,15 +6,19 @@ from sqlalchemy import select
 from sqlalchemy.ext.asyncio import AsyncSession
 
 from loraplex.platform.db.tables import Tenant
-from loraplex.platform.errors import conflict, invalid, not_found
+from loraplex.platform.errors import conflict, invalid, not_found, shown
 from loraplex.platform.tenancy.common import check_name, commit_or_conflict
 
 STATUSES = ("active", "disabled")
+MAX_TIER_CHARS = 32  # the tier column's width
+MAX_INT_COLUMN = 2**31 - 1  # default_max_tokens is a 32-bit integer column
 
 
 def _check_max_tokens(value: int | None) -> int | None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-        raise invalid(f"default_max_tokens must be a positive integer, got {value!r}", "default_max_tokens")
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                              or not 1 <= value <= MAX_INT_COLUMN):
+        raise invalid(f"default_max_tokens must be an integer from 1 to {MAX_INT_COLUMN}, got {value!r}",
+                      "default_max_tokens")
     return value
 
 
@@ -22,6 +26,8 @@ async def create_tenant(session: AsyncSession, name: str, tier: str = "standard"
                         default_max_tokens: int | None = None) -> Tenant:
     check_name(name, "tenant")
     check_name(tier, "tier", "tier")
+    if len(tier) > MAX_TIER_CHARS:
+        raise invalid(f"tier must be at most {MAX_TIER_CHARS} characters", "tier")
     _check_max_tokens(default_max_tokens)
     if await find_tenant(session, name) is not None:
         raise conflict(f"tenant {name!r} already exists", "name")
@@ -42,7 +48,7 @@ async def find_tenant(session: AsyncSession, name: str) -> Tenant | None:
 async def get_tenant(session: AsyncSession, name: str) -> Tenant:
     tenant = await find_tenant(session, name)
     if tenant is None:
-        raise not_found(f"tenant {name!r} not found", "tenant")
+        raise not_found(f"tenant {shown(name)!r} not found", "tenant")
     return tenant
 
 
