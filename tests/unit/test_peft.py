@@ -130,6 +130,10 @@ def test_default_adapter_name_keys_and_layer_subset(tmp_path, config):
     ({"rank_pattern": {"q_proj": "4"}}, ["rank_pattern['q_proj']"]),
     ({"rank_pattern": ["q_proj"]}, ["rank_pattern must map"]),
     ({"rank_pattern": {"q_proj(": 4}}, ["rank_pattern key 'q_proj('", "not a valid pattern"]),
+    # hostile patterns: a repeated group backtracks exponentially; an unbounded key
+    ({"rank_pattern": {"(a+)+q_proj": 4}}, ["rank_pattern key '(a+)+q_proj'", "repeats a group"]),
+    ({"alpha_pattern": {"(.|.)*x": 4}}, ["alpha_pattern key", "repeats a group"]),
+    ({"rank_pattern": {"q" * 10_000: 4}}, ["rank_pattern keys", "1 to 256 characters"]),
     ({"alpha_pattern": {"v_proj": -2}}, ["alpha_pattern['v_proj']", "positive"]),
     ({"alpha_pattern": {"v_proj": True}}, ["alpha_pattern['v_proj']", "positive"]),
     # the file's tensors are of rank r everywhere, the config says 4 for q_proj

@@ -41,7 +41,7 @@ FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down":
 
 _DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 _DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
-_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.([\w-]+))?\.weight$")
+_KEY = re.compile(r"^(?:base_model\.model\.)?model\.layers\.(\d+)\.(\w+)\.(\w+)\.lora_([AB])(?:\.([\w-]+))?\.weight\Z")
 # Inits that rewrite the base weights (residual W - BA); such an adapter is only valid on that modified base.
 _RESIDUAL_INITS = ("pissa", "olora", "corda", "loftq", "lora_ga")
 
@@ -256,8 +256,9 @@ def _per_module(cfg: dict, name: str, default: float, targets: tuple[str, ...], 
         if name == "alpha_pattern" and (isinstance(value, bool) or not isinstance(value, int | float)
                                         or not math.isfinite(value) or value <= 0):
             raise AdapterError(f"{where}: {name}[{key!r}] must be a positive number, got {value!r}")
+        _check_pattern_key(key, name, where)
         try:
-            compiled.append((re.compile(rf"(.*\.)?({key})$"), value))
+            compiled.append((re.compile(rf"(.*\.)?({key})\Z"), value))
         except re.error as e:
             raise AdapterError(f"{where}: {name} key {key!r} is not a valid pattern: {e}") from None
     out = {}
@@ -266,6 +267,21 @@ def _per_module(cfg: dict, name: str, default: float, targets: tuple[str, ...], 
             full = f"model.layers.{layer}.{_PARENT[m]}.{PEFT_NAMES[m]}"
             out[(layer, m)] = next((v for rx, v in compiled if rx.match(full)), default)
     return out
+
+
+# A rank_pattern / alpha_pattern key is a regular expression (as PEFT matches it); a quantifier on a
+# group ("(a+)+", "(a|a)*") can backtrack exponentially, so such keys and long ones are refused.
+MAX_PATTERN_KEY_CHARS = 256
+_GROUP_QUANTIFIED = re.compile(r"\)[*+?{]")
+
+
+def _check_pattern_key(key: object, name: str, where: str) -> None:
+    if not isinstance(key, str) or not key or len(key) > MAX_PATTERN_KEY_CHARS:
+        raise AdapterError(f"{where}: {name} keys must be module name patterns of 1 to {MAX_PATTERN_KEY_CHARS} "
+                           "characters")
+    if _GROUP_QUANTIFIED.search(key):
+        raise AdapterError(f"{where}: {name} key {key[:64]!r} repeats a group; only module names and simple "
+                           "patterns are supported")
 
 
 def _check_unsupported(cfg: dict, where: str) -> None:

@@ -48,7 +48,7 @@ _PRE_BY_NAME = {name: family for family, names in _PRE_FAMILIES.items() for name
 
 # llama.cpp token types (tokenizer.ggml.token_type).
 _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
-_BYTE_TOKEN = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+_BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 BYTE_LEVEL_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + "
@@ -152,7 +152,7 @@ class Tokenizer:
                 return bytes(table[c] for c in piece)
             return piece.encode("utf-8")
         if self.kind == "sentencepiece":
-            m = _BYTE_TOKEN.match(piece)
+            m = _BYTE_TOKEN.fullmatch(piece)
             if m:
                 return bytes([int(m.group(1), 16)])
             return piece.replace("▁", " ").encode("utf-8")
