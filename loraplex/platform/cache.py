@@ -9,7 +9,8 @@ expired used to (several ms, about one request in a hundred at 200 requests/s). 
 nobody used for a while is read in line, as before. Concurrent reads of one entry share one
 query. `invalidate()` forgets every entry and every read in flight, so a change made through this
 instance is seen by the next request. While the database is down, entries keep serving for
-`grace_s` (outage.py).
+`grace_s` (outage.py); once a read has found it down, an entry past its TTL is answered at once
+while one read in the background checks whether it is back.
 
 Memory stays bounded whatever the keys are: at most `max_entries`, the least recently stored
 dropped first; an entry past its TTL and the outage grace is dropped as newer ones are stored;
@@ -46,6 +47,7 @@ class RefreshingCache(Generic[K, V]):
         self._entries: OrderedDict[K, tuple[float, V]] = OrderedDict()  # least recently stored first
         self._reads: dict[K, asyncio.Task] = {}
         self._generation = 0  # bumped by invalidate(): reads begun before it are not stored
+        self._down = False  # the last read found the database down and fell back to an entry
 
     async def get(self, key: K) -> V:
         entry = self._entries.get(key)
@@ -53,6 +55,10 @@ class RefreshingCache(Generic[K, V]):
             age = self._clock() - entry[0]
             if age < self._ttl:
                 if age >= self._refresh_after and key not in self._reads:
+                    self._read(key, entry)
+                return entry[1]
+            if self._down and age < self._grace:
+                if key not in self._reads:
                     self._read(key, entry)
                 return entry[1]
         read = self._reads.get(key) or self._read(key, entry)
@@ -77,8 +83,9 @@ class RefreshingCache(Generic[K, V]):
 
     async def _fetch(self, key: K, entry: tuple[float, V] | None) -> V:
         generation = self._generation
-        loaded_at, value = await load_or_stale(lambda: self._load(key), entry, self._clock(), self._grace,
-                                               self._what)
+        result = await load_or_stale(lambda: self._load(key), entry, self._clock(), self._grace, self._what)
+        self._down = result is entry  # (load_or_stale answers with the entry itself when it fell back)
+        loaded_at, value = result
         if generation == self._generation:
             if self._keep is not None and not self._keep(value):
                 self._entries.pop(key, None)
