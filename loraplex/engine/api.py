@@ -61,6 +61,7 @@ def missing_weights_reason(directory: Path) -> str:
 
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request, as OpenAI allows (each costs every step of the batch)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,11 @@ class SamplingParams:
             k = getattr(self, name)
             if k is not None and not 0 <= k <= MAX_LOGPROBS:
                 raise InvalidRequestError(f"{name} must be in [0, {MAX_LOGPROBS}], got {k}", "logprobs")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequestError(f"logit_bias may name at most {MAX_LOGIT_BIAS} tokens, got "
+                                      f"{len(self.logit_bias)}", "logit_bias")
+        if len({token for token, _ in self.logit_bias}) != len(self.logit_bias):
+            raise InvalidRequestError("logit_bias names a token id more than once", "logit_bias")
         for token, bias in self.logit_bias:
             if token < 0:
                 raise InvalidRequestError(f"logit_bias token ids must be >= 0, got {token}", "logit_bias")
@@ -288,12 +294,16 @@ class EngineClient(Protocol):
 
     def models(self) -> list[ModelInfo]: ...
 
-    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        """Validates the request and returns its prompt length in tokens; raises EngineError."""
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        """Validates the request and tokenizes its prompt off the caller's event loop; raises
+        EngineError. Returns it with `prompt_token_ids` (its prompt length is their count) and no
+        `prompt` or `messages`, so that generate() of it, or of copies differing in id or sampling
+        (the choices of `n`), tokenizes nothing again."""
         ...
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
-        """Validates (raising EngineError before anything is queued) and streams events."""
+        """Validates (raising EngineError before anything is queued) and streams events; cheap for
+        a request from prepare()."""
         ...
 
     async def abort(self, request_id: str) -> Usage | None:

@@ -3,18 +3,22 @@ events to asyncio.
 
 The engine loop owns the engines; callers only post commands (add, abort, remove adapter) to its
 inbox. Torch releases the GIL inside its kernels, so the event loop stays responsive while a step
-runs. Validation and tokenization happen in the caller's `generate()` call, so a bad request raises
-there and is never queued.
+runs. `prepare()` validates and tokenizes on a small pool of its own threads (PREPARE_THREADS), never
+on the caller's event loop, so one huge prompt holds at most one of them; `generate()` of the request
+it returns validates again (cheap: the tokens are there) and raises before anything is queued. A step
+that raises ends the requests it held with an error event and the loop goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import threading
 from collections import deque
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 
 from loraplex.engine.api import (
     PRIORITY_CLASSES,
@@ -33,6 +37,10 @@ from loraplex.engine.pool import ModelPool
 
 log = logging.getLogger(__name__)
 
+# Threads that validate and tokenize requests (chat template, tokenizer, JSON-schema compile). Few and
+# bounded: a hostile prompt takes one of them, never the event loop, and never a thread per request.
+PREPARE_THREADS = 2
+
 
 class AsyncEngine:
     """An `EngineClient` over an in-process ModelPool."""
@@ -50,6 +58,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._removals: list[tuple[str, str, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._stopping = False
+        self._preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="loraplex-prepare")
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
 
@@ -67,10 +76,19 @@ class AsyncEngine:
     def models(self) -> list[ModelInfo]:
         return [e.frontend.info() for e in list(self.pool.models.values())]
 
-    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        return len(self.pool.prepare(request)[1].prompt_ids)
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        if self._stopping:
+            raise RuntimeError("engine is shut down")
+        return await asyncio.get_running_loop().run_in_executor(self._preparer, self._tokenized, request)
+
+    def _tokenized(self, request: GenerateRequest) -> GenerateRequest:
+        """On a preparer thread: the request validated, with its prompt as token ids."""
+        ids = tuple(self.pool.prepare(request)[1].prompt_ids)
+        return dataclasses.replace(request, prompt=None, messages=None, prompt_token_ids=ids)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+        """Streams the request's events; validates (and, unless it comes from prepare(), tokenizes) on
+        the caller's thread first, raising EngineError before anything is queued."""
         if self._stopping:
             raise RuntimeError("engine is shut down")
         entry, prepared = self.pool.prepare(request)
@@ -163,6 +181,7 @@ class AsyncEngine:
             self._stopping = True
             self._wake.notify()
         self._thread.join(timeout=30)
+        self._preparer.shutdown(wait=False, cancel_futures=True)
         self.pool.shutdown()
 
     # --- the engine thread -----------------------------------------------------------------------
@@ -191,7 +210,10 @@ class AsyncEngine:
             if kind == "add":
                 entry, prepared = payload
                 if prepared.request_id in self._streams:
-                    self.pool.submit(entry, prepared)
+                    try:
+                        self.pool.submit(entry, prepared)
+                    except Exception as exc:  # (nothing of it was queued)
+                        self._deliver(GenerateEvent(prepared.request_id, "", (), "error", Usage(0, 0), str(exc)))
             elif kind == "remove":
                 model, adapter_id, loop, done = payload
                 try:
@@ -201,7 +223,11 @@ class AsyncEngine:
                     loop.call_soon_threadsafe(_settle, done, exc)
             else:  # abort: from abort() (with a future for its usage) or from a closed stream
                 rid, loop, done = payload if isinstance(payload, tuple) else (payload, None, None)
-                event = self.pool.abort(rid)
+                try:
+                    event = self.pool.abort(rid)
+                except Exception as exc:
+                    log.exception("abort of %s failed", rid)
+                    event = GenerateEvent(rid, "", (), "error", Usage(0, 0), f"engine error: {exc}")
                 if event is not None:
                     self._deliver(event)
                 else:
@@ -229,24 +255,32 @@ class AsyncEngine:
                     self._wake.wait()
                 if self._stopping:
                     break
-            self._drain_inbox()
             try:
-                events = self.pool.step()
-            except Exception as exc:  # a failed step must not leave requests hanging
-                log.exception("engine step failed")
+                self._drain_inbox()
+                events = self.pool.step()  # (a model whose step fails ends its own requests there)
+            except Exception as exc:  # anything else must not leave requests hanging, nor end this thread
+                log.exception("engine loop failed")
                 events = self._fail_all(exc)
             for event in events:
                 self._deliver(event)
-            self._settle_removals()
+            try:
+                self._settle_removals()
+            except Exception:
+                log.exception("adapter removal failed")
         for event in self._fail_all(RuntimeError("engine shut down")):
             self._deliver(event)
 
     def _fail_all(self, exc: Exception) -> list[GenerateEvent]:
+        """Ends every request in the engine with an error event billing what it generated."""
         events = []
         for rid in self.pool.in_flight():
-            aborted = self.pool.abort(rid)
+            try:
+                aborted = self.pool.abort(rid)
+            except Exception:
+                log.exception("abort of %s failed", rid)
+                aborted = None
             usage = aborted.usage if aborted else Usage(0, 0)
-            events.append(GenerateEvent(rid, "", (), "error", usage, f"engine error: {exc}"))
+            events.append(GenerateEvent(rid, "", (), "error", usage, f"engine error: {type(exc).__name__}: {exc}"))
         return events
 
 

@@ -12,6 +12,7 @@ whenever it is loaded (evicting a model drops its adapter slots).
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import time
@@ -41,6 +42,8 @@ from loraplex.engine.models.loader import LoadedModel, ModelSource, load_model, 
 from loraplex.engine.sched.request import Request
 
 TIERS = ("device", "cpu", "disk")
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -288,13 +291,15 @@ class ModelPool:
         return entry
 
     def step(self) -> list[GenerateEvent]:
-        """Installs finished loads, starts waiting ones, and runs one step of every model with work."""
+        """Installs finished loads, starts waiting ones, and runs one step of every model with work. A
+        model whose step raises (a fault in its forward pass) ends every request it holds with an error
+        event and keeps serving; the other models' steps are not affected."""
         events = self._install_loads()
         for entry in list(self.models.values()):
             if entry.pending and entry.loading is None and entry.core is None:
                 events.extend(self._start_load(entry))
             if entry.core is not None and entry.core.has_work():
-                events.extend(entry.core.step())
+                events.extend(_step_or_fail(entry.core))
         return events
 
     # --- loading and eviction ------------------------------------------------------------------------
@@ -421,6 +426,26 @@ class ModelPool:
 
     def shutdown(self) -> None:
         self._loader.shutdown(wait=True)
+
+
+def _step_or_fail(core: EngineCore) -> list[GenerateEvent]:
+    """One step of `core`; if it raises, every request it held ends with an error event that bills
+    what it had generated (its KV blocks and adapter slot freed), including one the failed step had
+    already finished, whose own event was lost with the step."""
+    held = dict(core.requests)
+    try:
+        return core.step()
+    except Exception as exc:
+        log.exception("engine step of model %r failed", core.model_name)
+        error = f"engine error: {type(exc).__name__}: {exc}"
+        events = []
+        for rid, r in held.items():
+            ended = core.abort(rid) if rid in core.requests else None
+            if ended is None:
+                ttft = None if r.first_token_time is None else r.first_token_time - r.arrival
+                ended = GenerateEvent(rid, usage=Usage(len(r.prompt_ids), len(r.output_ids), r.num_cached, ttft))
+            events.append(replace(ended, text="", token_ids=(), finish_reason="error", error=error))
+        return events
 
 
 def core_weights(core: EngineCore) -> LoadedModel:

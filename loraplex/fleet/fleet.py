@@ -161,7 +161,7 @@ class EngineFleet:
         slots = health.stats.adapter_slots if health is not None else 0
         return bool(slots) and self._adapters_running[url] >= slots
 
-    async def _prepare(self, url: str, request: GenerateRequest) -> None:
+    async def _ensure_adapter(self, url: str, request: GenerateRequest) -> None:
         """Registers the request's adapter on the worker, if the fleet has it and the worker does not."""
         key = (request.model, request.adapter or "")
         if request.adapter is None or key not in self._adapters or key in self._registered[url]:
@@ -185,10 +185,11 @@ class EngineFleet:
                 seen.setdefault(m.name, m)
         return list(seen.values())
 
-    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        """On the worker the request would go to now (its model's tokenizer is the same on any other)."""
         url = self._pick(request)
-        await self._prepare(url, request)
-        return await self.workers[url].count_prompt_tokens(request)
+        await self._ensure_adapter(url, request)
+        return await self.workers[url].prepare(request)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         return self._generate(request)
@@ -206,7 +207,7 @@ class EngineFleet:
             self.routed[url] += 1
             self._where[request.request_id] = url
             try:
-                await self._prepare(url, request)
+                await self._ensure_adapter(url, request)
                 async for event in self.workers[url].generate(request):
                     started, finished = True, event.finished
                     yield event

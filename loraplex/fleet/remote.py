@@ -74,8 +74,8 @@ class RemoteWorker:
     def health_now(self) -> wire.Health:
         return self._call_now("GET", "/engine/health", wire.Health)
 
-    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        return (await self._call("POST", "/engine/count", wire.Count, request)).prompt_tokens
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        return await self._call("POST", "/engine/prepare", GenerateRequest, request)
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         """The request's events. A refusal raises its EngineError before the first; a stream that

@@ -61,10 +61,6 @@ class AdapterIn(msgspec.Struct, frozen=True):
     base_model: str | None = None
 
 
-class Count(msgspec.Struct, frozen=True):
-    prompt_tokens: int
-
-
 class Aborted(msgspec.Struct, frozen=True):
     usage: Usage | None
 

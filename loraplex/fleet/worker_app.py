@@ -5,7 +5,8 @@ It trusts its callers, so it listens on localhost by default, and, with a token 
 (LORAPLEX_WORKER_TOKEN), refuses every call without `Authorization: Bearer <token>`.
 
     GET    /engine/health                 Health: instance id, models, engine stats
-    POST   /engine/count                  GenerateRequest -> Count (validates, as count_prompt_tokens)
+    POST   /engine/prepare                GenerateRequest -> GenerateRequest (validated and tokenized,
+                                          as EngineClient.prepare)
     POST   /engine/generate               GenerateRequest -> NDJSON, one GenerateEvent per line
                                           (and an empty line after each wire.HEARTBEAT_S without one)
     POST   /engine/abort      ?request_id= -> Aborted (its usage, or null when not in flight)
@@ -109,10 +110,10 @@ def create_worker_app(engine: EngineClient, token: str | None = None,
     def health() -> Response:
         return _json(wire.Health(instance, engine.models(), engine.stats()))
 
-    @post("/engine/count")
-    async def count(request: Request) -> Response:
+    @post("/engine/prepare")
+    async def prepare(request: Request) -> Response:
         gen = await _body(request, GenerateRequest)
-        return _json(wire.Count(await engine.count_prompt_tokens(gen)))
+        return _json(await engine.prepare(gen))
 
     @post("/engine/generate")
     async def generate(request: Request) -> Stream:
@@ -136,6 +137,6 @@ def create_worker_app(engine: EngineClient, token: str | None = None,
     async def remove_adapter(adapter_id: str, base_model: str | None = None) -> None:
         await engine.remove_adapter(adapter_id, base_model)
 
-    return Litestar(route_handlers=[health, count, generate, abort, add_adapter, has_adapter, remove_adapter],
+    return Litestar(route_handlers=[health, prepare, generate, abort, add_adapter, has_adapter, remove_adapter],
                     guards=[guard], exception_handlers={EngineError: lambda _, exc: _failed(exc)},
                     openapi_config=None)

@@ -27,7 +27,9 @@ The response's `model` names the model chosen, headers `x-loraplex-model` and
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from loraplex.billing.prices import Price
@@ -38,6 +40,10 @@ from loraplex.platform.auth import Principal
 from loraplex.platform.errors import model_not_found
 from loraplex.platform.routing import ModelRouter, Target, model_allowed
 from loraplex.platform.tenancy.catalog import AUTO
+
+# Scoring reads the request's text: it runs here, never on the event loop; two threads at most, so a
+# flood of long prompts queues instead of taking a thread each.
+_SCORER = ThreadPoolExecutor(2, thread_name_prefix="loraplex-auto-score")
 
 
 @dataclass(frozen=True)
@@ -107,27 +113,28 @@ async def available(router: ModelRouter, engine: EngineClient, principal: Princi
 async def route(router: ModelRouter, engine: EngineClient, principal: Principal, text: complexity.RequestText,
                 request_for: Callable[[str], GenerateRequest], output_tokens: int) -> Routed:
     """Chooses the model for an "auto" request; `request_for(model)` makes the engine request for
-    one model (counting its prompt validates it, so a bad request fails here as it would anywhere)."""
+    one model (preparing it validates it, so a bad request fails here as it would anywhere). The
+    request returned is the chosen model's, prepared."""
     pool = await router.auto_pool()
     served = {m.name: m.max_model_len for m in engine.models()}
     names = _usable(pool.models, served, principal)
     now = utcnow()
     candidates, requests, too_long = [], {}, {}
     for name in names:
-        request = request_for(name)
         try:
-            tokens = await engine.count_prompt_tokens(request)
+            request = await engine.prepare(request_for(name))  # (tokenized by this model's tokenizer)
         except ModelNotFoundError:  # left the engine since models() was read
             continue
         except ContextLengthExceededError as exc:  # the prompt alone is past this model's context
             too_long[name] = exc
             continue
         requests[name] = request
+        tokens = len(request.prompt_token_ids)
         candidates.append(Candidate(name, pool.models[name], served[name], tokens, pool.prices.at(name, now)))
     if not candidates:
         if too_long:  # the error of the longest context
             raise too_long[max(too_long, key=lambda n: (served[n], n))]
         raise model_not_found(AUTO)
-    scored = complexity.score(text)
+    scored = await asyncio.get_running_loop().run_in_executor(_SCORER, complexity.score, text)
     best = choose(candidates, scored.score, text.max_tokens, output_tokens)
     return Routed(Target(AUTO, best.name, complexity=scored.score), requests[best.name], best.prompt_tokens)

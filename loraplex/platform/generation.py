@@ -59,7 +59,9 @@ _OUTCOMES = {"stop": "ok", "length": "ok", "abort": "aborted", "error": "error"}
 
 def choices_of(request: GenerateRequest, n: int) -> list[GenerateRequest]:
     """The engine requests of n choices: ids of their own, and a seeded request's choice i seeded
-    with seed + i (wrapped to 64 bits), so that its choices differ and each is reproducible."""
+    with seed + i (wrapped to 64 bits), so that its choices differ and each is reproducible. Each
+    shares the request's prompt as it is: one from EngineClient.prepare carries its token ids, so
+    no choice is tokenized again."""
     if n == 1:
         return [request]
     seed = request.sampling.seed

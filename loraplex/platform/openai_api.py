@@ -1,7 +1,8 @@
 """The tenant API: /v1/chat/completions, /v1/completions, /v1/models (OpenAI's shapes).
 
-A generation goes: key -> model resolution -> priority -> engine validation and prompt length ->
-budget and rate-limit reservation -> engine stream -> response (JSON or SSE). Anything refused
+A generation goes: key -> model resolution -> priority -> engine validation and tokenization (once,
+off the event loop: the prepared request is what every choice generates from) -> budget and
+rate-limit reservation -> engine stream -> response (JSON or SSE). Anything refused
 before the engine starts costs the caller nothing but, for 429s, the request itself. A request
 without max_tokens may generate what fits in the context, capped by its tenant's default (or
 LORAPLEX_DEFAULT_MAX_TOKENS), and that cap is what it reserves of its budgets.
@@ -116,17 +117,17 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
 
 async def _resolve(platform: Platform, principal: Principal, model: str,
                    request_for: Callable[[str, str | None], GenerateRequest]) -> auto_route.Routed:
-    """A named base model or adapter: its target, its engine request and the prompt's length."""
+    """A named base model or adapter: its target, its engine request (prepared: validated and
+    tokenized once, off the event loop) and the prompt's length."""
     target = await platform.router.resolve(principal, model)
     if target.adapter is not None:
         await platform.adapters.ensure(target.adapter, target.requested)
     gen = request_for(target.base_model, target.adapter.engine_id if target.adapter else None)
     try:
-        # validates everything; a 400 costs no rate limit
-        prompt_tokens = await platform.engine.count_prompt_tokens(gen)
+        gen = await platform.engine.prepare(gen)  # validates everything; a 400 costs no rate limit
     except ModelNotFoundError:
         raise model_not_found(model) from None
-    return auto_route.Routed(target, gen, prompt_tokens)
+    return auto_route.Routed(target, gen, len(gen.prompt_token_ids))
 
 
 def _structured_kind(data: s.ChatCompletionRequest | s.CompletionRequest, call: tool_calls.ToolPlan | None) -> str:

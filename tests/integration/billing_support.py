@@ -45,8 +45,8 @@ class ScriptedEngine(FixedEngine):
     def models(self) -> list[ModelInfo]:
         return [ModelInfo(FAKE_MODEL, 4096, 256)]
 
-    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        return FAKE_PROMPT_TOKENS
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        return replace(request, prompt=None, messages=None, prompt_token_ids=(1,) * FAKE_PROMPT_TOKENS)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         if self.ending == "refuse":

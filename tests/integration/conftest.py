@@ -79,20 +79,26 @@ def sqlite_url(tmp_path_factory) -> str:
 
 
 class RecordingEngine:
-    """An EngineClient that passes everything to an AsyncEngine and remembers each request."""
+    """An EngineClient that passes everything to an AsyncEngine and remembers each request generated,
+    with the prompt (text or messages) it was prepared from."""
 
     def __init__(self, inner):
         self.inner = inner
         self.requests = []
+        self._asked = {}  # (model, prompt token ids) -> the request as prepare() got it
 
     def models(self):
         return self.inner.models()
 
-    async def count_prompt_tokens(self, request):
-        return await self.inner.count_prompt_tokens(request)
+    async def prepare(self, request):
+        prepared = await self.inner.prepare(request)
+        self._asked[(prepared.model, prepared.prompt_token_ids)] = request
+        return prepared
 
     def generate(self, request):
-        self.requests.append(request)
+        asked = self._asked.get((request.model, request.prompt_token_ids))
+        self.requests.append(request if asked is None else replace(
+            request, prompt=asked.prompt, messages=asked.messages, prompt_token_ids=asked.prompt_token_ids))
         return self.inner.generate(request)
 
     async def abort(self, request_id):

@@ -92,7 +92,8 @@ def test_answers_as_a_local_engine_does_with_and_without_an_adapter(workers, ada
         async def body():
             for adapter in (None, "a0"):
                 req = request(f"eq-{adapter}", adapter=adapter)
-                assert await fleet.count_prompt_tokens(req) == await local.count_prompt_tokens(req)
+                prepared = await fleet.prepare(req)
+                assert prepared == await local.prepare(req) and prepared.messages is None
                 assert await tokens_of(fleet, req) == await tokens_of(local, req)
             assert await tokens_of(fleet, request("x", adapter="a0")) != await tokens_of(fleet, request("y"))
         run(fleet, body)
@@ -137,12 +138,12 @@ def test_errors_come_back_as_the_engine_raised_them(workers, tmp_path):
 
     async def body():
         with pytest.raises(ModelNotFoundError):
-            await fleet.count_prompt_tokens(GenerateRequest("m", "no-such-model", prompt="x"))
+            await fleet.prepare(GenerateRequest("m", "no-such-model", prompt="x"))
         with pytest.raises(ContextLengthExceededError) as too_long:
             await tokens_of(fleet, request("long", sampling=SamplingParams(max_tokens=100_000)))
         assert too_long.value.param == "messages" and "maximum context length" in too_long.value.message
         with pytest.raises(ModelNotFoundError, match="adapter 'unregistered' not found"):
-            await fleet.count_prompt_tokens(request("u", adapter="unregistered"))
+            await fleet.prepare(request("u", adapter="unregistered"))
     (tmp_path / "adapter_model.bin").write_bytes(b"pickle")
     with pytest.raises(InvalidRequestError) as bad:
         fleet.add_adapter("pickled", str(tmp_path))
@@ -193,7 +194,7 @@ def test_removing_an_adapter_takes_it_off_every_worker(workers, adapters):
         assert all((MODEL, "gone") in fleet.registered(u) for u in fleet.workers)  # (it spilled to both)
         await fleet.remove_adapter("gone")
         with pytest.raises(ModelNotFoundError):
-            await fleet.count_prompt_tokens(request("after", adapter="gone"))
+            await fleet.prepare(request("after", adapter="gone"))
     run(fleet, body)
     for w in workers:
         present = httpx.get(f"{w.base_url}/engine/adapters", params={"adapter_id": "gone"}).json()["present"]

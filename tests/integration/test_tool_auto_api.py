@@ -32,8 +32,11 @@ class TextEngine(FixedEngine):
     def models(self) -> list[ModelInfo]:
         return [ModelInfo(MODEL, 4096, 256)]
 
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        self.requests.append(request)  # (as asked: the prepared one holds token ids)
+        return await super().prepare(request)
+
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
-        self.requests.append(request)
         return self._pieces(request)
 
     async def _pieces(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:

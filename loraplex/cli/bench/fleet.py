@@ -14,7 +14,7 @@ least_loaded (tokens/s) and least_loaded over affinity (TTFT).
 
 `hop`: what the worker hop itself costs. One more worker serves HOP_MODEL (tiny: its compute is
 negligible), and the same model runs in this process; `hop_requests` requests, one at a time, taking
-turns between the two, each counted (`count_prompt_tokens`, as the platform does) and generated,
+turns between the two, each prepared (`prepare`: validated and tokenized, as the platform does) and generated,
 with 1 new token and with HOP_TOKENS; p50 latency of each side, and the difference per request and
 per further token.
 """
@@ -123,7 +123,7 @@ async def _hop(fleet: EngineFleet, local: EngineClient, count: int) -> dict:
         req = GenerateRequest(rid, HOP_MODEL, prompt=f"a short prompt {rid}",
                               sampling=SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
         t0 = time.perf_counter()
-        await engine.count_prompt_tokens(req)
+        req = await engine.prepare(req)
         async for _ in engine.generate(req):
             pass
         return time.perf_counter() - t0

@@ -10,13 +10,14 @@ process's CPU time per request during the max_rps run is reported too: on a shar
 moves far less from run to run than the latencies do.
 
 `--auto` measures, against the same gateway process, requests for `model: "auto"` too, over a pool
-of three models (limits 0.3, 0.6 and 1): what scoring the request and counting its prompt for each
-model costs, reported beside the named model's figures and as their ratio.
+of three models (limits 0.3, 0.6 and 1): what scoring the request and preparing (tokenizing) its prompt for
+each model costs, reported beside the named model's figures and as their ratio.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import multiprocessing
 import os
@@ -48,12 +49,16 @@ class FixedEngine:
 
     @staticmethod
     def _prompt_tokens(request: GenerateRequest) -> int:
+        if request.prompt_token_ids is not None:
+            return len(request.prompt_token_ids)
         if request.messages is not None:
             return sum(len(str(m.get("content", ""))) for m in request.messages) // 4 + 8
         return len(request.prompt or "") // 4 + 1
 
-    async def count_prompt_tokens(self, request: GenerateRequest) -> int:
-        return self._prompt_tokens(request)
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        """The request with a made-up token id per 4 characters of its prompt, as an engine's would be."""
+        ids = (1,) * self._prompt_tokens(request)
+        return dataclasses.replace(request, prompt=None, messages=None, prompt_token_ids=ids)
 
     async def _events(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         n = min(self.tokens, request.sampling.max_tokens or self.tokens)
@@ -236,7 +241,7 @@ async def _direct(engine: FixedEngine, rate: float, count: int, tokens: int) -> 
     async def call() -> bool:
         req = GenerateRequest(request_id=secrets.token_hex(8), model=MODEL, sampling=SamplingParams(max_tokens=tokens),
                               messages=({"role": "user", "content": "Say something short about the sea."},))
-        await engine.count_prompt_tokens(req)
+        req = await engine.prepare(req)
         events = [e async for e in engine.generate(req)]
         return events[-1].finished
 

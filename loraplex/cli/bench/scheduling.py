@@ -111,7 +111,7 @@ async def _priority_round(engine: AsyncEngine, model: str, with_priority: bool, 
         req = GenerateRequest(f"{tag}-rt{i}", model, prompt=f"Quick question {i}: what time is it?", sampling=rt_sp,
                               priority="realtime" if with_priority else "standard")
         t0 = time.perf_counter()
-        stream = engine.generate(req)
+        stream = engine.generate(await engine.prepare(req))  # (as the platform submits it)
         first = await stream.__anext__()
         ttft = time.perf_counter() - t0
         if not first.finished:
