@@ -115,8 +115,9 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; control tokens written in the text (e.g. "<|im_start|>") map to
         their ids. Text from `apply_chat_template` already holds the BOS its template wants, so
-        encode it with add_special_tokens=False."""
-        ids = self.backend.encode(text, add_special_tokens=False).ids
+        encode it with add_special_tokens=False. (encode_batch_fast releases the GIL while it works,
+        where encode holds it: a long prompt tokenized on a worker thread then stalls no one.)"""
+        ids = self.backend.encode_batch_fast([text], add_special_tokens=False)[0].ids
         if add_special_tokens and self.add_bos and self.bos_token_id is not None:
             ids.insert(0, self.bos_token_id)
         return ids
