@@ -16,6 +16,8 @@ from typing import Annotated, Literal
 import msgspec
 from msgspec import UNSET, Meta, Struct, UnsetType
 
+from loraplex.engine.api import MAX_LOGIT_BIAS
+
 MAX_MESSAGES = 2048  # OpenAI's
 MAX_TEXT_CHARS = 10 << 20  # a message's content, a text part, a prompt, a call's arguments: OpenAI's 10 MiB
 MAX_CONTENT_PARTS = 1024  # text parts of one message
@@ -24,7 +26,7 @@ MAX_TOOL_CALLS = 128  # calls in one earlier assistant turn
 MAX_TOOLS_SCHEMA_BYTES = 256 << 10  # the tools' parameters together, as JSON text
 MAX_STOP = 4  # OpenAI's
 MAX_STOP_CHARS = 1024  # one stop string
-MAX_LOGIT_BIAS = 300  # OpenAI's; keys are token ids written canonically ("1", not "01")
+# MAX_LOGIT_BIAS (engine.api): OpenAI's 300; keys are token ids written canonically ("1", not "01")
 MAX_CHOICES = 16  # n and best_of: each choice is a sequence in the engine's batch
 MAX_JSON_DEPTH = 64  # nesting of a tool's parameters, a response_format schema, a call's arguments
 MAX_NAME_CHARS = 256  # a model or adapter name; a longer one answers 404 without a lookup
