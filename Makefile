@@ -18,10 +18,10 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # The embedded defaults: SQLite under ./.loraplex/, in-process counters, the default model, a demo
-# key printed once, http://127.0.0.1:8000/v1. LORAPLEX_DATABASE_URL / LORAPLEX_REDIS_URL switch to
-# Postgres and Redis.
+# key printed once (--demo: limited, expires in 7 days, revokes the one of the start before),
+# http://127.0.0.1:8000/v1. LORAPLEX_DATABASE_URL / LORAPLEX_REDIS_URL switch to Postgres and Redis.
 serve: $(STAMP)
-	$(VENV)/bin/loraplex serve
+	$(VENV)/bin/loraplex serve --demo
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .

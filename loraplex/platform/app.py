@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
+from litestar.middleware import DefineMiddleware
 from litestar.openapi import OpenAPIConfig
 from litestar.plugins import PluginProtocol
 from sqlalchemy.exc import DBAPIError, IntegrityError
@@ -22,9 +23,10 @@ from loraplex.billing.usage import UsageSink
 from loraplex.engine.api import EngineClient
 from loraplex.platform.admin_api import admin_router
 from loraplex.platform.admin_billing_api import admin_billing_router
+from loraplex.platform.auth_throttle import AuthThrottle, FailedAuthLimit
 from loraplex.platform.db.migrate import current_revision, head_revision
 from loraplex.platform.errors import PlatformError, handle_exception
-from loraplex.platform.middleware import response_hook
+from loraplex.platform.middleware import Drain, response_hook
 from loraplex.platform.openai_api import openai_router
 from loraplex.platform.ops import ops_handlers
 from loraplex.platform.settings import Settings
@@ -43,6 +45,9 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         raise ValueError("create_app needs an engine (an EngineClient); `loraplex serve` builds one")
     settings = settings or Settings.from_env()
     platform = Platform.build(settings, engine, usage_sink)
+    tenant_auth = AuthThrottle(settings.auth_max_failures, settings.auth_failure_window_s,
+                               what="failed authentications")
+    drain = Drain()  # `serve` runs it on SIGTERM (app.state.drain)
 
     async def startup() -> None:
         platform.start_billing()
@@ -57,8 +62,16 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
     return Litestar(
         route_handlers=[openai_router, admin_router, admin_billing_router, *ops_handlers],
         dependencies={"platform": Provide(lambda: platform, sync_to_thread=False)},
-        state=State({"platform": platform}),
+        state=State({"platform": platform, "drain": drain}),
+        # Everything leaves in the OpenAI error shape. The tenant's or admin's input that reaches a
+        # library unchecked (errors.BAD_INPUT_ERRORS: ValueError, OverflowError, RecursionError) is
+        # a 400 without a traceback or an echo of the input (errors.bad_input), never a 500. One
+        # handler for Exception, so a mounted plugin's own (the admin UI's pages) still wins there.
         exception_handlers={Exception: handle_exception},
+        # Bodies beyond the limit answer 413 before they are parsed; the adapter blob upload
+        # (adapter_store_api.py) has its own, the store's byte limit.
+        request_max_body_size=settings.max_body_bytes,
+        middleware=[drain.middleware, DefineMiddleware(FailedAuthLimit, throttle=tenant_auth)],
         before_send=[response_hook(platform.metrics)],
         on_startup=[startup], on_shutdown=[shutdown],
         plugins=list(plugins),

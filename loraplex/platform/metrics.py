@@ -2,6 +2,8 @@
 
 Engine figures (running, waiting, KV blocks) are read from `engine.stats()` at scrape time, and
 the ledger's and budget counters' figures (queue depth, spool size, rebuilds) from those objects.
+Labels name tenants, models, endpoints and priority classes, never a key (no prefix, no id); the
+operator reads them behind the admin token (ops.py).
 """
 
 from __future__ import annotations
@@ -147,6 +149,16 @@ class Family:
         return child
 
 
+class BudgetFamily(Family):
+    """The soft-limit metrics, labelled by tenant and budget ("tenant day", "key month"): a key's
+    budget is named by its scope and period only, never by the key's prefix (no label carries a
+    credential's start), so a tenant's key budgets of one period share a series."""
+
+    def labels(self, tenant: str, budget: str):
+        scope, *_, period = budget.split()  # "key lpx-1234abcd day" -> "key day"
+        return super().labels(tenant, f"{scope} {period}")
+
+
 class Metrics:
     def __init__(self, engine: EngineClient):
         r = self.registry = CollectorRegistry()
@@ -178,12 +190,13 @@ class Metrics:
         self.budget_rejections = Counter("loraplex_budget_rejections",
                                          "Requests refused by a token budget (429 insufficient_quota)", ["scope"],
                                          registry=r)
-        self.soft_limit_reached = Gauge("loraplex_budget_soft_limit_reached",
-                                        "1 while a budget's soft limit is reached in its current period",
-                                        ["tenant", "budget"], registry=r)
-        self.soft_limit_alerts = Counter("loraplex_budget_soft_limit_alerts",
-                                         "Requests that took a budget past its soft limit", ["tenant", "budget"],
-                                         registry=r)
+        self.soft_limit_reached = BudgetFamily(Gauge(
+            "loraplex_budget_soft_limit_reached", "1 while a budget's soft limit is reached in its current period "
+            "(a tenant's key budgets of one period: while the last settled one's is)", ["tenant", "budget"],
+            registry=r))
+        self.soft_limit_alerts = BudgetFamily(Counter(
+            "loraplex_budget_soft_limit_alerts", "Requests that took a budget past its soft limit",
+            ["tenant", "budget"], registry=r))
         self.auto_routed = Family(Counter("loraplex_auto_routed_requests", "Requests for `auto`, by model chosen",
                                           ["model"], registry=r))
         self.auto_complexity = Histogram("loraplex_auto_request_complexity", "Complexity scores of `auto` requests",

@@ -1,11 +1,22 @@
-"""Operations endpoints: /health (the process answers), /ready (it can serve), /metrics (Prometheus)."""
+"""Operations endpoints: /health (the process answers), /ready (it can serve), /metrics (Prometheus).
+
+/metrics is for the operator only: it answers with `Authorization: Bearer $LORAPLEX_ADMIN_TOKEN`
+(the admin API's check, throttled per address the same way), 401 in the OpenAI error format without
+it, 403 while no admin token is configured. A Prometheus scrape job sends the token with its
+`authorization` (credentials_file) setting. Labels name tenants, models and priority classes,
+never a key.
+"""
 
 from __future__ import annotations
 
-from litestar import MediaType, Response, get
+from litestar import MediaType, Request, Response, get
+from litestar.connection import ASGIConnection
+from litestar.handlers import BaseRouteHandler
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 
+from loraplex.platform.admin_api import check_admin_token
+from loraplex.platform.errors import PlatformError
 from loraplex.platform.state import PlatformDep
 
 
@@ -15,10 +26,13 @@ def health() -> dict:
 
 
 @get("/ready", include_in_schema=False)
-async def ready(platform: PlatformDep) -> Response:
+async def ready(request: Request, platform: PlatformDep) -> Response:
     """Ready once started (migrations at head, engine models registered) with the database and,
-    when configured, Redis reachable."""
+    when configured, Redis reachable; not ready again once the server drains to stop."""
     checks: dict[str, str] = {"startup": platform.not_ready or "ok"}
+    drain = request.app.state.get("drain")
+    if drain is not None and drain.draining:
+        checks["shutdown"] = "draining"
     try:
         async with platform.db.connect() as conn:
             await conn.execute(text("SELECT 1"))
@@ -32,7 +46,18 @@ async def ready(platform: PlatformDep) -> Response:
     return Response({"status": "ready" if ok else "not ready", "checks": checks}, status_code=200 if ok else 503)
 
 
-@get("/metrics", include_in_schema=False)
+def metrics_guard(connection: ASGIConnection, _: BaseRouteHandler) -> None:
+    """The admin token, or no metrics: they name tenants and show their traffic."""
+    if not connection.app.state.platform.settings.admin_token:
+        raise PlatformError(403, "/metrics is disabled: set LORAPLEX_ADMIN_TOKEN and scrape with it.",
+                            code="admin_disabled")
+    scheme, _, given = (connection.headers.get("authorization") or "").partition(" ")
+    if not check_admin_token(connection, given if scheme.lower() == "bearer" else ""):
+        raise PlatformError(401, "/metrics needs the admin token (Authorization: Bearer $LORAPLEX_ADMIN_TOKEN).",
+                            code="invalid_admin_token")
+
+
+@get("/metrics", include_in_schema=False, guards=[metrics_guard])
 async def metrics(platform: PlatformDep) -> Response:
     return Response(platform.metrics.render(), media_type=MediaType.TEXT, headers={"content-type": CONTENT_TYPE_LATEST})
 

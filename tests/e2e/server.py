@@ -64,10 +64,11 @@ class Server:
         return [line.split(": ", 1)[1] for line in self.stdout if line.startswith("demo api key: ")]
 
     def stop(self) -> None:
+        """SIGTERM, which drains (requests in flight get the drain timeout, 30 s by default), then exit."""
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
-                self.proc.wait(30)
+                self.proc.wait(60)
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()

@@ -73,7 +73,8 @@ def ok(out) -> str:
 
 
 def gauge(server, name: str) -> int:
-    (line,) = [x for x in httpx.get(f"{server.base_url}/metrics").text.splitlines() if x.startswith(f"{name} ")]
+    text = httpx.get(f"{server.base_url}/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
+    (line,) = [x for x in text.splitlines() if x.startswith(f"{name} ")]
     return int(float(line.split()[1]))
 
 

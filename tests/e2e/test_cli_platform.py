@@ -36,20 +36,36 @@ def data_env(tmp_path_factory):
     return {"LORAPLEX_DATA_DIR": str(tmp_path_factory.mktemp("embedded"))}
 
 
-def test_embedded_serve_prints_a_new_demo_key_each_start(data_env):
-    first = start({**EMBEDDED, **data_env})
+def test_two_demo_starts_leave_one_live_limited_demo_key(data_env):
+    first = start({**EMBEDDED, **data_env}, "--demo")
     try:
         (key1,) = first.demo_keys
         assert key1.startswith("lpx-") and models(first, key1) == 200
     finally:
         first.stop()
-    second = start({**EMBEDDED, **data_env})
+    second = start({**EMBEDDED, **data_env}, "--demo")
     try:
         (key2,) = second.demo_keys
-        assert key2 != key1 and models(second, key2) == models(second, key1) == 200
-        assert models(second, "lpx-not-a-real-key-at-all-00000000") == 401
+        assert key2 != key1 and models(second, key2) == 200
+        assert models(second, key1) == models(second, "lpx-not-a-real-key-at-all-00000000") == 401
     finally:
         second.stop()
+    listed = loraplex(data_env, "keys", "list", "--tenant", "demo")
+    assert listed.returncode == 0, listed.stderr
+    rows = [line.split("\t") for line in listed.stdout.splitlines()]
+    live = [r for r in rows if r[3] != "revoked"]
+    assert len(rows) == 2 and len(live) == 1 and live[0][0] == key2[:12]
+    assert live[0][2] == "standard" and live[0][3].startswith("expires ")  # not realtime, not forever
+    budgets = loraplex(data_env, "budgets", "list", "--tenant", "demo")
+    assert budgets.returncode == 0 and key2[:12] in budgets.stdout, budgets
+
+
+def test_serve_makes_no_demo_key_unless_asked(data_env):
+    server = start({**EMBEDDED, **data_env})
+    try:
+        assert not server.demo_keys
+    finally:
+        server.stop()
 
 
 def test_tenant_key_and_model_commands(data_env):

@@ -82,7 +82,7 @@ def test_chat_streaming_and_usage_through_the_workers(fleet, tenant):
             break
         time.sleep(0.2)
     assert totals["requests"] == 2 and totals["output_tokens"] == 20
-    metrics = httpx.get(f"{server.base_url}/metrics").text
+    metrics = httpx.get(f"{server.base_url}/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
     assert "loraplex_engine_requests_running" in metrics
     for w in workers:
         assert f'loraplex_worker_up{{worker="{w.base_url}"}} 1.0' in metrics

@@ -17,7 +17,7 @@ ADMIN = "e2e-admin-token"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     with postgres_redis_env(tmp_path_factory.mktemp("data"), ADMIN) as env:
-        srv = start(env)
+        srv = start(env, "--demo")
         try:
             yield srv
         finally:
@@ -114,7 +114,7 @@ def _engine_stats(server) -> dict:
 
 
 def _disconnects(server) -> float:
-    for line in httpx.get(f"{server.base_url}/metrics").text.splitlines():
+    for line in httpx.get(f"{server.base_url}/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text.splitlines():
         if line.startswith("loraplex_client_disconnects_total "):
             return float(line.split()[1])
     return 0.0

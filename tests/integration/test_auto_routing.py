@@ -107,7 +107,7 @@ def test_simple_requests_go_to_the_small_model_and_complex_ones_to_the_large(set
     assert named.status_code == 200 and "x-loraplex-model" not in named.headers
     flush(setup.client)
     assert ledger_rows(backend.settings, tenant_id)[-1].routed_from is None
-    metrics = setup.client.get("/metrics").text
+    metrics = setup.client.get("/metrics", headers=ADMIN).text
     assert f'loraplex_auto_routed_requests_total{{model="{setup.small}"}}' in metrics
     assert "loraplex_auto_request_complexity_count" in metrics
 

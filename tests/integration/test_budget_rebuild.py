@@ -20,6 +20,7 @@ from loraplex.billing.redis_counters import RedisCounters
 from loraplex.billing.tail import Tail
 from loraplex.platform.db.database import make_engine
 from tests.integration.billing_support import (
+    ADMIN,
     FAKE_MODEL,
     ScriptedEngine,
     app_client,
@@ -52,7 +53,7 @@ def test_flushed_redis_is_rebuilt_from_the_ledger_and_the_tenant_stays_over_budg
             assert refused.status_code == 429 and refused.json()["error"]["code"] == "insufficient_quota"
         assert platform_of(a).quota.rebuilds + platform_of(b).quota.rebuilds == rebuilds + 1  # once, not per request
         assert_counters_match_ledger(a, tenant, tenant_id)
-        assert "loraplex_budget_counter_rebuilds_total" in a.get("/metrics").text
+        assert "loraplex_budget_counter_rebuilds_total" in a.get("/metrics", headers=ADMIN).text
 
 
 def _until(predicate, what: str, timeout_s: float = 20.0) -> None:

@@ -15,6 +15,7 @@ from loraplex.billing.ledger_db import write_events
 from loraplex.billing.spool import Spool
 from loraplex.billing.usage import UsageEvent
 from tests.integration.billing_support import (
+    ADMIN,
     app_client,
     assert_counters_match_ledger,
     complete,
@@ -55,7 +56,7 @@ def _replay(client, deadline_s: float = 30.0) -> None:
 
 
 def _metric(client, name: str) -> float:
-    line = next(x for x in client.get("/metrics").text.splitlines() if x.startswith(name + " "))
+    line = next(x for x in client.get("/metrics", headers=ADMIN).text.splitlines() if x.startswith(name + " "))
     return float(line.split()[1])
 
 

@@ -22,7 +22,7 @@ def test_metrics_cover_latency_tokens_statuses_and_the_engine(api):
     key = api.key(tenant)
     assert api.chat(key, max_tokens=4).status_code == 200
     api.chat(key, model="nope")
-    text = api.client.get("/metrics").text
+    text = api.client.get("/metrics", headers=api.admin).text
     for name in ("loraplex_time_to_first_token_seconds_bucket", "loraplex_inter_token_latency_seconds_bucket",
                  "loraplex_request_latency_seconds_bucket", "loraplex_requests_in_flight",
                  "loraplex_engine_requests_waiting", "loraplex_kv_cache_usage_ratio", "loraplex_kv_blocks_used",

@@ -30,7 +30,7 @@ def test_rpm_limit_answers_429_with_headers(api):
     assert err["code"] == "rate_limit_exceeded" and err["type"] == "requests"
     assert int(refused.headers["retry-after"]) >= 1
     assert refused.headers["x-ratelimit-remaining-requests"] == "0"
-    metrics = api.client.get("/metrics").text
+    metrics = api.client.get("/metrics", headers=api.admin).text
     assert 'loraplex_rate_limit_rejections_total{limit="requests"}' in metrics
 
 
