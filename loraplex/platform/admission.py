@@ -72,7 +72,14 @@ class Ticket:
     settled: bool = False
 
 
-def budget_label(principal: Principal, rule: BudgetRule) -> str:
+def budget_label(rule: BudgetRule) -> str:
+    """The soft-limit metrics' name of a budget, "tenant day" or "key month": a key's budget is named
+    by scope and period only, never by the key's prefix (no label carries a credential's start)."""
+    return f"{rule.scope} {rule.period}"
+
+
+def budget_name(principal: Principal, rule: BudgetRule) -> str:
+    """The budget as the caller's 429 and the operator's log name it ("key lpx-1a2b day")."""
     scope = "tenant" if rule.scope == "tenant" else f"key {principal.key_prefix}"
     return f"{scope} {rule.period}"
 
@@ -105,7 +112,7 @@ class Admission:
         if verdict.refused == "quota":
             self._metrics.budget_rejections.labels(verdict.rule.scope).inc()
             raise PlatformError(
-                429, f"You exceeded your token budget: the {budget_label(principal, verdict.rule)} budget allows "
+                429, f"You exceeded your token budget: the {budget_name(principal, verdict.rule)} budget allows "
                      f"{verdict.rule.limit_tokens} tokens, {verdict.held} are used or reserved, and this request "
                      f"needs up to {tokens} (prompt + max_tokens for each choice).",
                 code="insufficient_quota", type="insufficient_quota", headers=headers)
@@ -131,13 +138,14 @@ class Admission:
                 self._soft_limit(ticket.principal, rule, total - used_tokens, total)
 
     def _soft_limit(self, principal: Principal, rule: BudgetRule, before: int, after: int) -> None:
-        label = budget_label(principal, rule)
+        label = budget_label(rule)
         reached = after >= rule.soft_limit_tokens
         self._metrics.soft_limit_reached.labels(principal.tenant, label).set(int(reached))
         if reached and before < rule.soft_limit_tokens:
             self._metrics.soft_limit_alerts.labels(principal.tenant, label).inc()
             log.warning("tenant %s passed the soft limit of its %s budget: %d of %d tokens (limit %d)",
-                        principal.tenant, label, after, rule.soft_limit_tokens, rule.limit_tokens)
+                        principal.tenant, budget_name(principal, rule), after, rule.soft_limit_tokens,
+                        rule.limit_tokens)
 
     def _unavailable(self, principal: Principal, req: AdmitRequest, exc: CountersUnavailable) -> Ticket:
         unlimited = not principal.limits.any and not principal.budgets

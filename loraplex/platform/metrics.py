@@ -149,16 +149,6 @@ class Family:
         return child
 
 
-class BudgetFamily(Family):
-    """The soft-limit metrics, labelled by tenant and budget ("tenant day", "key month"): a key's
-    budget is named by its scope and period only, never by the key's prefix (no label carries a
-    credential's start), so a tenant's key budgets of one period share a series."""
-
-    def labels(self, tenant: str, budget: str):
-        scope, *_, period = budget.split()  # "key lpx-1234abcd day" -> "key day"
-        return super().labels(tenant, f"{scope} {period}")
-
-
 class Metrics:
     def __init__(self, engine: EngineClient):
         r = self.registry = CollectorRegistry()
@@ -190,11 +180,11 @@ class Metrics:
         self.budget_rejections = Counter("loraplex_budget_rejections",
                                          "Requests refused by a token budget (429 insufficient_quota)", ["scope"],
                                          registry=r)
-        self.soft_limit_reached = BudgetFamily(Gauge(
+        self.soft_limit_reached = Family(Gauge(
             "loraplex_budget_soft_limit_reached", "1 while a budget's soft limit is reached in its current period "
             "(a tenant's key budgets of one period: while the last settled one's is)", ["tenant", "budget"],
             registry=r))
-        self.soft_limit_alerts = BudgetFamily(Counter(
+        self.soft_limit_alerts = Family(Counter(
             "loraplex_budget_soft_limit_alerts", "Requests that took a budget past its soft limit",
             ["tenant", "budget"], registry=r))
         self.auto_routed = Family(Counter("loraplex_auto_routed_requests", "Requests for `auto`, by model chosen",
