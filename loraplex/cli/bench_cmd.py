@@ -107,6 +107,20 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--new-tokens", {"type": int, "default": 96}),
         ("--rounds", {"type": int, "default": 3}),
     ]),
+    "fuzz": ("fuzz", "schemathesis over the tenant and admin APIs of a server it starts on loopback: no 5xx, "
+                     "every error in the OpenAI format", [
+        ("--cases", {"type": int, "default": 5000, "help": "generated requests, at least"}),
+    ]),
+    "soak": ("soak", "concurrent streaming clients, clean then with hostile requests mixed in, on a server it "
+                     "starts on loopback: errors, TTFT, RSS drift, KV/slots back at baseline, ledger rows", [
+        ("--seconds", {"type": float, "default": 60.0, "help": "per phase (clean, then hostile)"}),
+        ("--clients", {"type": int, "default": 8, "help": "well-behaved streaming clients"}),
+        ("--default-model", {"action": "store_true",
+                             "help": "serve the default model (smollm2-135m) instead of synthetic:tiny"}),
+        ("--database-url", {"default": "postgresql://postgres@localhost:5432/postgres",
+                            "help": "Postgres server for a scratch database (dropped after)"}),
+        ("--redis-url", {"default": "redis://localhost:6379/0"}),
+    ]),
 }
 
 

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 
+from loraplex.cli.bench.soak_hostile import hostile_requests
+from tests.e2e.server import PG_SERVER
 from tests.e2e.test_cli_generate import loraplex
 
 
@@ -113,3 +116,32 @@ def test_bench_weights_compares_bf16_and_fp32_weights_at_each_batch(tmp_path):
     assert r["batch1"]["bf16_roofline_tok_s"] == round(r["mem_read_gbs"] * 1e9 / r["packed_bytes"]["bf16"], 2)
     bad = loraplex("bench", "weights", "--batches", "0", "--json", str(tmp_path / "bad.json"))
     assert bad.returncode == 2 and "--batches: positive batch sizes" in bad.stderr
+
+
+def test_bench_fuzz_writes_cases_failures_and_reproductions(tmp_path):
+    r = run_bench(tmp_path, "fuzz", "--cases", "40")
+    assert r["cases"] >= 40 and r["cases_asked"] == 40 and r["server_alive_after"] is True
+    assert sum(op["cases"] for op in r["by_operation"].values()) == r["cases"]
+    assert r["failed_cases"] == sum(sum(s.values()) for s in r["failures_by_endpoint"].values())
+    for failure in r["distinct_failures"]:  # whatever the server gets wrong today, each comes with a repro
+        assert failure["curl"].startswith("curl ") and failure["python"].startswith("requests.request(")
+        assert "$LORAPLEX_KEY" in failure["python"] or "$LORAPLEX_ADMIN_TOKEN" in failure["python"]
+
+
+def test_bench_soak_loses_nothing_and_comes_back_to_baseline(tmp_path):
+    """A short soak: its report's structure and the no-loss facts, not its timings."""
+    r = run_bench(tmp_path, "soak", "--seconds", "2", "--clients", "3",
+                  "--database-url", os.environ.get("LORAPLEX_TEST_DATABASE_URL", PG_SERVER),
+                  "--redis-url", os.environ.get("LORAPLEX_TEST_REDIS_URL", "redis://localhost:6379/0"))
+    clean, hostile = r["phases"]["clean"], r["phases"]["hostile"]
+    assert clean["completed"] > 0 and hostile["completed"] > 0
+    assert r["completed"] == clean["completed"] + hostile["completed"]
+    assert r["well_behaved_errors"] == 0, (clean["errors_sample"], hostile["errors_sample"])
+    assert set(hostile["hostile"]) == {h.kind for h in hostile_requests("m")}  # every kind was sent
+    assert all(phase["ttft_ms"]["p99"] >= phase["ttft_ms"]["p50"] > 0 for phase in (clean, hostile))
+    assert {"ttft_p99_ratio", "rss", "engine", "ledger"} <= set(r) and r["rss"]["end_mb"] > 0
+    assert r["engine"]["back_at_baseline"] is True, r["engine"]
+    assert r["engine"]["end"]["running"] == r["engine"]["end"]["waiting"] == 0
+    assert r["ledger"]["missing"] == [] and r["ledger"]["rows_for_refused_or_unknown"] == []
+    assert r["ledger"]["equal"] is True and r["ledger"]["rows"] >= r["completed"]
+    assert r["server_exit_code"] == 0
