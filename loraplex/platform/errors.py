@@ -14,6 +14,7 @@ from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 
+from loraplex.billing.db_errors import sqlstate
 from loraplex.engine.api import ContextLengthExceededError, EngineError, InvalidRequestError, ModelNotFoundError
 
 log = logging.getLogger("loraplex.platform")
@@ -119,7 +120,8 @@ def platform_error_of(request: Request, exc: Exception) -> PlatformError:
         return _from_http_exception(exc)
     if isinstance(exc, BAD_INPUT_ERRORS):
         return bad_input(request, exc)
-    if isinstance(exc, DataError):  # a value the database cannot store (too long, out of range): the input's fault
+    if isinstance(exc, DataError) or (isinstance(exc, DBAPIError) and (sqlstate(exc) or "")[:2] == "22"):
+        # a value the database cannot store (too long, out of range, a NUL in text): the input's fault
         log.warning("value refused by the database on %s %s: %s", request.method, request.url.path,
                     type(exc.orig).__name__)
         return invalid("A value in the request is too long or out of range.", code="invalid_value")

@@ -5,7 +5,8 @@ tenant only, and whatever the key may not use answers exactly as a model that do
 The catalog is cached for `catalog_cache_ttl_s` (cache.py: entries in use are re-read in the
 background); while the database is down, the cached catalog keeps serving for a while (outage.py).
 What the cache holds is bounded by the catalog, not by what clients ask for: a name longer than
-MAX_NAME_CHARS answers 404 without a lookup, and an adapter that does not exist is looked up
+MAX_NAME_CHARS, or holding a control character (no name can: Postgres refuses NUL in text),
+answers 404 without a lookup, and an adapter that does not exist is looked up
 again next time rather than remembered per requested string.
 """
 
@@ -107,7 +108,7 @@ class ModelRouter:
             return None if row is None else AdapterRef(row.name, row.base_model.name, row.engine_id, row.path)
 
     async def resolve(self, principal: Principal, requested: str) -> Target:
-        if len(requested) > MAX_NAME_CHARS:
+        if len(requested) > MAX_NAME_CHARS or not requested.isprintable():
             raise model_not_found(requested)
         bases = await self.base_models()
         if requested in bases:
