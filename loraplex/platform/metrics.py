@@ -119,6 +119,16 @@ class BillingCollector:
                                   value=ledger.write_failures)
         yield CounterMetricFamily("loraplex_ledger_events_spooled", "Usage events written to the spool",
                                   value=ledger.events_spooled)
+        yield CounterMetricFamily("loraplex_ledger_events_quarantined",
+                                  "Usage events the database refused for their content, set aside in the "
+                                  "spool's quarantine file", value=ledger.events_quarantined)
+        yield CounterMetricFamily("loraplex_ledger_spool_failures", "Spool writes that failed (disk full, I/O error)",
+                                  value=ledger.spool_failures)
+        yield CounterMetricFamily("loraplex_ledger_events_dropped",
+                                  "Usage events lost: the database and the spool both unwritable, memory full",
+                                  value=ledger.events_dropped)
+        yield GaugeMetricFamily("loraplex_ledger_spool_down", "1 while the local spool cannot be written",
+                                value=int(ledger.spool_down))
         yield CounterMetricFamily("loraplex_budget_counter_rebuilds",
                                   "Tenants' budget counters rebuilt from the ledger", value=self._quota.rebuilds)
         yield GaugeMetricFamily("loraplex_budget_unconfirmed_charges",

@@ -86,6 +86,9 @@ def test_database_down_spools_usage_and_it_lands_exactly_once(postgres_backend, 
         assert sorted(r.request_id for r in rows) == sorted(served)
         assert_counters_match_ledger(client, tenant, tenant_id)
         assert _metric(client, "loraplex_ledger_spool_events") == 0 and not list((tmp_path / "spool").glob("*"))
+        assert _metric(client, "loraplex_ledger_events_dropped_total") == 0  # an outage loses nothing
+        assert _metric(client, "loraplex_ledger_events_quarantined_total") == 0 == _metric(
+            client, "loraplex_ledger_spool_down")
         if not fail_open:
             assert complete(client, key).status_code == 200
 
