@@ -272,7 +272,7 @@ def _per_module(cfg: dict, name: str, default: float, targets: tuple[str, ...], 
 # A rank_pattern / alpha_pattern key is a regular expression (as PEFT matches it); a quantifier on a
 # group ("(a+)+", "(a|a)*") can backtrack exponentially, so such keys and long ones are refused.
 MAX_PATTERN_KEY_CHARS = 256
-_GROUP_QUANTIFIED = re.compile(r"\)[*+?{]")
+_GROUP_QUANTIFIED = re.compile(r"\)[*+{]")  # ("(1|2)?" is fine: at most once)
 
 
 def _check_pattern_key(key: object, name: str, where: str) -> None:
