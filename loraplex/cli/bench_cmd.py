@@ -105,7 +105,7 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--model", {"default": DEFAULT_MODEL}),
         ("--batch", {"type": int, "default": 32}),
         ("--new-tokens", {"type": int, "default": 96}),
-        ("--rounds", {"type": int, "default": 3}),
+        ("--rounds", {"type": int, "default": 4, "help": "rounds; the engines swap sides each round, so keep it even"}),
     ]),
     "fuzz": ("fuzz", "schemathesis over the tenant and admin APIs of a server it starts on loopback: no 5xx, "
                      "every error in the OpenAI format", [

@@ -45,12 +45,12 @@ def _schema(args) -> str | None:
         return '{"type": "object"}'
     if args.json_schema is None:
         return None
-    from loraplex.engine.guided.schema import SchemaError, compile_schema
+    from loraplex.engine.guided.grammar import SchemaError, check_schema
 
     with open(args.json_schema, encoding="utf-8") as f:
         text = f.read()
     try:
-        compile_schema(text)
+        check_schema(text)
     except SchemaError as e:
         raise ValueError(f"{args.json_schema}: {e}") from None
     return text

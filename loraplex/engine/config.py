@@ -72,6 +72,19 @@ class EngineConfig:
     # drafts saved nothing measurable: bench/RESULTS.md, "Speculative decoding"). 0: off.
     speculative_tokens: int = 4
     speculative_max_seqs: int = 8
+    # Guided decoding (engine/guided), bounds per request: a schema longer than guided_schema_max_bytes, or
+    # not compiled within guided_compile_timeout_s, is refused (400) before it is queued; a mask not ready
+    # guided_mask_timeout_s after its step started ends that request alone (finish_reason "error").
+    # llguidance's own limits: grammar symbols, lexer fuel to build the grammar and per step, parser items
+    # per step, lexer states (1-2 KB each).
+    guided_schema_max_bytes: int = 64 * 1024
+    guided_compile_timeout_s: float = 2.0
+    guided_mask_timeout_s: float = 0.1
+    guided_max_grammar_size: int = 200_000
+    guided_lexer_fuel: int = 1_000_000
+    guided_step_lexer_fuel: int = 200_000
+    guided_step_max_items: int = 50_000
+    guided_max_lexer_states: int = 50_000
 
     def __post_init__(self) -> None:
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -87,12 +100,16 @@ class EngineConfig:
             raise ValueError(f"engine config: weight_dtype {self.weight_dtype} needs a float32 model, the model's "
                              f"dtype is {self.dtype}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes", "max_loras",
-                     "max_lora_rank", "max_cpu_loras"):
+                     "max_lora_rank", "max_cpu_loras", "guided_schema_max_bytes", "guided_max_grammar_size",
+                     "guided_lexer_fuel", "guided_step_lexer_fuel", "guided_step_max_items", "guided_max_lexer_states"):
             if getattr(self, name) < 1:
                 raise ValueError(f"engine config: {name} must be >= 1, got {getattr(self, name)}")
         if self.speculative_tokens < 0 or self.speculative_max_seqs < 1:
             raise ValueError(f"engine config: speculative_tokens must be >= 0 and speculative_max_seqs >= 1, got "
                              f"{self.speculative_tokens} and {self.speculative_max_seqs}")
+        for name in ("guided_compile_timeout_s", "guided_mask_timeout_s"):
+            if not 0 < getattr(self, name) <= 60:
+                raise ValueError(f"engine config: {name} must be in (0, 60] seconds, got {getattr(self, name)}")
         if self.lora_merge_after_steps < 0:
             raise ValueError(f"engine config: lora_merge_after_steps must be >= 0, got {self.lora_merge_after_steps}")
         if self.preemption_mode not in ("recompute", "swap"):

@@ -27,6 +27,7 @@ from loraplex.engine.api import (
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.frontend import RequestFrontend, kv_blocks
+from loraplex.engine.guided.masks import start_masks
 from loraplex.engine.kv.block_pool import BlockPool
 from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
@@ -174,6 +175,7 @@ class EngineCore:
             return failed
         sampled = batch.sampled()
         self.spec_draft_tokens += sum(len(r.spec_ids) for r in sampled)
+        start_masks((r.guide for r in sampled if r.guide is not None), self.config.torch_device.type == "cpu")
         tokens, logprobs = self.runner.execute(batch)
         self.prompt_tokens_computed += sum(
             min(n, len(r.prompt_ids) - r.num_computed) for r, n in batch.entries if r.num_computed < len(r.prompt_ids))
@@ -218,6 +220,8 @@ class EngineCore:
         return tuple(entries)
 
     def _append(self, r: Request, token: int, step_logprobs: StepLogprobs | None = None) -> GenerateEvent:
+        if r.guide is not None and r.guide.error is not None:  # its mask failed: the token is not its own
+            return self._finish(r, "error", "", error=r.guide.error)
         now = time.monotonic()
         if r.first_token_time is None:
             r.first_token_time = now

@@ -17,14 +17,31 @@ from loraplex.engine.api import (
     ModelNotFoundError,
 )
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.guided.grammar import GrammarCache, GuideLimits, SchemaError
 from loraplex.engine.guided.guide import Guide
-from loraplex.engine.guided.schema import SchemaError
-from loraplex.engine.guided.vocab import GuideVocabulary, vocabulary_for
+from loraplex.engine.guided.tokenizer import GuideTokenizer, guide_tokenizer
 from loraplex.engine.models.llama import LlamaConfig
 from loraplex.engine.models.tokenizer import Tokenizer
+from loraplex.engine.sampler import bias_tensors
 from loraplex.engine.sched.request import Request
 
 MAX_DEFAULT_CONTEXT = 8192
+CHARS_PER_TOKEN = 16  # a prompt longer than this many characters per token of context is refused untokenized
+
+
+def text_chars(messages, stop_after: int) -> int:
+    """Characters in every string of `messages` (contents, parts, tool calls), without recursion; stops
+    counting once past `stop_after`."""
+    total, stack = 0, list(messages)
+    while stack and total <= stop_after:
+        node = stack.pop()
+        if isinstance(node, str):
+            total += len(node)
+        elif isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list | tuple):
+            stack.extend(node)
+    return total
 
 
 def kv_blocks(config: EngineConfig, model: LlamaConfig) -> int:
@@ -48,6 +65,9 @@ class RequestFrontend:
         self.kv_capacity = kv_blocks(config, model) * config.block_size
         self.adapter_available = adapter_available
         self.device = config.torch_device
+        self.max_prompt_chars = CHARS_PER_TOKEN * self.max_model_len
+        self.guide_limits = GuideLimits.from_config(config)
+        self.grammars = GrammarCache(self.guide_vocabulary, self.guide_limits)
 
     def info(self) -> ModelInfo:
         return ModelInfo(self.name, self.max_model_len, self.vocab_size)
@@ -64,6 +84,7 @@ class RequestFrontend:
                 raise InvalidRequestError(
                     f"prompt token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})", "prompt")
             return list(req.prompt_token_ids)
+        self._check_length(req)
         if req.messages is not None:
             text = self.tokenizer.apply_chat_template(list(req.messages), add_generation_prompt=True)
             return self.tokenizer.encode(text, add_special_tokens=False)
@@ -72,17 +93,32 @@ class RequestFrontend:
             raise InvalidRequestError("prompt encodes to no tokens", "prompt")
         return ids
 
-    def guide_vocabulary(self) -> GuideVocabulary:
-        """The tokenizer's index for guided decoding. The pool builds it when it registers a model, so
-        that the first request with a schema does not pay for it on the caller's (event-loop) thread."""
-        return vocabulary_for(self.tokenizer, self.vocab_size, self.device)
+    def _check_length(self, req: GenerateRequest) -> None:
+        """Refuses a prompt too long for any tokenization to fit the context, before templating or
+        tokenizing it (both cost time in its length)."""
+        limit = self.max_prompt_chars
+        n = len(req.prompt) if req.prompt is not None else text_chars(req.messages, limit)
+        if n > limit:
+            param = "prompt" if req.prompt is not None else "messages"
+            raise ContextLengthExceededError(
+                f"This model's maximum context length is {self.max_model_len} tokens, and the "
+                f"{param} {'is' if param == 'prompt' else 'are'} longer than {limit} characters "
+                f"({CHARS_PER_TOKEN} per token of context), far more than fits. Please reduce the length of the "
+                f"{param}.", param)
+
+    def guide_vocabulary(self) -> GuideTokenizer:
+        """The tokenizer as llguidance sees it. The pool builds it when it registers a model, so that the
+        first request with a schema does not pay for it on the caller's thread."""
+        return guide_tokenizer(self.tokenizer, self.vocab_size)
 
     def guide(self, schema_text: str) -> Guide:
-        """A request's guide for its JSON schema; InvalidRequestError names what the schema does wrong."""
+        """A request's guide for its JSON schema, compiled here (cached: preparing the same schema again
+        costs a copy); InvalidRequestError names what the schema does wrong or which limit it broke."""
         try:
-            return Guide(self.guide_vocabulary(), schema_text)
+            matcher = self.grammars.matcher(schema_text)
         except SchemaError as e:
             raise InvalidRequestError(f"invalid JSON schema: {e}", "response_format") from None
+        return Guide(self.guide_vocabulary(), matcher, self.guide_limits.mask_timeout_s)
 
     def prepare(self, req: GenerateRequest) -> Request:
         """Validates and tokenizes; raises EngineError (nothing is queued)."""
@@ -110,4 +146,5 @@ class RequestFrontend:
             request_id=req.request_id, prompt_ids=ids, sampling=sp,
             max_tokens=min(limit, self.kv_capacity) - len(ids) if sp.max_tokens is None else sp.max_tokens,
             stop_ids=stop_ids,
-            priority=req.priority, adapter=req.adapter, cache_salt=req.cache_salt, guide=guide)
+            priority=req.priority, adapter=req.adapter, cache_salt=req.cache_salt, guide=guide,
+            bias=bias_tensors(sp.logit_bias, self.device) if sp.logit_bias else None)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.engine.api import SamplingParams
+from loraplex.engine.guided.masks import apply_masks
 from loraplex.engine.kernels.cpu.argmax import argmax_available, argmax_rows
 from loraplex.engine.sched.request import Request
 
@@ -127,11 +128,20 @@ def _probs(row: torch.Tensor, sp: SamplingParams) -> torch.Tensor:
     return _filter_top_k_top_p(row / sp.temperature, sp.top_k, sp.top_p).softmax(-1).cpu()
 
 
+def bias_tensors(pairs: tuple[tuple[int, float], ...], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """A logit_bias as (ids [n] long, values [n] fp32) on `device`: built once per request."""
+    return (torch.tensor([t for t, _ in pairs], dtype=torch.long, device=device),
+            torch.tensor([b for _, b in pairs], dtype=torch.float32, device=device))
+
+
 def _bias(rows: torch.Tensor, r: Request) -> None:
-    """Adds the request's logit_bias to rows: [rows, vocab], in place."""
-    if r.sampling.logit_bias:
-        ids, bias = zip(*r.sampling.logit_bias, strict=True)
-        rows[:, list(ids)] += torch.tensor(bias, dtype=rows.dtype, device=rows.device)
+    """Adds the request's logit_bias to rows: [rows, vocab], in place, with one index_add_."""
+    if not r.sampling.logit_bias:
+        return
+    if r.bias is None:  # a Request made without the frontend (tests): built on its first step, once
+        r.bias = bias_tensors(r.sampling.logit_bias, rows.device)
+    ids, values = r.bias
+    rows.index_add_(1, ids, values.to(rows.dtype).expand(rows.shape[0], -1))
 
 
 def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[StepLogprobs | None]]:
@@ -164,8 +174,8 @@ def _choose(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
     """logits: [reqs, vocab] fp32, changed in place -> one token id per request."""
     for i, r in enumerate(reqs):
         _bias(logits[i:i + 1], r)
-        if r.guide is not None:
-            r.guide.mask(logits[i])  # before penalties and filters: they only ever see allowed tokens
+    # before penalties and filters: they only ever see allowed tokens
+    apply_masks(logits, [(i, r.guide) for i, r in enumerate(reqs) if r.guide is not None])
     apply_penalties(logits, reqs)
     greedy = greedy_tokens(logits) if any(r.sampling.temperature == 0 for r in reqs) else None
     out = []

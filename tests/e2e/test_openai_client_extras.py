@@ -12,6 +12,7 @@ and legacy completions alike. The server and client fixtures are test_server_ope
 from __future__ import annotations
 
 import json
+import re
 from typing import Literal
 
 import openai
@@ -40,7 +41,11 @@ class Person(BaseModel):
 
 
 class Slug(BaseModel):
-    name: str = Field(pattern=r"^[a-z]+$")  # pydantic emits `pattern`, which the matcher cannot enforce
+    name: str = Field(pattern=r"^[a-z]+$", max_length=12)  # pydantic emits `pattern`: the grammar enforces it
+
+
+class Tags(BaseModel):
+    tags: set[int]  # pydantic emits `uniqueItems`, which the grammar engine cannot enforce
 
 
 def test_parse_returns_the_pydantic_model_whenever_the_answer_finishes(demo):  # noqa: F811
@@ -69,10 +74,18 @@ def test_streamed_json_object_joins_into_one_object(demo):  # noqa: F811
     assert isinstance(json.loads(text), dict)
 
 
+def test_a_pattern_is_enforced(demo):  # noqa: F811
+    chat = demo.chat.completions.parse(model="synthetic:tiny", messages=MESSAGES, response_format=Slug,
+                                       max_tokens=50, temperature=1.0, seed=3)
+    choice = chat.choices[0]
+    assert choice.finish_reason == "stop", choice  # at most 12 letters and the closing bytes fit in 50 tokens
+    assert re.fullmatch(r"[a-z]{1,12}", choice.message.parsed.name), choice.message.content
+
+
 def test_a_schema_keyword_the_engine_cannot_enforce_is_a_bad_request(demo):  # noqa: F811
     with pytest.raises(openai.BadRequestError) as info:
-        demo.chat.completions.parse(model="synthetic:tiny", messages=MESSAGES, response_format=Slug, max_tokens=50)
-    assert info.value.param == "response_format" and "`pattern`" in info.value.message
+        demo.chat.completions.parse(model="synthetic:tiny", messages=MESSAGES, response_format=Tags, max_tokens=50)
+    assert info.value.param == "response_format" and "`uniqueItems`" in info.value.message
     assert info.value.body["message"].startswith("invalid JSON schema: ")
 
 

@@ -119,8 +119,8 @@ def test_earlier_calls_and_their_results_reach_the_model_as_text(api):
     ({"tools": [ADD], "response_format": {"type": "json_object"}}, "response_format", "cannot be combined"),
     ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools", "'a b'"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
-        "type": "object", "properties": {"s": {"type": "string", "pattern": "x"}}}}}], "tool_choice": "required"},
-     "tools", "invalid tool parameters: #/$defs/tool0/properties/s: `pattern` is not supported"),
+        "type": "object", "properties": {"s": {"type": "array", "uniqueItems": True}}}}}], "tool_choice": "required"},
+     "tools", "invalid tool parameters: #/$defs/tool0/properties/s: `uniqueItems` is not supported"),
     ({"functions": [{"name": "f"}]}, "functions", "use tools with tool_choice"),
     ({"tools": [ADD], "tool_choice": "required", "stop": ["}"]}, "stop", "cannot be combined"),
 ])
@@ -134,7 +134,7 @@ def test_what_cannot_be_served_answers_400(api, fields, param, says):
 
 def _structured(api, kind: str) -> float:
     line = f'loraplex_structured_requests_total{{kind="{kind}"}} '
-    found = [x for x in api.client.get("/metrics").text.splitlines() if x.startswith(line)]
+    found = [x for x in api.client.get("/metrics", headers=api.admin).text.splitlines() if x.startswith(line)]
     return float(found[0].split()[-1]) if found else 0.0
 
 

@@ -5,14 +5,19 @@ preemption, seeds and bad schemas behave as for any other request."""
 from __future__ import annotations
 
 import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
+import torch
 
 from loraplex.engine.api import GenerateRequest, InvalidRequestError, SamplingParams
+from loraplex.engine.guided.masks import apply_masks
 from tests.conftest import make_core
 from tests.unit.test_engine_core import MODEL, mixed_prompts
-from tests.unit.test_guided_matcher import PERSON, TREE
+from tests.unit.test_guided_grammar import PERSON, TREE, nested
 
 SCHEMAS = [{"type": "object"}, PERSON, TREE, {"type": "array", "items": {"enum": ["x", 2, None]}, "maxItems": 4},
            {"type": "array", "items": {"anyOf": [{"type": "string", "minLength": 1, "maxLength": 3},
@@ -71,8 +76,8 @@ def test_preempted_guided_requests_resume_where_they_were(mode):
 def test_bad_schemas_are_refused_before_anything_is_queued():
     core = make_core()
     free = core.pool.num_free
-    with pytest.raises(InvalidRequestError, match="`pattern` is not supported") as info:
-        core.add_request(request("bad", [1, 2, 3], {"type": "string", "pattern": "x"}))
+    with pytest.raises(InvalidRequestError, match="`uniqueItems` is not supported") as info:
+        core.add_request(request("bad", [1, 2, 3], {"type": "array", "uniqueItems": True}))
     assert info.value.param == "response_format"
     with pytest.raises(InvalidRequestError, match="not valid JSON"):
         core.add_request(GenerateRequest("bad2", MODEL, prompt_token_ids=(1, 2),
@@ -120,14 +125,105 @@ def test_default_model_fills_a_schema_from_a_chat_prompt():
 def test_the_vocabulary_index_is_built_at_registration_and_shared_by_a_models_frontends():
     """The first request with a schema must not build the index on the caller's thread (the platform's
     event loop): registering the model builds it, once per tokenizer."""
-    from loraplex.engine.guided import vocab
+    from loraplex.engine.guided import tokenizer
     from loraplex.engine.pool import ModelPool
     from tests.unit.test_model_pool import make_pool
 
     pool = make_pool()
     for entry in pool.models.values():
-        assert entry.frontend.tokenizer in vocab._BY_TOKENIZER
+        assert entry.frontend.tokenizer in tokenizer._BY_TOKENIZER
     core = make_core()
     adopted = ModelPool(memory_budget=1 << 30, device="cpu").adopt(core)
     assert adopted.frontend.guide_vocabulary() is core.frontend.guide_vocabulary()
     pool.shutdown()
+
+
+HOSTILE = ('{"$defs":{"x":{"anyOf":[{"type":"array","minItems":1,"items":{"$ref":"#/$defs/x"}},'
+           '{"type":"array","minItems":1,"items":{"$ref":"#/$defs/x"}}]}},"$ref":"#/$defs/x"}')
+
+
+def plain(rid: str, ids, max_tokens: int) -> GenerateRequest:
+    """A request without a schema that runs to max_tokens."""
+    sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return GenerateRequest(rid, MODEL, prompt_token_ids=tuple(ids), sampling=sp)
+
+
+def run_until_done(core, ids: set[str], limit_s: float = 30.0) -> dict[str, object]:
+    """Steps until every id in `ids` has finished; their last events by id."""
+    done: dict[str, object] = {}
+    deadline = time.monotonic() + limit_s
+    while ids - done.keys():
+        assert time.monotonic() < deadline, f"still running: {ids - done.keys()}"
+        done.update({ev.request_id: ev for ev in core.step() if ev.finished})
+    return done
+
+
+def test_the_recursive_alternatives_schema_runs_alone_beside_a_normal_request():
+    core = make_core()
+    hostile = GenerateRequest("hostile", MODEL, prompt_token_ids=(1, 2, 3), sampling=SamplingParams(
+        max_tokens=64, temperature=0.0, json_schema=HOSTILE, logit_bias=((ord("["), 100.0),)))  # nests every token
+    core.add_request(hostile)
+    core.add_request(plain("normal", [4, 5, 6], 64))
+    done = run_until_done(core, {"hostile", "normal"})
+    assert done["normal"].finish_reason == "length" and done["normal"].usage.completion_tokens == 64
+    assert done["hostile"].finish_reason in ("length", "error")
+    assert core.pool.num_used == 0 and not core.requests
+
+
+@pytest.mark.parametrize(("schema_text", "says"), [
+    (json.dumps({"enum": [f"value {i}" for i in range(300_000)]}), "the limit is 65536 bytes"),
+    (json.dumps(nested(300)), "deeper than 100 levels"),
+    ("[" * 60_000 + "]" * 60_000, "the limit is 65536 bytes"),
+])
+def test_hostile_schemas_are_refused_at_prepare_and_the_engine_serves_on(schema_text, says):
+    core = make_core()
+    sp = SamplingParams(max_tokens=8, json_schema=schema_text)
+    with pytest.raises(InvalidRequestError) as info:
+        core.add_request(GenerateRequest("bad", MODEL, prompt_token_ids=(1, 2), sampling=sp))
+    assert info.value.param == "response_format" and says in info.value.message
+    (ok,) = core.run([request("ok", [1, 2], {"type": "object"}, temperature=0.0, max_tokens=8)])
+    assert ok.finish_reason in ("stop", "length")
+
+
+def test_a_mask_that_runs_out_of_fuel_ends_only_its_request_with_an_error():
+    core = make_core(guided_step_max_items=20)  # enough to start an object, not to go far inside one
+    core.add_request(request("guided", [1, 2, 3], {"type": "object", "properties": {
+        "a": {"type": "array", "items": {"type": "object"}}}}, temperature=0.0, max_tokens=64))
+    core.add_request(plain("normal", [4, 5, 6], 32))
+    done = run_until_done(core, {"guided", "normal"})
+    assert done["guided"].finish_reason == "error" and "Too many items" in done["guided"].error
+    assert done["normal"].finish_reason == "length" and done["normal"].usage.completion_tokens == 32
+    assert core.pool.num_used == 0
+
+
+def test_a_mask_not_ready_within_the_step_limit_fails_that_guide_alone():
+    core = make_core(guided_mask_timeout_s=0.05)
+    slow, fast = core.frontend.guide('{"type": "object"}'), core.frontend.guide('{"type": "object"}')
+    busy = threading.Event()
+    with ThreadPoolExecutor(max_workers=1) as stuck:
+        stuck.submit(busy.wait, 10)  # the only worker is busy: the mask waits in the queue
+        slow.start_mask(stuck)
+        fast.start_mask(ThreadPoolExecutor(max_workers=1))
+        logits = torch.zeros(2, core.frontend.vocab_size)
+        apply_masks(logits, [(0, slow), (1, fast)])
+        busy.set()
+    assert "took longer than 50 ms" in slow.error and fast.error is None
+    assert torch.isfinite(logits[0]).all()  # left alone: the core ends that request
+    assert torch.isfinite(logits[1]).sum() == 1 and torch.isfinite(logits[1, ord("{")])
+
+
+def test_preparing_the_same_schema_again_reuses_the_compiled_grammar():
+    core = make_core()
+    reqs = [request(f"n{i}", [1, 2], PERSON, temperature=0.0) for i in range(3)]
+    first, *again = [core.prepare(r) for r in reqs]
+    assert len(core.frontend.grammars._entries) == 1
+    assert all(r.guide.matcher is not first.guide.matcher for r in again)  # each its own copy
+    assert first.guide.accept(ord("{")) and not again[0].guide.accept(ord("}"))
+
+
+def test_a_mask_filled_on_the_engine_thread_past_the_limit_fails_that_guide_alone():
+    """Where no core is spare the sampler fills the mask itself; one slower than the limit fails the same way."""
+    core = make_core(guided_mask_timeout_s=1e-9)  # no fill is that fast
+    guide = core.frontend.guide('{"type": "object"}')
+    assert guide.mask() is None and "took longer than" in guide.error
+    assert make_core().frontend.guide('{"type": "object"}').mask() is not None

@@ -9,10 +9,9 @@ import random
 
 import pytest
 
-from loraplex.engine.guided.guide import matcher_for
-from loraplex.engine.guided.schema import compile_schema
 from loraplex.platform import schemas as s
 from loraplex.platform.tool_calls import CallText, call_schema
+from tests.unit.test_guided_grammar import accepts
 
 NODE = {"type": "object", "required": ["v", "next"],
         "properties": {"v": {"type": "integer"}, "next": {"anyOf": [{"$ref": "#"}, {"type": "null"}]}}}
@@ -24,12 +23,6 @@ PYDANTIC = {"$defs": {"Address": {"type": "object", "properties": {"city": {"typ
 
 def tool(name: str, parameters: dict | None) -> s.Tool:
     return s.Tool(type="function", function=s.FunctionDef(name=name, parameters=parameters))
-
-
-def accepts(schema: dict, text: str) -> bool:
-    m = matcher_for(compile_schema(json.dumps(schema)))
-    state = m.advance_bytes(m.start, text.encode())
-    return state is not None and m.accepts(state)
 
 
 def test_each_tools_refs_point_into_its_own_definitions():

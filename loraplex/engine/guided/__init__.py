@@ -1,5 +1,5 @@
-"""Guided decoding: output held to a JSON Schema (or to any JSON object) token by token.
+"""Guided decoding: output held to a JSON Schema (or to any JSON object) token by token, on llguidance.
 
-schema.py compiles the schema into value nodes, matcher.py follows the output byte by byte over them,
-vocab.py turns a matcher state into the set of allowed tokens, guide.py is one request's use of them.
+tokenizer.py gives llguidance the model's vocabulary, grammar.py compiles a schema (bounded, cached),
+guide.py is one request's matcher, masks.py computes the masks off the engine thread and applies them.
 """

@@ -47,6 +47,8 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request RNG for seeded sampling
     guide: Guide | None = None  # holds the output to `sampling.json_schema`
+    # sampling.logit_bias as (ids [n] long, values [n] fp32) on the logits' device, built once (at prepare)
+    bias: tuple[torch.Tensor, torch.Tensor] | None = None
     # (logprob, top) of prompt tokens 1.. as their positions are computed; None when not asked for
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     spec_ids: list[int] = field(default_factory=list)  # draft tokens this step verifies after its last token
