@@ -62,12 +62,15 @@ def missing_weights_reason(directory: Path) -> str:
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's top_logprobs allows
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request, as OpenAI allows (each costs every step of the batch)
+# A temperature below this samples as greedy: dividing logits by 1e-95 overflows them to inf (NaN
+# probabilities), and anything this cold picks the most likely token anyway.
+GREEDY_BELOW_TEMPERATURE = 1e-5
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """Per-request sampling. temperature 0 is greedy; the seed makes sampling reproducible
-    for this request whatever else shares its batch."""
+    """Per-request sampling. temperature 0 (or below GREEDY_BELOW_TEMPERATURE) is greedy; the seed
+    makes sampling reproducible for this request whatever else shares its batch."""
 
     # None: up to the model's context length; 0: the prompt is computed (for its log-probabilities,
     # prompt_logprobs) and nothing generated
@@ -92,6 +95,10 @@ class SamplingParams:
     # (token id, bias) pairs added to the logits before sampling, as OpenAI's logit_bias: -100 bans a
     # token, 100 all but forces it.
     logit_bias: tuple[tuple[int, float], ...] = ()
+
+    def __post_init__(self) -> None:
+        if 0 < self.temperature < GREEDY_BELOW_TEMPERATURE:
+            object.__setattr__(self, "temperature", 0.0)
 
     def validate(self) -> None:
         """Raises InvalidRequestError naming the first bad field."""

@@ -34,6 +34,15 @@ def test_top_k_1_and_tiny_top_p_are_greedy():
     assert make_core().run([sampled("p", prompt, seed=5, top_p=1e-6)])[0].token_ids == want
 
 
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    """Found by the fuzzer: logits divided by 2e-95 overflowed to inf and the step failed."""
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    want = make_core().run([greedy("g", prompt, max_tokens=20)])[0].token_ids
+    for t in (1.9867529510181955e-95, 5e-324, 1e-6):
+        done = make_core().run([sampled("t", prompt, seed=None, temperature=t)])[0]
+        assert done.finish_reason == "length" and done.token_ids == want, t
+
+
 def test_stop_token_id_ends_with_stop():
     prompt = [5, 6, 7]
     free = make_core().run([greedy("f", prompt, max_tokens=20)])[0].token_ids
