@@ -176,7 +176,11 @@ class EngineCore:
         sampled = batch.sampled()
         self.spec_draft_tokens += sum(len(r.spec_ids) for r in sampled)
         start_masks((r.guide for r in sampled if r.guide is not None), self.config.torch_device.type == "cpu")
-        tokens, logprobs = self.runner.execute(batch)
+        try:
+            tokens, logprobs = self.runner.execute(batch)
+        except BaseException:  # the pool fails this model's requests; their swap space must not leak
+            self.scheduler.release_swap_ins(batch)
+            raise
         self.prompt_tokens_computed += sum(
             min(n, len(r.prompt_ids) - r.num_computed) for r, n in batch.entries if r.num_computed < len(r.prompt_ids))
         self.scheduler.update(batch)

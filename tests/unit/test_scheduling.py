@@ -22,6 +22,33 @@ def req(rid, ids, max_tokens=16, priority="standard", salt=None, adapter=None) -
 # --- preemption -------------------------------------------------------------------------------
 
 
+def test_a_step_that_fails_while_swapping_in_leaks_no_swap_space():
+    """The pool ends every request of a model whose step raised; the swap-ins of that step had
+    already moved their requests to device blocks, so their CPU blocks are freed by the core."""
+    core = make_core(num_kv_blocks=14, preemption_mode="swap")
+    for i, p in enumerate(mixed_prompts(6, seed=4)):
+        core.add_request(req(f"r{i}", p, max_tokens=40))
+    run, failed = core.runner.execute, []
+
+    def execute(batch):
+        if batch.swap_in and not failed:
+            failed.append(len(batch.swap_in))
+            raise RuntimeError("injected fault")
+        return run(batch)
+
+    core.runner.execute = execute
+    for _ in range(500):
+        try:
+            core.step()
+        except RuntimeError:
+            break
+    assert failed, "no step swapped a request in"
+    for rid in list(core.requests):
+        core.abort(rid)
+    stats = core.stats()
+    assert stats.kv_blocks_used == 0 and stats.swap_blocks_used == 0
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_tiny_pool_preempts_and_outputs_match_a_roomy_pool(mode):
     prompts = mixed_prompts(6, seed=4)

@@ -150,10 +150,16 @@ class Scheduler:
         batch.entries.sort(key=lambda e: e[0].lora_slot)
         return batch
 
+    def release_swap_ins(self, batch: ScheduledBatch) -> None:
+        """Frees the CPU swap blocks of the batch's swap-ins, once (their requests now hold device blocks):
+        by update() after the step ran, or by the core when the step failed and update() never runs."""
+        for cpu_ids, _ in batch.swap_in:
+            self.swap_pool.free(cpu_ids)
+        batch.swap_in = []
+
     def update(self, batch: ScheduledBatch) -> None:
         """Records that the batch ran: advances progress and caches newly full blocks."""
-        for cpu_ids, _ in batch.swap_in:  # copied back now: the swap space may reuse them
-            self.swap_pool.free(cpu_ids)
+        self.release_swap_ins(batch)  # copied back now: the swap space may reuse them
         bs = self.pool.block_size
         for req, n in batch.entries:
             req.num_computed += n - req.num_rejected
