@@ -9,8 +9,9 @@ or the default model with --default-model) with a few generated adapters and `au
    model and the adapters, keys of three priority classes and x-priority headers, hanging up on
    about one stream in eight after its first token;
 3. hostile phase (--seconds): the same clients, plus one sender per hostile kind (soak_hostile.py)
-   from another tenant and another loopback address (127.0.0.2, so that throttling bad keys by
-   address is tested without blocking the well-behaved clients' address);
+   from another tenant and another loopback address (127.0.0.2), the bad keys from a third one
+   (127.0.0.3: throttling bad keys by address is tested without it shutting out the well-behaved
+   clients or the hostile tenant's other requests, which must reach the server to test anything);
 4. settle: KV blocks and adapter slots must come back to the baseline, RSS is read again; then the
    server is stopped (SIGTERM: it drains and flushes its ledger) and its usage rows are counted.
 
@@ -92,7 +93,9 @@ async def _soak(server, model: str, adapters: list[str], keys: dict[str, str], s
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(base_url=server.base_url, limits=limits, timeout=sc.REQUEST_TIMEOUT_S) as http, \
             httpx.AsyncClient(base_url=server.base_url, timeout=sc.REQUEST_TIMEOUT_S,
-                              transport=httpx.AsyncHTTPTransport(local_address="127.0.0.2")) as other:
+                              transport=httpx.AsyncHTTPTransport(local_address="127.0.0.2")) as other, \
+            httpx.AsyncClient(base_url=server.base_url, timeout=sc.REQUEST_TIMEOUT_S,
+                              transport=httpx.AsyncHTTPTransport(local_address="127.0.0.3")) as stranger:
         models = (model, *adapters)
         crowd = [sc.Client(keys[("realtime", "standard", "batch")[i % 3]], models, 1 / 8, seed=i)
                  for i in range(clients)]
@@ -107,8 +110,8 @@ async def _soak(server, model: str, adapters: list[str], keys: dict[str, str], s
         baseline["rss_after_clean_bytes"] = server.rss_bytes()
         kinds = hostile_requests(model)
         hostile = sc.Phase("hostile", time.monotonic() + seconds, cap + HOSTILE_MAX_SENDS * len(kinds))
-        senders = [sc.hostile(other, h, model, keys["hostile"], hostile, HOSTILE_MAX_SENDS, HOSTILE_INTERVAL_S)
-                   for h in kinds]
+        senders = [sc.hostile(stranger if h.bad_key else other, h, model, keys["hostile"], hostile,
+                              HOSTILE_MAX_SENDS, HOSTILE_INTERVAL_S) for h in kinds]
         await asyncio.gather(*(sc.well_behaved(http, c, hostile) for c in crowd), *senders)
         settled = await _settled(http, server, baseline["engine"])
         end = {"rss_bytes": server.rss_bytes(), "engine": await _stats(http, server)}
