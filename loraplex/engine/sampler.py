@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from loraplex.engine.api import SamplingParams
+from loraplex.engine.guided.guide import Guide
 from loraplex.engine.guided.masks import apply_masks
 from loraplex.engine.kernels.cpu.argmax import argmax_available, argmax_rows
 from loraplex.engine.sched.request import Request
@@ -170,14 +171,27 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> li
     return [(chosen[r], list(zip(ids[r][:k], values[r][:k], strict=True)) if k else []) for r, k in enumerate(ks)]
 
 
+def _rows_to_mask(reqs: list[Request], greedy: list[int] | None) -> list[tuple[int, Guide]]:
+    """The guided rows that need their mask, given each row's unmasked best token (`greedy`, after bias
+    and penalties): a greedy row whose best token the schema allows picks it masked or not, so where
+    its mask was not started ahead of the forward pass, one token is checked instead of the whole
+    vocabulary filled (the mask's cost on a CPU with no spare core; most steps pass the check)."""
+    return [(i, r.guide) for i, r in enumerate(reqs) if r.guide is not None and not (
+        greedy is not None and r.sampling.temperature == 0 and not r.guide.ahead and r.guide.allows(greedy[i]))]
+
+
 def _choose(logits: torch.Tensor, reqs: list[Request]) -> list[int]:
     """logits: [reqs, vocab] fp32, changed in place -> one token id per request."""
     for i, r in enumerate(reqs):
         _bias(logits[i:i + 1], r)
-    # before penalties and filters: they only ever see allowed tokens
-    apply_masks(logits, [(i, r.guide) for i, r in enumerate(reqs) if r.guide is not None])
-    apply_penalties(logits, reqs)
+    apply_penalties(logits, reqs)  # (a per-token shift: it commutes with the masks' -inf)
     greedy = greedy_tokens(logits) if any(r.sampling.temperature == 0 for r in reqs) else None
+    # masks before the filters (top-k, top-p), which only ever see allowed tokens
+    masked = _rows_to_mask(reqs, greedy)
+    apply_masks(logits, masked)
+    for i, _ in masked:
+        if greedy is not None and reqs[i].sampling.temperature == 0:
+            greedy[i] = greedy_tokens(logits[i:i + 1])[0]
     out = []
     for i, r in enumerate(reqs):
         sp = r.sampling

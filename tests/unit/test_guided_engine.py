@@ -60,6 +60,22 @@ def test_the_mask_touches_only_its_own_row():
     assert [c.token_ids for c in mixed[len(plain):]] == [c.token_ids for c in make_core().run(guided)]
 
 
+def test_greedy_rows_checking_their_best_token_pick_what_their_full_masks_pick(monkeypatch):
+    """Where no core is spare, a greedy guided row checks its unmasked best token and fills its mask
+    only if the schema refuses it; with the masks filled ahead for every row, the same tokens come."""
+    from loraplex.engine.guided import masks
+
+    prompts = mixed_prompts(5, seed=9)
+    greedy = [request(f"g{i}", p, SCHEMAS[i], temperature=0.0, max_tokens=48) for i, p in enumerate(prompts)]
+    monkeypatch.setattr(masks, "spare_cores", lambda: 0)
+    checked = make_core().run(greedy)
+    monkeypatch.setattr(masks, "spare_cores", lambda: 1)
+    filled = make_core().run(greedy)
+    assert [c.token_ids for c in checked] == [c.token_ids for c in filled]
+    assert all(c.finish_reason in ("stop", "length") for c in checked)
+    assert any(c.finish_reason == "stop" for c in checked)
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preempted_guided_requests_resume_where_they_were(mode):
     prompts = mixed_prompts(6, seed=4)

@@ -78,6 +78,20 @@ class Guide:
             return None
         return self.bias[:self.tokenizer.width]
 
+    @property
+    def ahead(self) -> bool:
+        """This step's mask was started before the forward pass (so it must be collected)."""
+        return self._pending is not None
+
+    def allows(self, token_id: int) -> bool:
+        """The schema allows `token_id` next (a check of one token, microseconds, where a mask fills a
+        bit for every token of the vocabulary). End-of-sequence is allowed once the value is whole."""
+        if self.error is not None or not 0 <= token_id < self.tokenizer.width:
+            return False
+        if token_id in self.tokenizer.eos_ids:
+            return self.matcher.is_accepting()
+        return self.matcher.validate_tokens([token_id]) == 1
+
     def _late(self) -> str:
         """The error of a mask past the step's limit."""
         return (f"the JSON schema's token mask took longer than {self.mask_timeout_s * 1000:g} ms "
