@@ -47,6 +47,24 @@ def admin_request(server: Server, token: str, method: str, path: str, **kwargs) 
     return r
 
 
+def tenant_key(server: Server, token: str, prefix: str) -> str:
+    """A new tenant named `prefix-<random>` and a key of it (the secret)."""
+    tenant = f"{prefix}-{secrets.token_hex(4)}"
+    admin_request(server, token, "POST", "/tenants", json={"name": tenant})
+    return admin_request(server, token, "POST", f"/tenants/{tenant}/keys", json={}).json()["key"]
+
+
+@contextlib.contextmanager
+def serving(data_dir: Path, admin_token: str, env: dict | None = None) -> Iterator[Server]:
+    """`start` over scratch Postgres and Redis (postgres_redis_env) with `env` added; stopped after."""
+    with postgres_redis_env(data_dir, admin_token) as base:
+        server = start({**base, **(env or {})})
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

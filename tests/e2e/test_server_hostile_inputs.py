@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.e2e.server import admin_request, postgres_redis_env, start
+from tests.e2e.server import admin_request, serving, tenant_key
 
 ADMIN = "e2e-admin-token"
 LIMIT = 1_500_000
@@ -21,19 +21,14 @@ MB = 1 << 20
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with postgres_redis_env(tmp_path_factory.mktemp("data"), ADMIN) as env:
-        srv = start({**env, "LORAPLEX_MAX_BODY_BYTES": str(LIMIT), "LORAPLEX_AUTH_MAX_FAILURES": "5"})
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    env = {"LORAPLEX_MAX_BODY_BYTES": str(LIMIT), "LORAPLEX_AUTH_MAX_FAILURES": "5"}
+    with serving(tmp_path_factory.mktemp("data"), ADMIN, env) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def key(server) -> str:
-    tenant = f"hostile-{secrets.token_hex(4)}"
-    admin_request(server, ADMIN, "POST", "/tenants", json={"name": tenant})
-    return admin_request(server, ADMIN, "POST", f"/tenants/{tenant}/keys", json={}).json()["key"]
+    return tenant_key(server, ADMIN, "hostile")
 
 
 def call(server, key: str, body: dict | None = None, content: bytes | None = None, **kwargs) -> httpx.Response:

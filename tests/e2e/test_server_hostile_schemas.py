@@ -6,32 +6,25 @@ engine ends with no request running and no KV block held."""
 from __future__ import annotations
 
 import concurrent.futures
-import secrets
 import time
 
 import httpx
 import pytest
 
-from tests.e2e.server import admin_request, postgres_redis_env, start
+from tests.e2e.server import admin_request, serving, tenant_key
 
 ADMIN = "e2e-admin-token"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with postgres_redis_env(tmp_path_factory.mktemp("data"), ADMIN) as env:
-        srv = start(env)
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    with serving(tmp_path_factory.mktemp("data"), ADMIN) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
 def key(server) -> str:
-    tenant = f"schemas-{secrets.token_hex(4)}"
-    admin_request(server, ADMIN, "POST", "/tenants", json={"name": tenant})
-    return admin_request(server, ADMIN, "POST", f"/tenants/{tenant}/keys", json={}).json()["key"]
+    return tenant_key(server, ADMIN, "schemas")
 
 
 def recursive_alternatives() -> dict:

@@ -51,6 +51,19 @@ def pg_url() -> Iterator[str]:
         run(drop_database(url))
 
 
+@pytest.fixture
+def proxy(pg_url):
+    """A TCP proxy in front of the test Postgres (tcp_proxy.py): a test cuts it or drops its packets."""
+    from sqlalchemy.engine import make_url
+
+    from tests.integration.tcp_proxy import TcpProxy
+
+    url = make_url(pg_url)
+    proxy = TcpProxy(url.host or "localhost", url.port or 5432).start()
+    yield proxy
+    proxy.stop()
+
+
 @pytest.fixture(scope="session")
 def redis_prefix() -> Iterator[str]:
     """Keys of this run live under their own prefix, deleted at the end, so parallel runs never meet."""

@@ -31,14 +31,6 @@ from tests.integration.billing_support import (
 from tests.integration.tcp_proxy import TcpProxy
 
 
-@pytest.fixture
-def proxy(pg_url):
-    url = make_url(pg_url)
-    proxy = TcpProxy(url.host or "localhost", url.port or 5432).start()
-    yield proxy
-    proxy.stop()
-
-
 def _through(pg_url: str, proxy: TcpProxy) -> str:
     return make_url(pg_url).set(host="127.0.0.1", port=proxy.port).render_as_string(hide_password=False)
 

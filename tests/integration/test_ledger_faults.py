@@ -10,7 +10,6 @@ import json
 import time
 from datetime import UTC, datetime
 
-import pytest
 from sqlalchemy import select
 
 from loraplex.billing.db_errors import is_outage, is_refusal
@@ -29,19 +28,9 @@ from tests.integration.billing_support import (
     new_tenant,
     platform_of,
 )
-from tests.integration.tcp_proxy import TcpProxy, through
+from tests.integration.tcp_proxy import through
 
 TENANT = 990_000  # no real tenant has it: these rows are this module's own
-
-
-@pytest.fixture
-def proxy(pg_url):
-    from sqlalchemy.engine import make_url
-
-    url = make_url(pg_url)
-    proxy = TcpProxy(url.host or "localhost", url.port or 5432).start()
-    yield proxy
-    proxy.stop()
 
 
 def _event(request_id: str, **changes) -> UsageEvent:

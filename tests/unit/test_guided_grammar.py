@@ -9,6 +9,7 @@ RecursionError or a long wait. Matchers here run over the synthetic byte-level t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
@@ -40,7 +41,7 @@ TREE = {
 
 
 def grammars(**limits) -> GrammarCache:
-    return GrammarCache(lambda: guide_tokenizer(BYTES, 512), GuideLimits(**limits))
+    return GrammarCache(lambda: guide_tokenizer(BYTES, 512), dataclasses.replace(GuideLimits.from_config(), **limits))
 
 
 _GRAMMARS = grammars()

@@ -41,19 +41,20 @@ class SchemaError(ValueError):
 
 @dataclass(frozen=True)
 class GuideLimits:
-    """Per-request bounds of guided decoding (EngineConfig's guided_* fields)."""
+    """Per-request bounds of guided decoding: EngineConfig's guided_* fields (their defaults live there)."""
 
-    schema_bytes: int = 64 * 1024
-    compile_timeout_s: float = 2.0
-    mask_timeout_s: float = 0.1
-    max_grammar_size: int = 200_000
-    lexer_fuel: int = 1_000_000
-    step_lexer_fuel: int = 200_000
-    step_max_items: int = 50_000
-    max_lexer_states: int = 50_000
+    schema_bytes: int
+    compile_timeout_s: float
+    mask_timeout_s: float
+    max_grammar_size: int
+    lexer_fuel: int
+    step_lexer_fuel: int
+    step_max_items: int
+    max_lexer_states: int
 
     @classmethod
-    def from_config(cls, c: EngineConfig) -> GuideLimits:
+    def from_config(cls, c: EngineConfig | None = None) -> GuideLimits:
+        c = c or EngineConfig()
         return cls(c.guided_schema_max_bytes, c.guided_compile_timeout_s, c.guided_mask_timeout_s,
                    c.guided_max_grammar_size, c.guided_lexer_fuel, c.guided_step_lexer_fuel,
                    c.guided_step_max_items, c.guided_max_lexer_states)
@@ -158,7 +159,7 @@ def explain(error: str, schema: dict | None = None) -> str:
 
 def check_schema(text: str, limits: GuideLimits | None = None) -> None:
     """Raises SchemaError for a schema that no tokenizer could compile (the CLI, before a model loads)."""
-    limits = limits or GuideLimits()
+    limits = limits or GuideLimits.from_config()
     schema, grammar = grammar_for(text, limits)
     failed, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None, limits=limits.parser_limits())
     if failed:
