@@ -17,6 +17,7 @@ import pytest
 from litestar.testing import TestClient
 
 from loraplex.billing.usage import MemoryUsageSink
+from loraplex.cli.bench.live_server import delete_redis_prefix
 from loraplex.platform.app import create_app
 from loraplex.platform.db.database import make_engine
 from loraplex.platform.db.migrate import upgrade
@@ -72,16 +73,6 @@ def redis_prefix() -> Iterator[str]:
     run(delete_redis_prefix(REDIS_URL, prefix))
 
 
-async def delete_redis_prefix(url: str, prefix: str) -> None:
-    from redis.asyncio import Redis
-
-    client = Redis.from_url(url)
-    try:
-        keys = [k async for k in client.scan_iter(match=f"{prefix}*")]
-        if keys:
-            await client.delete(*keys)
-    finally:
-        await client.aclose()
 
 
 @pytest.fixture(scope="session")

@@ -107,7 +107,7 @@ async def _ledger_ids(url: str) -> set[str]:
         await engine.dispose()
 
 
-async def _delete_redis_prefix(url: str, prefix: str) -> None:
+async def delete_redis_prefix(url: str, prefix: str) -> None:
     """Deletes the server's Redis keys (all under `prefix`)."""
     from redis.asyncio import Redis
 
@@ -147,7 +147,7 @@ def live_server(serve_args: list[str], *, database_server: str = PG_SERVER, redi
         server.stop()
         server.read_output()
         asyncio.run(drop_database(db))
-        asyncio.run(_delete_redis_prefix(redis_url, prefix))
+        asyncio.run(delete_redis_prefix(redis_url, prefix))
         subprocess.run(["rm", "-rf", str(data_dir)], check=False)
 
 
