@@ -15,8 +15,11 @@ DEFAULT_KV_CACHE_MB = 512
 _CONFIG_OPTIONS = {"device": "device", "dtype": "dtype", "max_model_len": "max_model_len",
                    "speculative_tokens": "speculative_tokens", "max_loras": "max_loras",
                    "max_cpu_loras": "max_cpu_loras", "max_lora_rank": "max_lora_rank", "lora_dtype": "lora_dtype",
-                   "weight_dtype": "weight_dtype", "threads": "num_threads"}
+                   "weight_dtype": "weight_dtype", "threads": "num_threads",
+                   "attention_backend": "attention_backend"}
 ENGINE_OPTIONS = ("model", "memory_budget_mb", "kv_cache_mb", *_CONFIG_OPTIONS)
+ATTENTION_BACKEND_HELP = ("attention kernels: auto (default: triton_paged on CUDA, cpu_c on the CPU with the C "
+                          "kernels, else torch_sdpa), torch_sdpa, cpu_c or triton_paged")
 
 
 def add_engine_args(p: argparse.ArgumentParser) -> None:
@@ -45,6 +48,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                           "model's) or bfloat16, which rounds each weight once at load and, on the "
                                           "CPU, halves what a decode step reads (lossless for a bf16 checkpoint)")
     g.add_argument("--threads", type=int, help="CPU: threads for the model's kernels (default: torch's)")
+    g.add_argument("--attention-backend", help=ATTENTION_BACKEND_HELP)
 
 
 def given_engine_options(args: argparse.Namespace) -> list[str]:

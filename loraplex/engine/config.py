@@ -9,6 +9,8 @@ from pathlib import Path
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# engine/attention's backends; "auto": triton_paged on CUDA, cpu_c on the CPU with the C kernels, else torch_sdpa
+ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_c", "triton_paged")
 
 
 def default_cache_dir() -> Path:
@@ -39,6 +41,7 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_bytes: int = 512 * 1024 * 1024
     num_threads: int | None = None  # CPU: torch threads (None = torch's default)
+    attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (engine/attention)
     # LoRA: device slots (distinct adapters in one step), largest rank, parsed adapters kept in memory.
     # The slot buffers are allocated when the first adapter is registered.
     # Scheduling: admission weights of realtime:standard:batch, the wait after which any request goes
@@ -93,6 +96,9 @@ class EngineConfig:
             if getattr(self, name) != "auto" and getattr(self, name) not in _DTYPES:
                 raise ValueError(f"engine config: {name} must be auto or one of {sorted(_DTYPES)}, "
                                  f"got {getattr(self, name)!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"engine config: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
+                             f"got {self.attention_backend!r}")
         if self.weight_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"engine config: weight_dtype must be auto, float32 or bfloat16, "
                              f"got {self.weight_dtype!r}")

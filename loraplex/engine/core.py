@@ -24,6 +24,7 @@ from loraplex.engine.api import (
     TokenLogprob,
     Usage,
 )
+from loraplex.engine.attention.registry import attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.frontend import RequestFrontend, kv_blocks
@@ -31,8 +32,7 @@ from loraplex.engine.guided.masks import start_masks
 from loraplex.engine.kv.block_pool import BlockPool
 from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
-from loraplex.engine.models.llama import LlamaModel
-from loraplex.engine.models.loader import LoadedModel, load_model, resolve_model
+from loraplex.engine.models.loader import LoadedModel, build_model, load_model, resolve_model
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import StepLogprobs
 from loraplex.engine.sched.request import Request
@@ -50,6 +50,15 @@ class Completion:
     usage: Usage
 
 
+def _check_device(loaded: LoadedModel, want: torch.device) -> None:
+    """Weights on another device than the config's would run there, or fail mid-step: refuse them."""
+    have = {t.device for t in loaded.weights.values()}
+    if len(have) != 1 or (dev := have.pop()).type != want.type or (want.index is not None and dev.index != want.index):
+        raise ValueError(f"the engine is configured for device {want}, but the weights are on "
+                         f"{', '.join(sorted(str(d) for d in {t.device for t in loaded.weights.values()}))}: "
+                         f"load them there (load_model(..., device))")
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         if config.num_threads:
@@ -62,11 +71,14 @@ class EngineCore:
         elif wdtype != config.torch_dtype and loaded.rounded_to != wdtype:
             raise ValueError(f"weight_dtype {config.weight_dtype} needs weights loaded with weight_dtype={wdtype} "
                              f"(load_model), these were rounded to {loaded.rounded_to}")
+        _check_device(loaded, config.torch_device)
         self.model_name = config.model
         self.loaded = loaded  # the weights as loaded (the pool's CPU tier keeps them on eviction)
         self.tokenizer = loaded.tokenizer
         self.token_bytes = self.tokenizer.token_bytes()
-        model = LlamaModel(loaded.config, loaded.weights, wdtype)
+        device, dtype = loaded.weights["embed"].device, loaded.weights["embed"].dtype
+        attention = attention_backend(config.attention_backend, device, dtype, loaded.config.head_dim)
+        model = build_model(loaded, wdtype, attention)
         self.weight_bytes = model.weight_bytes() + model.packed_bytes()  # (what stats() reports)
         mcfg = loaded.config
         bs = config.block_size

@@ -11,7 +11,6 @@ from loraplex.engine.kernels.lora_ops import LoraBatchIndex
 from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
 from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
-from loraplex.engine.models.attention import build_metadata
 from loraplex.engine.models.llama import LlamaModel
 from loraplex.engine.sampler import StepLogprobs, sample_steps, token_logprobs
 from loraplex.engine.sched.scheduler import ScheduledBatch
@@ -100,7 +99,7 @@ class ModelRunner:
                 logits_rows.extend(range(len(ids) - 1 - len(req.spec_ids), len(ids)))
                 sampled.append(req)
         dev = self.device
-        meta = build_metadata(seqs, self.block_size, dev, self.model.dtype)
+        meta = self.model.attention.build_metadata(seqs, self.block_size, dev, self.model.dtype)
         logits = self.model.forward(
             torch.tensor(ids, dtype=torch.long, device=dev),
             torch.tensor(positions, dtype=torch.long, device=dev),

@@ -122,4 +122,4 @@ def test_a_step_refuses_projections_of_two_element_types():
     layers = [list(layer) for layer in model.layers]
     layers[0][3] = pack(model.w["layers.0.o"])  # fp32 panels among bf16 ones
     with pytest.raises(ValueError, match="one step takes one weight type"):
-        model.ops._step_model(model, layer_views(storage), [tuple(la) for la in layers])
+        model.ops._step_model(model, layer_views(storage), [model.layers[0]._make(la) for la in layers])

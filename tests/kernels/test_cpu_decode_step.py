@@ -10,11 +10,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from loraplex.engine.attention.torch_sdpa import build_metadata
 from loraplex.engine.kernels.cpu import linear
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex
 from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
 from loraplex.engine.lora.slots import LoraSlots
-from loraplex.engine.models.attention import build_metadata
 from loraplex.engine.models.layer_ops import CpuKernelOps
 from loraplex.engine.models.llama import LlamaModel
 from loraplex.engine.models.synthetic import synthetic_model

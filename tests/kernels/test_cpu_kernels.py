@@ -249,7 +249,7 @@ def test_engine_gives_the_same_tokens_with_kernels_and_torch_ops(model, monkeypa
 
     def run(use_kernels: bool) -> list[list[int]]:
         if not use_kernels:
-            monkeypatch.setattr(llama, "ops_for", lambda cos, sin, packed_dtype=None: TorchOps(cos, sin))
+            monkeypatch.setattr(llama, "ops_for", lambda cos, sin, *args, **kwargs: TorchOps(cos, sin))
         core = make_core(model, max_num_batched_tokens=24, max_num_seqs=6)
         assert isinstance(core.runner.model.ops, CpuKernelOps) == use_kernels
         sp = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)

@@ -7,8 +7,8 @@ import torch
 
 from loraplex.cli.bench.engine import hf_model
 from loraplex.engine.api import GenerateRequest, SamplingParams
+from loraplex.engine.attention.torch_sdpa import build_metadata
 from loraplex.engine.kv.block_pool import allocate_kv_tensors
-from loraplex.engine.models.attention import build_metadata
 from loraplex.engine.models.llama import LlamaModel
 from tests.conftest import make_core
 

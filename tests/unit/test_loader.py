@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from loraplex.engine.api import ModelNotFoundError
+from loraplex.engine.attention.torch_sdpa import build_metadata
 from loraplex.engine.models import gguf_loader
-from loraplex.engine.models.attention import build_metadata
 from loraplex.engine.models.loader import (
     LoadedModel,
     ModelSource,

@@ -15,6 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.engine.kernels.launch import on_device
 from loraplex.engine.kernels.lora_ops import check_a, check_expand, check_token_slots, check_x, check_y
 from loraplex.engine.kernels.sgmv import check_blocks, check_triton_device, padded_widths, pow2_block, slice_bounds
 
@@ -123,10 +124,11 @@ def bgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, token_slots: torch.Tensor
     bk = block_k or pow2_block(x.shape[1], 16, 256)
     check_blocks(block_n=bn, block_k=bk)
     n_blocks = triton.cdiv(r_max, bn)
-    _bgmv_shrink_kernel[(x.shape[0], num_slices * n_blocks, split_k)](
-        x, lora_a, y, token_slots, ranks if ranks is not None else token_slots, x.shape[1], r_max, n_blocks,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), y.stride(0),
-        HAS_RANKS=ranks is not None, SPLIT_K=split_k, BLOCK_N=bn, BLOCK_K=bk)
+    with on_device(x):
+        _bgmv_shrink_kernel[(x.shape[0], num_slices * n_blocks, split_k)](
+            x, lora_a, y, token_slots, ranks if ranks is not None else token_slots, x.shape[1], r_max, n_blocks,
+            x.stride(0), lora_a.stride(0), lora_a.stride(1), y.stride(0),
+            HAS_RANKS=ranks is not None, SPLIT_K=split_k, BLOCK_N=bn, BLOCK_K=bk)
     return y
 
 
@@ -154,7 +156,8 @@ def bgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, token_
     bk = block_k or pow2_block(r_max, 16, 64)
     check_blocks(block_n=bn, block_k=bk)
     grid = (out.shape[0], triton.cdiv(max(widths), bn), num_slices)
-    _bgmv_expand_kernel[grid](
-        y, lora_b, out, token_slots, ranks if ranks is not None else token_slots, *padded_widths(widths),
-        r_max, y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), out.stride(0),
-        HAS_RANKS=ranks is not None, BLOCK_N=bn, BLOCK_K=bk)
+    with on_device(out):
+        _bgmv_expand_kernel[grid](
+            y, lora_b, out, token_slots, ranks if ranks is not None else token_slots, *padded_widths(widths),
+            r_max, y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), out.stride(0),
+            HAS_RANKS=ranks is not None, BLOCK_N=bn, BLOCK_K=bk)

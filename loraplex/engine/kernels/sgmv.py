@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from loraplex.engine.kernels.launch import on_device
 from loraplex.engine.kernels.lora_ops import (
     MAX_SLICES,
     check_a,
@@ -221,12 +222,13 @@ def sgmv_shrink(x: torch.Tensor, lora_a: torch.Tensor, seg_starts: torch.Tensor,
     n_blocks = triton.cdiv(r_max, bn)
     precision, upcast = dot_config(lora_a.dtype, x.dtype)
     grid = (triton.cdiv(longest, bm) * num_slices * n_blocks, seg_slots.shape[0], split_k)
-    _sgmv_shrink_kernel[grid](
-        x, lora_a, y, seg_starts, seg_slots, ranks if ranks is not None else seg_slots,
-        x.shape[1], r_max, n_blocks, num_slices,
-        x.stride(0), lora_a.stride(0), lora_a.stride(1), y.stride(0),
-        HAS_RANKS=ranks is not None, SPLIT_K=split_k, PRECISION=precision, UPCAST=upcast,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    with on_device(x):
+        _sgmv_shrink_kernel[grid](
+            x, lora_a, y, seg_starts, seg_slots, ranks if ranks is not None else seg_slots,
+            x.shape[1], r_max, n_blocks, num_slices,
+            x.stride(0), lora_a.stride(0), lora_a.stride(1), y.stride(0),
+            HAS_RANKS=ranks is not None, SPLIT_K=split_k, PRECISION=precision, UPCAST=upcast,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     return y
 
 
@@ -261,9 +263,10 @@ def sgmv_expand(y: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor, seg_st
     n_blocks = triton.cdiv(max(widths), bn)
     precision, upcast = dot_config(lora_b.dtype, out.dtype)
     grid = (triton.cdiv(longest, bm) * n_blocks, seg_slots.shape[0], num_slices)
-    _sgmv_expand_kernel[grid](
-        y, lora_b, out, seg_starts, seg_slots, ranks if ranks is not None else seg_slots,
-        *padded_widths(widths), r_max, n_blocks,
-        y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), out.stride(0),
-        HAS_RANKS=ranks is not None, PRECISION=precision, UPCAST=upcast, Y_AS_B=out.dtype == lora_b.dtype,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+    with on_device(out):
+        _sgmv_expand_kernel[grid](
+            y, lora_b, out, seg_starts, seg_slots, ranks if ranks is not None else seg_slots,
+            *padded_widths(widths), r_max, n_blocks,
+            y.stride(0), lora_b.stride(0), lora_b.stride(1), lora_b.stride(2), out.stride(0),
+            HAS_RANKS=ranks is not None, PRECISION=precision, UPCAST=upcast, Y_AS_B=out.dtype == lora_b.dtype,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)

@@ -22,7 +22,7 @@ import torch
 from loraplex.engine.kernels.cpu.linear import pack
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex
 from loraplex.engine.lora.slots import LoraSlots
-from loraplex.engine.models.llama import PROJECTIONS
+from loraplex.engine.models.llama import PROJECTIONS, LayerWeights
 
 log = logging.getLogger(__name__)
 
@@ -35,14 +35,14 @@ class MergedAdapter:
             raise ValueError(f"after_steps must be >= 1, got {after_steps}")
         self.model, self.slots, self.after_steps = model, slots, after_steps
         self._key: tuple[int, int] | None = None  # (slot, slot write) the copy was made from
-        self._layers: list[tuple] | None = None
+        self._layers: list[LayerWeights] | None = None
         self._streak: tuple[tuple[int, int] | None, int] = (None, 0)  # (slot, write), all-on-it steps in a row
         self.builds = 0
         self.last_build_ms = 0.0
         self.steps = 0  # decode steps run on a merged copy
 
-    def layers_for(self, index: LoraBatchIndex) -> list[tuple] | None:
-        """The model's layers (LlamaModel.layers' tuples) with the step's adapter merged, when every token
+    def layers_for(self, index: LoraBatchIndex) -> list[LayerWeights] | None:
+        """The model's layers (LlamaModel.layers) with the step's adapter merged, when every token
         of this fused decode step uses one slot and that adapter has earned its copy; else None."""
         if self._key is not None and self.slots.writes[self._key[0]] != self._key[1]:
             self._drop()  # its slot now holds another adapter (or was cleared)
@@ -67,8 +67,8 @@ class MergedAdapter:
         if self._layers is None:
             return 0
         pairs = zip(self._layers, self.model.layers, strict=True)
-        return sum(layer[i].data.numel() * layer[i].data.element_size() for layer, base in pairs
-                   for i in PROJECTIONS.values() if layer[i] is not base[i])
+        copies = [w for layer, base in pairs for m in PROJECTIONS if (w := getattr(layer, m)) is not getattr(base, m)]
+        return sum(w.data.numel() * w.data.element_size() for w in copies)
 
     def _drop(self) -> None:
         self._key, self._layers = None, None
@@ -80,14 +80,14 @@ class MergedAdapter:
         scratch: dict[tuple[int, ...], torch.Tensor] = {}  # one unpacked W' per shape, reused layer to layer
         layers = []
         for li, base_layer in enumerate(self.model.layers):
-            layer = list(base_layer)
-            for module, position in PROJECTIONS.items():
+            merged = {}
+            for module in PROJECTIONS:
                 base = self.model.w[f"layers.{li}.{module}"]  # [out, in]
                 out = scratch.setdefault(tuple(base.shape), torch.empty_like(base))
                 if self.slots.merged_weight(li, module, slot, base, out):
                     # (in the model's packed element type: a step's weights share one)
-                    layer[position] = pack(out, keep_weight=False, dtype=base_layer[position].data.dtype)
-            layers.append(tuple(layer))
+                    merged[module] = pack(out, keep_weight=False, dtype=getattr(base_layer, module).data.dtype)
+            layers.append(base_layer._replace(**merged))
         self._key, self._layers = key, layers
         self.builds += 1
         self.last_build_ms = (time.perf_counter() - t0) * 1000

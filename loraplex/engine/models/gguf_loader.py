@@ -22,13 +22,13 @@ from safetensors.torch import load_file, save_file
 
 from loraplex.engine.config import default_cache_dir
 from loraplex.engine.models.llama import LlamaConfig, rope_inv_freq
+from loraplex.engine.models.registry import family_for_gguf
 from loraplex.engine.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
-# Bump when the conversion below changes, so stale caches are not reused.
-CACHE_VERSION = 1
-SUPPORTED_ARCHS = ("llama", "qwen2")
+# Bump when the conversion below changes, so stale caches are not reused (2: the config holds its architecture).
+CACHE_VERSION = 2
 
 
 def open_gguf(path: str | Path):
@@ -70,9 +70,7 @@ def gguf_config(reader) -> LlamaConfig:
         return f.contents() if f is not None else default
 
     arch = get("general.architecture")
-    if arch not in SUPPORTED_ARCHS:
-        raise ValueError(f"GGUF architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+    family = family_for_gguf(arch)  # (refuses an unknown one, naming the supported ones; load_gguf names the file)
     names = {t.name: t for t in reader.tensors}
     default_eps = 1e-6 if arch == "qwen2" else 1e-5
     hidden = get(f"{arch}.embedding_length")
@@ -94,6 +92,7 @@ def gguf_config(reader) -> LlamaConfig:
         max_position_embeddings=get(f"{arch}.context_length", 4096),
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
+        architecture=family.architecture,
     )
     scaling = get(f"{arch}.rope.scaling.type")
     if scaling not in (None, "none"):

@@ -15,12 +15,10 @@ import torch
 from safetensors import safe_open
 
 from loraplex.engine.models.llama import LlamaConfig, rope_inv_freq
+from loraplex.engine.models.registry import family_for_hf
 from loraplex.engine.models.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
-
-# architecture -> whether q/k/v carry a bias by default
-ARCHITECTURES = {"LlamaForCausalLM": False, "MistralForCausalLM": False, "Qwen2ForCausalLM": True}
 
 
 def load_hf(path: str | Path, dtype: torch.dtype = torch.float32) -> tuple[LlamaConfig, dict, Tokenizer]:
@@ -39,9 +37,7 @@ def hf_config(raw: dict, source: str = "config.json") -> LlamaConfig:
     """LlamaConfig from a transformers config.json (both the 4.x `rope_theta`/`rope_scaling`
     keys and the 5.x `rope_parameters` dict)."""
     arch = (raw.get("architectures") or [None])[0]
-    if arch not in ARCHITECTURES:
-        raise ValueError(f"{source}: architecture {arch!r} is not supported "
-                         f"(supported: {', '.join(ARCHITECTURES)})")
+    family = family_for_hf(arch, source)  # (refuses an unknown one, naming the supported ones)
     if raw.get("hidden_act", "silu") != "silu" or raw.get("mlp_bias"):
         raise ValueError(f"{source}: only SiLU MLPs without bias are supported")
     heads = raw["num_attention_heads"]
@@ -68,8 +64,9 @@ def hf_config(raw: dict, source: str = "config.json") -> LlamaConfig:
         rope_theta=float(raw.get("rope_theta") or params.get("rope_theta") or 10000.0),
         max_position_embeddings=max_pos,
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        attention_bias=bool(raw.get("attention_bias", ARCHITECTURES[arch])),
+        attention_bias=bool(raw.get("attention_bias", family.qkv_bias_default)),
         rope_scaling=dict(scaling) if scaling else None,
+        architecture=family.architecture,
     )
     try:
         rope_inv_freq(config)  # refuse unsupported rope scaling now, not when the model is built

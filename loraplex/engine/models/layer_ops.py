@@ -2,13 +2,12 @@
 
 `TorchOps` runs anywhere (CUDA, CPU, any dtype). `CpuKernelOps` replaces the projections (over
 weights packed once, in fp32 or, with EngineConfig.weight_dtype bfloat16, in bf16), the residual add +
-RMSNorm, RoPE and decode attention with the C kernels of kernels/cpu when the model runs on the CPU in
-fp32 and the kernels are built; results agree with TorchOps to float rounding.
+RMSNorm and RoPE with the C kernels of kernels/cpu when the model runs on the CPU in fp32 and the
+kernels are built (attention is the attention backend's: engine/attention); results agree with TorchOps
+to float rounding.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,6 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 
 
 class TorchOps:
-    decode_attention = None  # paged_attention's own gather + SDPA
     decode_step = None  # no fused step: the model runs layer by layer
 
     def __init__(self, rope_cos: torch.Tensor, rope_sin: torch.Tensor):
@@ -72,12 +70,16 @@ class TorchOps:
 
 
 class CpuKernelOps(TorchOps):
-    def __init__(self, rope_cos: torch.Tensor, rope_sin: torch.Tensor, packed_dtype: torch.dtype = torch.float32):
+    def __init__(self, rope_cos: torch.Tensor, rope_sin: torch.Tensor, packed_dtype: torch.dtype = torch.float32,
+                 fused_decode: bool = True):
+        """fused_decode: whether all-decode steps take the fused C step (the model family's
+        fused_cpu_decode, models/registry.py); when False they run op by op like any other step."""
         super().__init__(rope_cos, rope_sin)
         from loraplex.engine.kernels.cpu import decode_step, layer_ops, linear
 
         self.k, self.lin, self.step = layer_ops, linear, decode_step
         self.packed_dtype = packed_dtype  # the packed projections' element type (float32 or bfloat16)
+        self.fused_decode = fused_decode
         # (id(kv_caches), id(layers)) -> (kv_caches, layers, DecodeStepModel); layers are the model's, or
         # a merged adapter's copy of them (lora/merged.py)
         self._step_models: dict[tuple[int, int], tuple] = {}
@@ -102,16 +104,12 @@ class CpuKernelOps(TorchOps):
     def silu_mul(self, gate_up):
         return self.k.silu_mul(gate_up)
 
-    def decode_attention(self, q, k_cache, v_cache, meta):
-        # q: [decodes, heads, head_dim], straight from the paged cache: no K/V gather, no mask
-        return self.k.decode_attention(q, k_cache, v_cache, meta.decode_blocks, meta.decode_lens,
-                                       meta.decode_max_len, 1.0 / math.sqrt(q.shape[2]))
-
     def decode_step(self, model, input_ids, positions, attn, kv_caches, logits_indices, lora):
         """Every layer of an all-decode step in one C call (kernels/cpu/decode_step.c), the same
         kernels in the same order as the per-op path; None when this step takes the per-op path
-        (more rows than the packed kernel serves, or adapters without a kernel table)."""
-        if input_ids.shape[0] > self.lin.packed_max_rows():
+        (the model's family is not served by the fused step, more rows than the packed kernel serves,
+        or adapters without a kernel table)."""
+        if not self.fused_decode or input_ids.shape[0] > self.lin.packed_max_rows():
             return None
         lora_args, layers = (None, None, None), model.layers
         if lora is not None:
@@ -133,9 +131,10 @@ class CpuKernelOps(TorchOps):
                             *lora_args)
 
     def _step_model(self, model, kv_caches, weights):
+        """The model table of `weights` (LayerWeights per layer: the model's or a merged copy) over
+        kv_caches [(k, v) per layer]."""
         cfg = model.config
-        # weights: (input norm, qkv, qkv bias, o, post norm, gate_up, down) per layer; then its K and V cache
-        layers = [(*w, *kv) for w, kv in zip(weights, kv_caches, strict=True)]
+        layers = [self.step.StepLayer(w, k, v) for w, (k, v) in zip(weights, kv_caches, strict=True)]
         return self.step.DecodeStepModel(
             hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps, rope_cos=self.rope_cos, rope_sin=self.rope_sin,
@@ -168,9 +167,11 @@ def weight_copies(device: torch.device, dtype: torch.dtype, packed_dtype: torch.
     return 1 + (packed_dtype or dtype).itemsize / dtype.itemsize
 
 
-def ops_for(rope_cos: torch.Tensor, rope_sin: torch.Tensor, packed_dtype: torch.dtype | None = None) -> TorchOps:
+def ops_for(rope_cos: torch.Tensor, rope_sin: torch.Tensor, packed_dtype: torch.dtype | None = None,
+            fused_decode: bool = True) -> TorchOps:
     """The model's operations; packed_dtype (CPU kernels only; default: the model's dtype) is the
-    element type its projections are packed in."""
+    element type its projections are packed in; fused_decode (CPU kernels only) whether all-decode
+    steps may take the fused C step (the family's fused_cpu_decode)."""
     if uses_cpu_kernels(rope_cos.device, rope_cos.dtype):
-        return CpuKernelOps(rope_cos, rope_sin, packed_dtype or rope_cos.dtype)
+        return CpuKernelOps(rope_cos, rope_sin, packed_dtype or rope_cos.dtype, fused_decode)
     return TorchOps(rope_cos, rope_sin)

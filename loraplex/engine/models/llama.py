@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
-from loraplex.engine.models.attention import AttentionMetadata, paged_attention
+from loraplex.engine.attention.base import AttentionBackend
+from loraplex.engine.attention.registry import attention_backend
 from loraplex.engine.models.layer_ops import ops_for
 
 
@@ -47,6 +49,8 @@ class LlamaConfig:
     # Llama 3.1 style frequency scaling: {"factor", "low_freq_factor", "high_freq_factor",
     # "original_max_position_embeddings"}; None for plain RoPE.
     rope_scaling: dict | None = field(default=None, hash=False, compare=False)
+    # the HF architecture (models/registry.py) the loaders read; synthetic models are Llama
+    architecture: str = "LlamaForCausalLM"
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -114,14 +118,30 @@ def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:
     return inv_freq
 
 
-# Each fused projection's place in a layer tuple (LlamaModel.layers)
-PROJECTIONS = {"qkv": 1, "o": 3, "gate_up": 5, "down": 6}
+class LayerWeights(NamedTuple):
+    """One decoder layer's weights as the ops take them (LlamaModel.layers); named, so that merged copies
+    (lora/merged.py) and the fused decode step's table (kernels/cpu/decode_step.py) need no positions.
+    Projections (typed object) are what `ops.prepare` made of each [out, in] weight: the tensor itself, or
+    a PackedWeight on the CPU kernels."""
+
+    input_norm: torch.Tensor  # [hidden]
+    qkv: object  # [q + 2 kv, hidden]
+    qkv_bias: torch.Tensor | None  # [q + 2 kv] (Qwen2) or None
+    o: object  # [hidden, q]
+    post_norm: torch.Tensor  # [hidden]
+    gate_up: object  # [2 * intermediate, hidden]
+    down: object  # [hidden, intermediate]
+
+
+# The fused projections' LayerWeights fields (the modules adapters target and merges replace)
+PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 class LlamaModel:
     """The decoder as plain tensors; `forward` is one step over a flat token batch."""
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], packed_dtype: torch.dtype | None = None):
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], packed_dtype: torch.dtype | None = None,
+                 attention: AttentionBackend | str = "auto"):
         """packed_dtype: the element type the CPU kernels pack the projections and LM head in (default:
         the weights' dtype); a narrower one expects weights already rounded to it (load_model's
         weight_dtype), so that every path computes with the same values."""
@@ -144,16 +164,24 @@ class LlamaModel:
         angles = torch.cat((angles, angles), dim=-1)  # [max_pos, head_dim]
         self.rope_cos = angles.cos().to(self.dtype).to(self.device)
         self.rope_sin = angles.sin().to(self.dtype).to(self.device)
-        self.ops = ops_for(self.rope_cos, self.rope_sin, packed_dtype)
+        # (imported here: the registry imports this module for LlamaModel)
+        from loraplex.engine.models.registry import family_for_hf
+
+        family = family_for_hf(config.architecture, "model config")
+        if isinstance(attention, str):
+            attention = attention_backend(attention, self.device, self.dtype, config.head_dim)
+        self.attention = attention  # every layer's attention over the paged cache (engine/attention)
+        self.ops = ops_for(self.rope_cos, self.rope_sin, packed_dtype, fused_decode=family.fused_cpu_decode)
         self.lm_head_w = self.ops.prepare(self.lm_head)
         self.layers = [self._layer_weights(n) for n in range(config.num_layers)]
 
-    def _layer_weights(self, n: int) -> tuple:
+    def _layer_weights(self, n: int) -> LayerWeights:
         p = f"layers.{n}."
         w = self.w
         prep = self.ops.prepare
-        return (w[p + "input_norm"], prep(w[p + "qkv"]), w.get(p + "qkv_bias"), prep(w[p + "o"]),
-                w[p + "post_norm"], prep(w[p + "gate_up"]), prep(w[p + "down"]))
+        return LayerWeights(input_norm=w[p + "input_norm"], qkv=prep(w[p + "qkv"]), qkv_bias=w.get(p + "qkv_bias"),
+                            o=prep(w[p + "o"]), post_norm=w[p + "post_norm"], gate_up=prep(w[p + "gate_up"]),
+                            down=prep(w[p + "down"]))
 
     def weight_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.w.values())
@@ -161,14 +189,14 @@ class LlamaModel:
     def packed_bytes(self) -> int:
         """Bytes of the CPU kernels' packed projections and LM head (what an all-decode step reads of
         the weights; at the packed dtype); 0 where the ops use the weights as they are."""
-        packed = [self.lm_head_w] + [layer[i] for layer in self.layers for i in PROJECTIONS.values()]
+        packed = [self.lm_head_w] + [getattr(layer, m) for layer in self.layers for m in PROJECTIONS]
         return sum(p.data.numel() * p.data.element_size() for p in packed if not isinstance(p, torch.Tensor))
 
     def forward(
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        attn: AttentionMetadata,
+        attn,
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor,
         lora=None,
@@ -181,7 +209,7 @@ class LlamaModel:
         all-decode step may run as one fused call instead (ops.decode_step, with lora.kernel_args()).
         """
         ops = self.ops
-        if attn.decode_all and ops.decode_step is not None:
+        if attn.decode_all and ops.decode_step is not None and self.attention.fused_decode_step:
             logits = ops.decode_step(self, input_ids, positions, attn, kv_caches, logits_indices, lora)
             if logits is not None:
                 return logits
@@ -192,25 +220,24 @@ class LlamaModel:
         h = torch.index_select(self.w["embed"], 0, input_ids)  # h: [tokens, hidden], the residual stream
         n_tok = h.shape[0]
         delta = None  # the previous sublayer's output, added to h by the next add_rms_norm
-        # every weight [out, in]
-        for li, (in_norm, qkv_w, qkv_b, o_w, post_norm, gate_up_w, down_w) in enumerate(self.layers):
-            h, x = ops.add_rms_norm(h, delta, in_norm, eps)
-            qkv = ops.linear(x, qkv_w, qkv_b)  # [tokens, q + 2 kv]
+        for li, lw in enumerate(self.layers):  # lw: LayerWeights, every projection [out, in]
+            h, x = ops.add_rms_norm(h, delta, lw.input_norm, eps)
+            qkv = ops.linear(x, lw.qkv, lw.qkv_bias)  # [tokens, q + 2 kv]
             if lora is not None:
                 lora.apply(li, "qkv", x, qkv)
             q, k = ops.rope_qk(qkv, rope, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, qk_size:].view(n_tok, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_caches[li]
-            attn_out = paged_attention(q, k, v, k_cache, v_cache, attn, ops.decode_attention)  # [tokens, q_size]
-            o = ops.linear(attn_out, o_w)
+            attn_out = self.attention.forward(q, k, v, k_cache, v_cache, attn)  # [tokens, q_size]
+            o = ops.linear(attn_out, lw.o)
             if lora is not None:
                 lora.apply(li, "o", attn_out, o)
-            h, x = ops.add_rms_norm(h, o, post_norm, eps)
-            gate_up = ops.linear(x, gate_up_w)  # [tokens, 2 * intermediate]
+            h, x = ops.add_rms_norm(h, o, lw.post_norm, eps)
+            gate_up = ops.linear(x, lw.gate_up)  # [tokens, 2 * intermediate]
             if lora is not None:
                 lora.apply(li, "gate_up", x, gate_up)
             act = ops.silu_mul(gate_up)  # [tokens, intermediate]
-            delta = ops.linear(act, down_w)
+            delta = ops.linear(act, lw.down)
             if lora is not None:
                 lora.apply(li, "down", act, delta)
         h_out, delta_out = (torch.index_select(t, 0, logits_indices) for t in (h, delta))  # [sampled, hidden]

@@ -18,6 +18,7 @@ from loraplex.engine.api import ModelNotFoundError
 from loraplex.engine.models.gguf_loader import load_gguf
 from loraplex.engine.models.hf_loader import load_hf
 from loraplex.engine.models.llama import LlamaConfig, LlamaModel
+from loraplex.engine.models.registry import family_for_hf
 from loraplex.engine.models.synthetic import PRESETS, synthetic_model
 from loraplex.engine.models.tokenizer import Tokenizer
 
@@ -96,7 +97,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     elif source.kind == "hf":
         config, weights, tokenizer = load_hf(source.path, dtype)
     elif source.kind == "synthetic":
-        config, weights, tokenizer = synthetic_model(source.preset, source.seed)
+        config, weights, tokenizer = synthetic_model(source.preset, source.seed, device=device, dtype=dtype)
     else:
         raise ValueError(f"unknown model source kind {source.kind!r}")
     # .to is a no-op (no copy, the mmap stays shared) when dtype and device already match.
@@ -108,5 +109,7 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     return LoadedModel(name=source.name, config=config, weights=weights, tokenizer=tokenizer, rounded_to=rounded_to)
 
 
-def build_model(loaded: LoadedModel) -> LlamaModel:
-    return LlamaModel(loaded.config, loaded.weights)
+def build_model(loaded: LoadedModel, packed_dtype: torch.dtype | None = None, attention="auto") -> LlamaModel:
+    """The model its family (models/registry.py) builds over the loaded weights."""
+    family = family_for_hf(loaded.config.architecture, loaded.name)
+    return family.model(loaded.config, loaded.weights, packed_dtype, attention=attention)

@@ -12,6 +12,7 @@ import ctypes
 import functools
 import struct
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import torch
 
@@ -20,6 +21,9 @@ from loraplex.engine.kernels.cpu.linear import PackedWeight
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 LORA_MODULES = ("qkv", "o", "gate_up", "down")  # decode_step.c's order
+# A layer's weights in the model table, by name (models/llama.py's LayerWeights fields), in decode_step.c's
+# order (L_IN_NORM .. L_DOWN); its K and V cache follow (L_K_CACHE, L_V_CACHE).
+LAYER_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
 _LORA_WIDTHS = 4
 _STEP = struct.Struct("20q")
 _ERRORS = {-1: "invalid sizes", -2: "a cache slot, block id, position or row is out of range",
@@ -50,14 +54,29 @@ def _double_bits(v: float) -> int:
     return struct.unpack("q", struct.pack("d", v))[0]
 
 
+class StepLayer(NamedTuple):
+    """One layer of the model table: its weights (any object with the LAYER_WEIGHTS fields: a
+    LayerWeights) and its K and V cache, each [blocks, block_size, kv_heads, head_dim]."""
+
+    weights: Any
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+
+    def pointers(self) -> list[int]:
+        """The layer's entries of the model table, in decode_step.c's order (0 for an absent bias)."""
+        weights = [_ptr(getattr(self.weights, name)) for name in LAYER_WEIGHTS]
+        return weights + [_ptr(self.k_cache), _ptr(self.v_cache)]
+
+
 class DecodeStepModel:
-    """The model table: dimensions, then per layer (input norm, qkv, qkv bias or None, o, post norm,
-    gate_up, down, K cache, V cache). Projections are PackedWeights, all fp32 or all bf16 with the LM
-    head; caches [blocks, block_size, kv_heads, head_dim] fp32, contiguous; rope tables [max_pos, head_dim]."""
+    """The model table: dimensions, then per layer (StepLayer.pointers) input norm, qkv, qkv bias or
+    None, o, post norm, gate_up, down, K cache, V cache. Projections are PackedWeights, all fp32 or all
+    bf16 with the LM head; caches [blocks, block_size, kv_heads, head_dim] fp32, contiguous; rope tables
+    [max_pos, head_dim]."""
 
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
                  rope_cos: torch.Tensor, rope_sin: torch.Tensor, norm: torch.Tensor, lm_head: PackedWeight,
-                 layers: Sequence[tuple]):
+                 layers: Sequence[StepLayer]):
         self._fns = _fns()
         if self._fns is None:
             raise RuntimeError("the CPU kernels are not built (see loraplex.engine.kernels.cpu.build)")
@@ -67,23 +86,26 @@ class DecodeStepModel:
                 raise ValueError(f"{name} has width {t.shape[1]}, expected head_dim {head_dim}")
         require("norm", norm, 1)
         qkv_out = (heads + 2 * kv_heads) * head_dim
-        cache_shape = tuple(layers[0][7].shape)  # the first layer's K cache
+        cache_shape = tuple(layers[0].k_cache.shape)
         wtype = lm_head.data.dtype  # (pack() made it float32 or bfloat16)
-        for (in_norm, qkv, qkv_bias, o, post_norm, gate_up, down, k_cache, v_cache) in layers:
-            for name, w, n, k in (("qkv", qkv, qkv_out, hidden), ("o", o, hidden, heads * head_dim),
-                                  ("gate_up", gate_up, 2 * intermediate, hidden), ("down", down, hidden, intermediate)):
+        projections = {"qkv": (qkv_out, hidden), "o": (hidden, heads * head_dim),
+                       "gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}  # [out, in]
+        for layer in layers:
+            lw = layer.weights
+            for name, (n, k) in projections.items():
+                w = getattr(lw, name)
                 if (w.out_features, w.in_features) != (n, k):
                     raise ValueError(f"{name} is [{w.out_features}, {w.in_features}], expected [{n}, {k}]")
                 if w.data.dtype != wtype:
                     raise ValueError(f"{name} is packed as {w.data.dtype} but the LM head as {wtype}: one step "
                                      f"takes one weight type")
-            for name, t, width in (("input norm", in_norm, hidden), ("post norm", post_norm, hidden),
-                                   ("qkv bias", qkv_bias, qkv_out)):
+            for name, t, width in (("input norm", lw.input_norm, hidden), ("post norm", lw.post_norm, hidden),
+                                   ("qkv bias", lw.qkv_bias, qkv_out)):
                 if t is not None:
                     require(name, t, 1)
                     if t.shape[0] != width:
                         raise ValueError(f"{name} has {t.shape[0]} entries, expected {width}")
-            for name, t in (("k_cache", k_cache), ("v_cache", v_cache)):
+            for name, t in (("k_cache", layer.k_cache), ("v_cache", layer.v_cache)):
                 require(name, t, 4)
                 if tuple(t.shape) != cache_shape or t.shape[2:] != (kv_heads, head_dim):
                     raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {cache_shape}")
@@ -95,7 +117,7 @@ class DecodeStepModel:
                   cache_shape[1], cache_shape[0] * cache_shape[1], _double_bits(eps), _ptr(rope_cos),
                   _ptr(rope_sin), rope_cos.shape[0], _ptr(norm), _ptr(lm_head), WEIGHT_CODES[wtype]]
         for layer in layers:
-            fields += [_ptr(t) for t in layer]
+            fields += layer.pointers()
         self.table = torch.tensor(fields, dtype=torch.int64)
         self._scale_bits = _double_bits(1.0 / head_dim ** 0.5)  # the attention scale, as the step block holds it
         self.lora_dims = (len(layers), (hidden, qkv_out), (heads * head_dim, hidden), (hidden, 2 * intermediate),

@@ -1,0 +1,1 @@
+"""Attention over the paged KV cache, behind one seam: a backend per kernel family (registry.py)."""
