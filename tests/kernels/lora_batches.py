@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex
 
@@ -28,8 +29,10 @@ def request_slots(pattern: str, n: int, with_base: bool, rng: np.random.Generato
 
 
 def make_batch(pattern: str, shape: str, with_base: bool, num_slots: int, seed: int = 0,
-               prefill_len: tuple[int, int] = (5, 20), decodes: int = 16) -> LoraBatchIndex:
-    """prefill: a few requests with long prompts (segments); decode: one token per request."""
+               prefill_len: tuple[int, int] = (5, 20), decodes: int = 16,
+               device: torch.device | str | None = None) -> LoraBatchIndex:
+    """prefill: a few requests with long prompts (segments); decode: one token per request. The index's
+    tensors on `device` (default the CPU)."""
     rng = np.random.default_rng(seed)
     lens = [int(v) for v in rng.integers(*prefill_len, 4)] if shape == "prefill" else [1] * decodes
-    return LoraBatchIndex.from_segments(lens, request_slots(pattern, len(lens), with_base, rng, num_slots))
+    return LoraBatchIndex.from_segments(lens, request_slots(pattern, len(lens), with_base, rng, num_slots), device)

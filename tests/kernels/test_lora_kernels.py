@@ -1,5 +1,9 @@
-"""Multi-LoRA kernels (Triton SGMV/BGMV under TRITON_INTERPRET=1, and the torch fast path) against
+"""Multi-LoRA kernels (Triton SGMV/BGMV, and the torch fast path) on the test device against
 kernels/reference.py: ranks, dtypes, adapter popularity, batch shapes, fused slices, bad inputs.
+
+Tensors are built on the CPU from seeded generators and moved to the test device (--device), so every
+device sees the same values; the references compute on the CPU, and results are compared there. On the
+CPU the Triton kernels run under TRITON_INTERPRET=1 (tests/conftest.py), on CUDA natively.
 
 The interpreter runs every Triton program in Python, so dimensions stay small and the grid of
 parametrizations covers pairs (rank x dtype, pattern x shape x base tokens, module x kernel) rather
@@ -7,8 +11,6 @@ than the full cross product.
 """
 
 from __future__ import annotations
-
-import os
 
 import numpy as np
 import pytest
@@ -20,12 +22,15 @@ from loraplex.engine.kernels.lora_ops import (
     apply_lora,
     lora_shrink_expand,
     lora_shrink_expand_torch,
+    triton_available,
 )
 from loraplex.engine.kernels.reference import ref_expand, ref_lora_shrink_expand, ref_shrink
 from loraplex.engine.kernels.sgmv import sgmv_expand, sgmv_shrink
+from tests.conftest import test_device
 from tests.kernels import lora_batches
 
-assert os.environ.get("TRITON_INTERPRET") == "1", "tests/kernels/conftest.py sets TRITON_INTERPRET=1"
+DEVICE = test_device()
+assert triton_available(DEVICE), "on the CPU tests/conftest.py sets TRITON_INTERPRET=1"
 
 HIDDEN = 96  # not a power of two: masks along in_features
 # name -> (in_features, slice widths): qkv with GQA (4 heads, 2 kv heads, head_dim 16), gate_up, o, down
@@ -54,20 +59,34 @@ def make_weights(module: str, r_max: int, dtype: torch.dtype, seed: int = 0, ran
             fill = 7.0 if pad_garbage else 0.0
             a.view(NUM_SLOTS, s, r_max, in_f)[slot, :, rk:] = fill
             b[slot, :, rk:] = fill
-    b = b.to(dtype)
-    return a.to(dtype), b.mT.contiguous().mT if rank_major else b, widths
+    a, b = a.to(DEVICE, dtype), b.to(DEVICE, dtype)
+    return a, b.mT.contiguous().mT if rank_major else b, widths
 
 
 def make_batch(pattern: str, shape: str, with_base: bool, seed: int = 0) -> LoraBatchIndex:
-    return lora_batches.make_batch(pattern, shape, with_base, NUM_SLOTS, seed)
+    return lora_batches.make_batch(pattern, shape, with_base, NUM_SLOTS, seed, device=DEVICE)
+
+
+def index_of(token_slots: list[int]) -> LoraBatchIndex:
+    return LoraBatchIndex.from_token_slots(token_slots, DEVICE)
+
+
+def ints(values: list[int]) -> torch.Tensor:
+    """int32 on the test device: per-slot ranks, token slots, segment starts."""
+    return torch.tensor(values, dtype=torch.int32, device=DEVICE)
 
 
 def inputs(index: LoraBatchIndex, module: str, dtype: torch.dtype, seed: int = 1):
     in_f, widths = MODULES[module]
     g = torch.Generator().manual_seed(seed)
-    x = torch.randn(index.num_tokens, in_f, generator=g).to(dtype)
-    out = torch.randn(index.num_tokens, sum(widths), generator=g).to(dtype)
+    x = torch.randn(index.num_tokens, in_f, generator=g).to(DEVICE, dtype)
+    out = torch.randn(index.num_tokens, sum(widths), generator=g).to(DEVICE, dtype)
     return x, out
+
+
+def assert_close(got: torch.Tensor, expected: torch.Tensor, atol: float = 1e-4, rtol: float = 1e-4) -> None:
+    """got (on the test device) against a reference computed on the CPU."""
+    torch.testing.assert_close(got.cpu(), expected.cpu(), atol=atol, rtol=rtol)
 
 
 def run_and_check(fn, kernel: str, index: LoraBatchIndex, module: str, r_max: int, dtype: torch.dtype,
@@ -76,14 +95,14 @@ def run_and_check(fn, kernel: str, index: LoraBatchIndex, module: str, r_max: in
     """dtype: the activations' (x, out); weight_dtype: A's and B's (default the same)."""
     a, b, widths = make_weights(module, r_max, weight_dtype or dtype, ranks=ranks, pad_garbage=pad_garbage,
                                 rank_major=rank_major)
-    rk = torch.tensor(ranks, dtype=torch.int32) if ranks is not None else None
+    rk = ints(ranks) if ranks is not None else None
     x, out = inputs(index, module, dtype)
-    expected = ref_lora_shrink_expand(x, out, a, b, index.token_slots, widths, rk)
+    expected = ref_lora_shrink_expand(x, out, a, b, index.token_slots, widths, rk)  # (on the CPU)
     got = out.clone()
     fn(x, got, a, b, index, slice_widths=widths, ranks=rk, kernel=kernel)
     atol, rtol = TOL[dtype]
+    got, out, base = got.cpu(), out.cpu(), index.token_slots.cpu() < 0
     torch.testing.assert_close(got.float(), expected.float(), atol=atol, rtol=rtol)
-    base = index.token_slots < 0
     assert torch.equal(got[base], out[base]), "base-model (-1) rows must not be touched"
     if index.num_lora_tokens:  # the check is not vacuous: adapters really moved the output
         assert (expected.float() - out.float())[~base].abs().max() > 0.1
@@ -169,22 +188,22 @@ def test_rank_major_b(fn, kernel: str, dtype: torch.dtype) -> None:
 def test_launchers_honour_ranks_one_by_one() -> None:
     """Shrink writes exact zeros beyond a slot's rank; expand ignores y's columns beyond it."""
     ranks = [32, 8, 0, 16, 24, 32, 1, 9] * 2
-    rk = torch.tensor(ranks, dtype=torch.int32)
-    index = LoraBatchIndex.from_segments([9, 1, 1, 1, 1, 6], [1, 2, 6, -1, 4, 8])
+    rk = ints(ranks)
+    index = LoraBatchIndex.from_segments([9, 1, 1, 1, 1, 6], [1, 2, 6, -1, 4, 8], DEVICE)
     a, b, widths = make_weights("qkv", 32, torch.float32, ranks=ranks, pad_garbage=True)
     x, out = inputs(index, "qkv", torch.float32)
     seg = dict(seg_starts=index.seg_starts, seg_slots=index.seg_slots, ranks=rk)
     y_ref = ref_shrink(x, a, index.token_slots, 3, rk)
     y_b = bgmv_shrink(x, a, index.token_slots, num_slices=3, ranks=rk)
     for y in (sgmv_shrink(x, a, num_slices=3, **seg), y_b):
-        torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
-    y_full = torch.randn(y_ref.shape)  # non-zero beyond each rank
+        assert_close(y, y_ref)
+    y_full = torch.randn(y_ref.shape, device=DEVICE)  # non-zero beyond each rank
     expected = ref_expand(y_full, b, out, index.token_slots, widths, rk)
     got_s, got_b = out.clone(), out.clone()
     sgmv_expand(y_full, b, got_s, slice_widths=widths, **seg)
     bgmv_expand(y_full, b, got_b, index.token_slots, slice_widths=widths, ranks=rk)
-    torch.testing.assert_close(got_s, expected, atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(got_b, expected, atol=1e-4, rtol=1e-4)
+    assert_close(got_s, expected)
+    assert_close(got_b, expected)
 
 
 def test_cross_shapes() -> None:
@@ -196,30 +215,30 @@ def test_cross_shapes() -> None:
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_small_tiles_and_split_k(split_k: int) -> None:
     """Several tiles per segment and slice (blocks of 16), multi-step K loops, split-K atomics."""
-    index = LoraBatchIndex.from_segments([37, 3, 6], [2, -1, 7])
+    index = LoraBatchIndex.from_segments([37, 3, 6], [2, -1, 7], DEVICE)
     a, b, widths = make_weights("qkv", 32, torch.float32)
     x, out = inputs(index, "qkv", torch.float32)
     seg = dict(seg_starts=index.seg_starts, seg_slots=index.seg_slots)
     y_ref = ref_shrink(x, a, index.token_slots, 3)
     y = sgmv_shrink(x, a, num_slices=3, split_k=split_k, block_m=16, block_n=16, block_k=16, **seg)
-    torch.testing.assert_close(y, y_ref, atol=1e-4, rtol=1e-4)
-    small = LoraBatchIndex.from_token_slots([4, -1, 9, 4, 0, 2])
+    assert_close(y, y_ref)
+    small = index_of([4, -1, 9, 4, 0, 2])
     y_small = bgmv_shrink(x[:6].contiguous(), a, small.token_slots, num_slices=3, split_k=split_k,
                           block_n=16, block_k=16)
-    torch.testing.assert_close(y_small, ref_shrink(x[:6], a, small.token_slots, 3), atol=1e-4, rtol=1e-4)
+    assert_close(y_small, ref_shrink(x[:6], a, small.token_slots, 3))
     expected = ref_expand(y_ref, b, out, index.token_slots, widths)
     got = out.clone()
     sgmv_expand(y, b, got, slice_widths=widths, block_m=16, block_n=16, block_k=16, **seg)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    assert_close(got, expected)
     if split_k == 1:
         got = out[:6].clone()
         bgmv_expand(y_small, b, got, small.token_slots, slice_widths=widths, block_n=16, block_k=16)
         expected = ref_expand(y_small, b, out[:6], small.token_slots, widths)
-        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        assert_close(got, expected)
 
 
 def test_no_lora_tokens_is_a_no_op() -> None:
-    index = LoraBatchIndex.from_token_slots([-1] * 5)
+    index = index_of([-1] * 5)
     a, b, widths = make_weights("qkv", 8, torch.float32)
     x, out = inputs(index, "qkv", torch.float32)
     for fn, kernel in TRITON + TORCH:
@@ -243,32 +262,33 @@ def test_torch_path_ranks_dtypes_patterns(r_max: int, dtype: torch.dtype) -> Non
 
 
 @pytest.mark.parametrize("rank_major", [False, True], ids=["contiguous-b", "rank-major-b"])
-def test_apply_lora_on_cpu_takes_either_b_layout(rank_major: bool) -> None:
-    """The C kernel serves a rank-major B (the slot buffers'), torch ops a contiguous one: the same answer."""
+def test_apply_lora_takes_either_b_layout(rank_major: bool) -> None:
+    """What a layer calls, on the test device: on the CPU the C kernel serves a rank-major B (the slot
+    buffers'), torch ops a contiguous one; on CUDA the Triton kernels take both. The same answer."""
     index = make_batch("zipf:1.5", "decode", True)
     a, b, widths = make_weights("qkv", 16, torch.float32, rank_major=rank_major)
     x, out = inputs(index, "qkv", torch.float32)
     expected = ref_lora_shrink_expand(x, out, a, b, index.token_slots, widths)
     apply_lora(x, out, a, b, index, slice_widths=widths)
-    torch.testing.assert_close(out, expected, atol=1e-4, rtol=1e-4)
+    assert_close(out, expected)
 
 
 # ------------------------------------------------------------------------------ batch index
 
 def test_index_from_token_slots_merges_runs() -> None:
-    index = LoraBatchIndex.from_token_slots([2, 2, -1, -1, 2, 0])
+    index = index_of([2, 2, -1, -1, 2, 0])
     assert index.seg_starts.tolist() == [0, 2, 4, 5, 6]
     assert index.seg_slots.tolist() == [2, -1, 2, 0]
     assert index.lora_segments == ((0, 2, 2), (4, 5, 2), (5, 6, 0))
     assert (index.num_tokens, index.max_seg_len, index.max_slot, index.num_lora_tokens) == (6, 2, 2, 4)
-    merged = LoraBatchIndex.from_segments([3, 0, 2, 1], [1, 4, 1, -1])
+    merged = LoraBatchIndex.from_segments([3, 0, 2, 1], [1, 4, 1, -1], DEVICE)
     assert merged.seg_starts.tolist() == [0, 5, 6] and merged.seg_slots.tolist() == [1, -1]
 
 
 # ------------------------------------------------------------------------------- bad inputs
 
 def _good():
-    index = LoraBatchIndex.from_token_slots([0, 0, 1, -1])
+    index = index_of([0, 0, 1, -1])
     a, b, widths = make_weights("qkv", 8, torch.float32)
     x, out = inputs(index, "qkv", torch.float32)
     return dict(x=x, out=out, lora_a=a, lora_b=b, index=index, slice_widths=widths)
@@ -290,11 +310,11 @@ BAD = {
     "widths count": lambda k: k.update(slice_widths=(64, 64)),
     "unequal default split": lambda k: k.update(slice_widths=None, lora_b=k["lora_b"][:, :127].contiguous(),
                                                 out=k["out"][:, :127].contiguous()),
-    "ranks wrong length": lambda k: k.update(ranks=torch.ones(3, dtype=torch.int32)),
-    "ranks float": lambda k: k.update(ranks=torch.ones(NUM_SLOTS)),
-    "ranks negative": lambda k: k.update(ranks=torch.full((NUM_SLOTS,), -1, dtype=torch.int32)),
-    "index tokens": lambda k: k.update(index=LoraBatchIndex.from_token_slots([0, 1, 2])),
-    "index slot too big": lambda k: k.update(index=LoraBatchIndex.from_token_slots([0, 0, NUM_SLOTS, 1])),
+    "ranks wrong length": lambda k: k.update(ranks=ints([1] * 3)),
+    "ranks float": lambda k: k.update(ranks=torch.ones(NUM_SLOTS, device=DEVICE)),
+    "ranks negative": lambda k: k.update(ranks=ints([-1] * NUM_SLOTS)),
+    "index tokens": lambda k: k.update(index=index_of([0, 1, 2])),
+    "index slot too big": lambda k: k.update(index=index_of([0, 0, NUM_SLOTS, 1])),
     "index not an index": lambda k: k.update(index=[0, 0, 1, -1]),
     "unknown kernel": lambda k: k.update(kernel="cuda"),
 }
@@ -303,6 +323,8 @@ BAD = {
 @pytest.mark.parametrize("fn", [lora_shrink_expand, lora_shrink_expand_torch], ids=["triton", "torch"])
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_inputs_raise(case: str, fn) -> None:
+    if case == "ranks negative" and DEVICE.type != "cpu":
+        pytest.skip(f"ranks' values are checked on the CPU only (it would cost a sync per call on {DEVICE})")
     kwargs = _good()
     BAD[case](kwargs)
     if fn is lora_shrink_expand_torch and kwargs.get("kernel") == "cuda":
@@ -314,21 +336,22 @@ def test_bad_inputs_raise(case: str, fn) -> None:
 def test_bad_launcher_inputs_raise() -> None:
     k = _good()
     x, a, b, out, index = k["x"], k["lora_a"], k["lora_b"], k["out"], k["index"]
-    y = ref_shrink(x, a, index.token_slots, 3)
+    y = ref_shrink(x, a, index.token_slots, 3).to(DEVICE)
     starts, slots = index.seg_starts, index.seg_slots
+    values = dict(check_values=True)  # (the default off the CPU is not to check values: no device sync)
     cases = [
         lambda: sgmv_shrink(x, a, starts[:-1], slots, num_slices=3),  # starts length
-        lambda: sgmv_shrink(x, a, torch.tensor([0, 2, 9, 4], dtype=torch.int32), slots),  # not rising to T
-        lambda: sgmv_shrink(x, a, starts, torch.tensor([0, 99, -1], dtype=torch.int32)),  # slot range
+        lambda: sgmv_shrink(x, a, ints([0, 2, 9, 4]), slots, **values),  # not rising to T
+        lambda: sgmv_shrink(x, a, starts, ints([0, 99, -1]), **values),  # slot range
         lambda: sgmv_shrink(x, a, starts.float(), slots),  # index dtype
         lambda: sgmv_shrink(x, a, starts, slots, split_k=0),
         lambda: sgmv_shrink(x, a, starts, slots, block_m=24),  # not a power of two
         lambda: sgmv_shrink(x, a, starts, slots, num_slices=5),  # 24 rows do not split in 5
-        lambda: sgmv_shrink(x, a, starts, slots, y=torch.zeros(4, 24, dtype=torch.float16)),
+        lambda: sgmv_shrink(x, a, starts, slots, y=torch.zeros(4, 24, dtype=torch.float16, device=DEVICE)),
         lambda: sgmv_expand(y.half(), b, out, starts, slots),  # y must be fp32
         lambda: sgmv_expand(y[:, :20].contiguous(), b, out, starts, slots),  # not S * r_max
         lambda: bgmv_shrink(x, a, index.token_slots[:3]),
-        lambda: bgmv_shrink(x, a, torch.tensor([0, 0, -2, 1], dtype=torch.int32)),
+        lambda: bgmv_shrink(x, a, ints([0, 0, -2, 1]), **values),
         lambda: bgmv_expand(y, b, out, index.token_slots, slice_widths=(64, 64)),
         lambda: bgmv_expand(y, b.transpose(1, 2), out, index.token_slots),
     ]
@@ -343,7 +366,7 @@ def test_bad_launcher_inputs_raise() -> None:
 def sorted_batch(pattern: str, with_base: bool, seed: int) -> LoraBatchIndex:
     """A decode batch sorted by slot, as the scheduler orders it: one run of tokens per slot."""
     slots = sorted(lora_batches.request_slots(pattern, 16, with_base, np.random.default_rng(seed), NUM_SLOTS))
-    return LoraBatchIndex.from_token_slots(slots)
+    return index_of(slots)
 
 
 @pytest.mark.parametrize("module", ["qkv", "gate_up", "o", "down"])
@@ -360,7 +383,7 @@ def test_grouped_path_matches_reference(module: str, pattern: str, with_base: bo
 @pytest.mark.parametrize("with_base", [False, True])
 def test_grouped_path_leaves_long_runs_to_their_own_gemm(with_base: bool) -> None:
     slots = ([-1] * 3 if with_base else []) + [0] * 9 + [1, 2, 3, 4, 6]
-    index = LoraBatchIndex.from_token_slots(slots)
+    index = index_of(slots)
     assert [seg[2] for seg in index.heavy_segments] == [0]
     assert index.grouped_layout is not None and index.grouped_layout.max_len == 1
     run_and_check(lora_shrink_expand_torch, "grouped", index, "gate_up", 16, torch.float32)
@@ -374,12 +397,12 @@ def test_grouped_path_honours_ranks(pad_garbage: bool) -> None:
 
 
 def test_grouped_path_is_skipped_for_sparse_or_split_slots() -> None:
-    assert LoraBatchIndex.from_token_slots([0, 0, 1]).grouped_layout is None  # too few adapters
-    assert LoraBatchIndex.from_token_slots([0, 1, 0, 2]).grouped_layout is None  # slot 0 in two runs
-    assert LoraBatchIndex.from_token_slots([0, 1, 2, 40]).grouped_layout is None  # range far wider than used
+    assert index_of([0, 0, 1]).grouped_layout is None  # too few adapters
+    assert index_of([0, 1, 0, 2]).grouped_layout is None  # slot 0 in two runs
+    assert index_of([0, 1, 2, 40]).grouped_layout is None  # range far wider than used
 
 
 def test_grouped_path_without_padding_adds_in_place() -> None:
-    index = LoraBatchIndex.from_token_slots(list(range(8)))  # one token per slot, every token adapted
+    index = index_of(list(range(8)))  # one token per slot, every token adapted
     assert index.grouped_layout.identity
     run_and_check(lora_shrink_expand_torch, "grouped", index, "gate_up", 16, torch.float32)

@@ -1,6 +1,10 @@
 """EngineConfig.weight_dtype="bfloat16": the base weights rounded to bf16 once at load, under an fp32
 model, with the CPU kernels' projections packed in bf16. Every path must compute with the rounded
-values, so the engine gives exactly the tokens of an fp32 engine over weights rounded beforehand."""
+values, so the engine gives exactly the tokens of an fp32 engine over weights rounded beforehand.
+
+The packing is the CPU kernels': the tests of packed panels and their accounting are marked cpu_kernels,
+skipped off the CPU; loading and config checks run on the test device (--device).
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from loraplex.engine.core import EngineCore
 from loraplex.engine.kernels.cpu.linear import pack
 from loraplex.engine.models.layer_ops import weight_copies
 from loraplex.engine.models.loader import load_model, resolve_model
-from tests.conftest import _loaded
+from tests.conftest import _loaded, test_device
 from tests.unit.test_engine_core import MODEL, mixed_prompts
 from tests.unit.test_engine_lora import adapter_dirs, req  # noqa: F401 (adapter_dirs: a fixture)
 
@@ -23,7 +27,7 @@ BF16 = torch.bfloat16
 
 
 def config(**overrides) -> EngineConfig:
-    params = {"model": MODEL, "device": "cpu", "dtype": "float32", "num_kv_blocks": 256}
+    params = {"model": MODEL, "device": str(test_device()), "dtype": "float32", "num_kv_blocks": 256}
     return EngineConfig(**(params | overrides))
 
 
@@ -45,9 +49,9 @@ def run_with_logprobs(core: EngineCore, reqs: list[GenerateRequest]) -> dict[str
     return out
 
 
-def test_load_model_rounds_every_weight_into_fresh_tensors():
+def test_load_model_rounds_every_weight_into_fresh_tensors(device):
     src = resolve_model(MODEL)
-    plain, rounded = load_model(src, torch.float32), load_model(src, torch.float32, weight_dtype=BF16)
+    plain, rounded = load_model(src, torch.float32, device), load_model(src, torch.float32, device, weight_dtype=BF16)
     assert plain.rounded_to is None and rounded.rounded_to == BF16
     for name, w in plain.weights.items():
         assert rounded.weights[name].dtype == torch.float32
@@ -55,6 +59,7 @@ def test_load_model_rounds_every_weight_into_fresh_tensors():
     assert not torch.equal(rounded.weights["embed"], plain.weights["embed"])  # (random weights: most change)
 
 
+@pytest.mark.cpu_kernels
 def test_a_bf16_weight_engine_gives_the_tokens_of_the_rounded_weights_in_fp32(adapter_dirs):  # noqa: F811
     """A batch mixing adapters of ranks 4 to 64 (lora.c) with base-model requests, and prompts long
     enough for chunked prefill: prefill and decode paths alike use the rounded weights, so tokens and
@@ -80,6 +85,7 @@ def test_a_bf16_weight_engine_gives_the_tokens_of_the_rounded_weights_in_fp32(ad
     assert outputs["bf16"] != outputs["fp32"]  # the rounding is real: the unrounded weights' log-probabilities differ
 
 
+@pytest.mark.cpu_kernels
 def test_a_merged_adapter_copy_is_packed_in_bf16_too(adapter_dirs):  # noqa: F811
     """The merged copy (lora/merged.py) of a bf16-weight engine holds W + s*B@A rounded to bf16 (one
     decode step takes one weight type) and costs half of an fp32 copy."""
@@ -113,12 +119,14 @@ def test_weight_dtype_is_checked_when_the_config_is_made():
     assert config(dtype="bfloat16", weight_dtype="bfloat16").weight_torch_dtype == BF16  # (nothing to round)
 
 
+@pytest.mark.cpu_kernels
 def test_memory_accounting_counts_bf16_panels_at_half_size():
     cpu = torch.device("cpu")
     assert weight_copies(cpu, torch.float32) == 2
     assert weight_copies(cpu, torch.float32, BF16) == 1.5
 
 
+@pytest.mark.cpu_kernels
 def test_a_pool_counts_bf16_panels_at_half_size_and_reloads_the_rounded_weights():
     """Three models in a budget for two: bf16 panels make a resident model 1.5x its fp32 weights (not
     2x), and one evicted to the CPU tier comes back with its weights still rounded (rounded_to travels
@@ -139,6 +147,7 @@ def test_a_pool_counts_bf16_panels_at_half_size_and_reloads_the_rounded_weights(
         pool.shutdown()
 
 
+@pytest.mark.cpu_kernels
 def test_stats_count_the_loaded_weights_and_the_packed_copies_at_their_dtype():
     fp32 = EngineCore(config(), loaded=_loaded(MODEL))
     bf16 = EngineCore(config(weight_dtype="bfloat16"))

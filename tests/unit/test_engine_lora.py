@@ -1,4 +1,8 @@
-"""Many LoRA adapters in one batch: each request matches its adapter merged into the weights."""
+"""Many LoRA adapters in one batch: each request matches its adapter merged into the weights.
+
+Engines run on the test device (--device). The fused CPU decode step's folds (lora_fold.c) and merged
+copies (lora/merged.py) are CPU paths: they are asserted on the CPU only; the tokens everywhere.
+"""
 
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.lora.merge import merged_weights
 from loraplex.engine.lora.peft import AdapterError, load_peft_adapter
-from tests.conftest import _loaded, make_core
+from tests.conftest import _loaded, make_core, on_cpu, test_device
 from tests.lora_factory import make_peft_dir
 from tests.unit.test_engine_core import MODEL, mixed_prompts
 
@@ -43,7 +47,7 @@ def merged_core(path, rounded_to: torch.dtype | None = None) -> EngineCore:
     if rounded_to is not None:
         lora = dataclasses.replace(lora, values=lora.values.to(rounded_to).float())
     loaded = dataclasses.replace(base, weights=merged_weights(base.weights, base.config, lora))
-    cfg = EngineConfig(model=MODEL, device="cpu", dtype="float32", num_kv_blocks=256)
+    cfg = EngineConfig(model=MODEL, device=str(test_device()), dtype="float32", num_kv_blocks=256)
     return EngineCore(cfg, loaded=loaded)
 
 
@@ -72,7 +76,7 @@ def test_an_adapter_holding_most_of_the_batch_is_folded_and_matches_merged_weigh
         core.add_adapter(f"a{i}", str(adapter_dirs[i]))
     adapters = ["a2", "a2", None, "a2", "a2", "a3", "a2", "a2", "a2", None, "a2", "a2", "a2"]
     got = core.run([req(f"r{i}", p, a) for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))])
-    assert core.lora._folds, "the dominant adapter was never folded"
+    assert core.lora._folds or not on_cpu(), "the dominant adapter was never folded"
     base_alone = make_core()
     for i, (p, a) in enumerate(zip(prompts, adapters, strict=True)):
         ref = merged_core(adapter_dirs[int(a[1:])]) if a else base_alone
@@ -101,7 +105,8 @@ def test_an_adapter_with_rank_and_alpha_patterns_matches_its_merged_weights_fold
             core.add(core.prepare(late))
         for ev in core.step():
             tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
-    assert core.lora._folds and core.stats().adapter_merges >= 1 and core.lora.r_max == 16
+    assert core.lora.r_max == 16
+    assert (core.lora._folds and core.stats().adapter_merges >= 1) or not on_cpu()
     ref, base_alone = merged_core(path), make_core()
     for r in (*early, late):
         want = (ref if r.adapter else base_alone).run([req("w", r.prompt_token_ids, None, r.sampling.max_tokens)])
@@ -125,10 +130,10 @@ def test_16_bit_slots_match_the_merged_weights_of_the_rounded_adapters(tmp_path,
     prompts = mixed_prompts(13, seed=17)
     adapters = ["h0", "h1", "h0", "h0", None, "h0", "h2", "h0", "h0", "h0", None, "h0", "h0"]
     got = core.run([req(f"r{i}", p, a) for i, (p, a) in enumerate(zip(prompts, adapters, strict=True))])
-    assert core.lora.dtype == dtype and core.lora._folds
+    assert core.lora.dtype == dtype and (core.lora._folds or not on_cpu())
     assert {t.dtype for layer in (*core.lora.lora_a, *core.lora.lora_b) for t in layer.values()} == {dtype}
     alone = core.run([req(f"m{i}", p, "h1", max_tokens=12) for i, p in enumerate(prompts[:3])])
-    assert core.stats().adapter_merges >= 1
+    assert core.stats().adapter_merges >= 1 or not on_cpu()
     refs, base_alone = {f"h{i}": merged_core(p, rounded_to=dtype) for i, p in enumerate(paths)}, make_core()
     for i, (p, a) in enumerate(zip(prompts, adapters, strict=True)):
         want = (refs[a] if a else base_alone).run([req(f"w{i}", p, None)])[0].token_ids
@@ -158,7 +163,7 @@ def test_a_larger_rank_arriving_mid_run_grows_the_buffers_and_every_request_matc
         core.add(core.prepare(r))
     for _ in range(4):
         step()
-    assert core.lora.r_max == 8 and core.lora._folds
+    assert core.lora.r_max == 8 and (core.lora._folds or not on_cpu())
     core.add(core.prepare(late))
     while core.has_work():
         step()

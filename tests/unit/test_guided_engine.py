@@ -1,6 +1,7 @@
 """Guided decoding inside the engine: every finished output of a schema request validates (even from a
 random-weight model, whose free text is noise), the mask touches only its own request's row, and
-preemption, seeds and bad schemas behave as for any other request."""
+preemption, seeds and bad schemas behave as for any other request. Engines and logits on the test device
+(--device)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 
 from loraplex.engine.api import GenerateRequest, InvalidRequestError, SamplingParams
 from loraplex.engine.guided.masks import apply_masks
-from tests.conftest import make_core
+from tests.conftest import make_core, test_device
 from tests.unit.test_engine_core import MODEL, mixed_prompts
 from tests.unit.test_guided_grammar import PERSON, TREE, nested
 
@@ -149,7 +150,7 @@ def test_the_vocabulary_index_is_built_at_registration_and_shared_by_a_models_fr
     for entry in pool.models.values():
         assert entry.frontend.tokenizer in tokenizer._BY_TOKENIZER
     core = make_core()
-    adopted = ModelPool(memory_budget=1 << 30, device="cpu").adopt(core)
+    adopted = ModelPool(memory_budget=1 << 30, device=str(test_device())).adopt(core)
     assert adopted.frontend.guide_vocabulary() is core.frontend.guide_vocabulary()
     pool.shutdown()
 
@@ -212,7 +213,7 @@ def test_a_mask_that_runs_out_of_fuel_ends_only_its_request_with_an_error():
     assert core.pool.num_used == 0
 
 
-def test_a_mask_not_ready_within_the_step_limit_fails_that_guide_alone():
+def test_a_mask_not_ready_within_the_step_limit_fails_that_guide_alone(device):
     core = make_core(guided_mask_timeout_s=0.05)
     slow, fast = core.frontend.guide('{"type": "object"}'), core.frontend.guide('{"type": "object"}')
     busy = threading.Event()
@@ -220,7 +221,7 @@ def test_a_mask_not_ready_within_the_step_limit_fails_that_guide_alone():
         stuck.submit(busy.wait, 10)  # the only worker is busy: the mask waits in the queue
         slow.start_mask(stuck)
         fast.start_mask(ThreadPoolExecutor(max_workers=1))
-        logits = torch.zeros(2, core.frontend.vocab_size)
+        logits = torch.zeros(2, core.frontend.vocab_size, device=device)
         apply_masks(logits, [(0, slow), (1, fast)])
         busy.set()
     assert "took longer than 50 ms" in slow.error and fast.error is None

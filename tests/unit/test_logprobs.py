@@ -1,6 +1,6 @@
 """Log-probabilities of generated tokens (SamplingParams.logprobs): the model's own distribution at
 each step, checked against a reference forward pass over the whole sequence, whatever sampling or a
-schema's mask did to the choice."""
+schema's mask did to the choice. Engines and the reference run on the test device (--device)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ import torch
 
 from loraplex.engine.api import GenerateRequest, InvalidRequestError, SamplingParams
 from loraplex.engine.kv.block_pool import allocate_kv_tensors
-from loraplex.engine.models.attention import build_metadata
 from loraplex.engine.models.llama import LlamaModel
 from tests.conftest import _loaded, make_core
 from tests.unit.test_engine_core import MODEL, mixed_prompts
@@ -19,19 +18,20 @@ from tests.unit.test_engine_core import MODEL, mixed_prompts
 
 def reference_logprobs(prompt: list[int], output: list[int], first_row: int | None = None) -> torch.Tensor:
     """[rows, vocab]: log_softmax of the logits that preceded each output token (or, from `first_row`
-    on, each later token of the sequence), from one forward pass of the whole sequence."""
+    on, each later token of the sequence), from one forward pass of the whole sequence (on the test
+    device, through the model's attention backend)."""
     loaded = _loaded(MODEL)
     cfg = loaded.config
     model = LlamaModel(cfg, loaded.weights)
+    device = model.device
     ids = prompt + output[:-1]
     n = len(ids)
     blocks = list(range((n + 15) // 16))
-    kv = allocate_kv_tensors(cfg.num_layers, len(blocks), 16, cfg.num_kv_heads, cfg.head_dim, torch.float32,
-                             torch.device("cpu"))
-    rows = torch.arange(len(prompt) - 1 if first_row is None else first_row, n)
+    kv = allocate_kv_tensors(cfg.num_layers, len(blocks), 16, cfg.num_kv_heads, cfg.head_dim, torch.float32, device)
+    rows = torch.arange(len(prompt) - 1 if first_row is None else first_row, n, device=device)
+    meta = model.attention.build_metadata([(0, n, blocks)], 16, device, torch.float32)
     with torch.inference_mode():
-        logits = model.forward(torch.tensor(ids), torch.arange(n), build_metadata([(0, n, blocks)], 16, "cpu"), kv,
-                               rows)
+        logits = model.forward(torch.tensor(ids, device=device), torch.arange(n, device=device), meta, kv, rows)
     return logits.float().log_softmax(-1)
 
 

@@ -1,5 +1,9 @@
 """An adapter that holds every token of a run of decode steps is merged into a copy of the weights
-(lora/merged.py): its requests still match the merged reference, and the copy never outlives its slot."""
+(lora/merged.py): its requests still match the merged reference, and the copy never outlives its slot.
+
+Merged copies are the CPU fused decode step's (packed for the C kernels): the tests that expect one are
+marked cpu_kernels, skipped off the CPU; the others run on the test device (--device).
+"""
 
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ def reference(path, prompts) -> list[list[int]]:
     return [ref.run([req(f"w{i}", p, None, 12)])[0].token_ids for i, p in enumerate(prompts)]
 
 
+@pytest.mark.cpu_kernels
 def test_merged_adapter_matches_the_reference_and_follows_its_slot(adapter_dirs):  # noqa: F811
     prompts = mixed_prompts(6, seed=3)
     core = make_core(max_loras=1, lora_merge_after_steps=3)
@@ -53,6 +58,7 @@ def test_merged_adapter_matches_the_reference_and_follows_its_slot(adapter_dirs)
     assert merge.builds == 3
 
 
+@pytest.mark.cpu_kernels
 def test_projections_the_adapter_leaves_alone_are_shared_with_the_model(tmp_path):
     cfg = _loaded(MODEL).config
     path = make_peft_dir(tmp_path / "qv", cfg, rank=8, alpha=16, targets=("q", "v"), seed=5)
@@ -86,6 +92,7 @@ def test_bad_setting_is_refused():
         EngineConfig(lora_merge_after_steps=-1)
 
 
+@pytest.mark.cpu_kernels
 def test_a_packed_copy_without_its_weight_refuses_prefill_sized_batches(monkeypatch):
     w = torch.randn(48, 32)
     packed = linear.pack(w, keep_weight=False)

@@ -1,4 +1,8 @@
-"""Device slots: exact kernel layout, LRU tiers, pinning, refcounts, and agreement with merged weights."""
+"""Device slots: exact kernel layout, LRU tiers, pinning, refcounts, and agreement with merged weights.
+
+The slots and the model's weights live on the test device (--device); adapter files, the CPU tier and
+the expected values stay on the CPU, where slot contents are compared.
+"""
 
 from __future__ import annotations
 
@@ -10,15 +14,15 @@ from loraplex.engine.kernels.lora_ops import LoraBatchIndex
 from loraplex.engine.lora.merge import merged_weights
 from loraplex.engine.lora.peft import AdapterError, AdapterInUseError, AdapterNotFoundError, load_peft_adapter
 from loraplex.engine.lora.slots import LoraSlots
-from loraplex.engine.models.loader import load_model, resolve_model
+from tests.conftest import _loaded, test_device
 from tests.lora_factory import make_peft_dir, read_tensors, tensor_key, write_tensors
 
 FUSED = {"qkv": ("q", "k", "v"), "o": ("o",), "gate_up": ("gate", "up"), "down": ("down",)}
 
 
 @pytest.fixture(scope="module")
-def tiny():
-    return load_model(resolve_model("synthetic:tiny"))
+def tiny(device):
+    return _loaded("synthetic:tiny", device)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +36,8 @@ def widths(config):
 
 
 def make(config, max_loras=2, r_max=16, max_cpu=4, **kw) -> LoraSlots:
-    return LoraSlots(config, max_loras=max_loras, max_lora_rank=r_max, max_cpu_loras=max_cpu, **kw)
+    return LoraSlots(config, max_loras=max_loras, max_lora_rank=r_max, max_cpu_loras=max_cpu, device=test_device(),
+                     **kw)
 
 
 def register(slots, tmp_path, name, rank=8, alpha=16, targets="all", seed=0, **kw):
@@ -62,7 +67,7 @@ def check_slot(slots, slot, lora):
     assert int(slots.ranks[slot]) == lora.rank
     for layer in range(slots.config.num_layers):
         for fused, modules in FUSED.items():
-            a_buf, b_buf = (t[slot].float() for t in slots.buffers(layer, fused))
+            a_buf, b_buf = (t[slot].float().cpu() for t in slots.buffers(layer, fused))
             exp_a, exp_b = torch.zeros_like(a_buf), torch.zeros_like(b_buf)
             off = 0
             for s, m in enumerate(modules):
@@ -88,8 +93,8 @@ def test_slot_holds_a_and_scaled_b_in_fused_rows(tmp_path, config, dtype):
     raw = read_tensors(path)
     q, kv, r = config.q_size, config.kv_size, slots.r_max
     a, b = slots.buffers(1, "qkv")
-    assert torch.equal(a[slot, r:r + 8].float(), raw[tensor_key(1, "k", "A")].to(dtype).float())
-    assert torch.equal(b[slot, q:q + kv, :8].float(), (4.0 * raw[tensor_key(1, "k", "B")]).to(dtype).float())
+    assert torch.equal(a[slot, r:r + 8].float().cpu(), raw[tensor_key(1, "k", "A")].to(dtype).float())
+    assert torch.equal(b[slot, q:q + kv, :8].float().cpu(), (4.0 * raw[tensor_key(1, "k", "B")]).to(dtype).float())
     assert not a[slot, r + 8:2 * r].any() and not b[slot, :, 8:].any()
     assert not a[1 - slot].any() and int(slots.ranks[1 - slot]) == 0
 
@@ -170,12 +175,12 @@ def test_per_module_ranks_and_alphas_land_in_one_slot_and_match_merged_weights(t
     assert slots.acquire("mixed") == 0  # evicts "wide"
     check_slot(slots, 0, lora)
     merged = merged_weights(tiny.weights, config, lora)
-    index = LoraBatchIndex.from_token_slots([0, -1, 0])
+    index = LoraBatchIndex.from_token_slots([0, -1, 0], slots.device)
     gen = torch.Generator().manual_seed(0)
     for layer in range(config.num_layers):
         for fused in FUSED:
             base = tiny.weights[f"layers.{layer}.{fused}"]
-            x = torch.randn(3, base.shape[1], generator=gen)
+            x = torch.randn(3, base.shape[1], generator=gen).to(base.device)
             out = F.linear(x, base)
             slots.apply(layer, fused, x.to(dtype), out_typed := out.to(dtype), index)
             expected = torch.stack([F.linear(x[0], merged[f"layers.{layer}.{fused}"]), F.linear(x[1], base),
@@ -193,13 +198,13 @@ def test_apply_matches_merged_weights(tmp_path, tiny):
         path = register(slots, tmp_path, name, rank=rank, targets=targets, seed=seed)
         loras[slots.acquire(name)] = merged_weights(tiny.weights, config, load_peft_adapter(path, config))
     token_slots = [0, 0, 0, -1, 1, 1, -1, 0, 1]
-    index = LoraBatchIndex.from_token_slots(token_slots)
+    index = LoraBatchIndex.from_token_slots(token_slots, slots.device)
     gen = torch.Generator().manual_seed(0)
     for layer in range(config.num_layers):
         for fused in FUSED:
             name = f"layers.{layer}.{fused}"
             base = tiny.weights[name]
-            x = torch.randn(len(token_slots), base.shape[1], generator=gen)
+            x = torch.randn(len(token_slots), base.shape[1], generator=gen).to(base.device)
             out = F.linear(x, base)
             slots.apply(layer, fused, x, out, index)
             expected = torch.stack([F.linear(x[t], loras[s][name] if s >= 0 else base)
@@ -218,14 +223,14 @@ def test_buffers_take_the_largest_loaded_rank_and_grow_keeping_loaded_slots(tmp_
     small = register(slots, tmp_path, "small", rank=4, seed=7)
     s_small = slots.acquire("small")
     assert slots.r_max == 8
-    index = LoraBatchIndex.from_token_slots([s_small, -1, s_small])
+    index = LoraBatchIndex.from_token_slots([s_small, -1, s_small], slots.device)
     gen = torch.Generator().manual_seed(3)
-    xs = {f: torch.randn(3, slots.buffers(0, f)[0].shape[2], generator=gen) for f in FUSED}
+    xs = {f: torch.randn(3, slots.buffers(0, f)[0].shape[2], generator=gen).to(slots.device) for f in FUSED}
 
     def deltas():
         outs = {}
         for f, x in xs.items():
-            outs[f] = torch.zeros(3, slots.buffers(0, f)[1].shape[1])
+            outs[f] = torch.zeros(3, slots.buffers(0, f)[1].shape[1], device=slots.device)
             slots.apply(0, f, x, outs[f], index)
         return outs
 
@@ -238,8 +243,8 @@ def test_buffers_take_the_largest_loaded_rank_and_grow_keeping_loaded_slots(tmp_
     check_slot(slots, s_big, load_peft_adapter(big, config))
     after = deltas()
     assert before["o"].any()
-    for f in FUSED:  # the C kernel reads each slot's own rank rows only: the same bits; torch ops (kernels
-        if table is not None:  # off) reduce over r_max columns, whose blocking may round differently
+    for f in FUSED:  # the C kernel reads each slot's own rank rows only: the same bits; torch ops (kernels off)
+        if table is not None:  # and the Triton kernels (CUDA) reduce over r_max columns, whose blocking may round
             assert torch.equal(before[f], after[f])
         else:
             torch.testing.assert_close(before[f], after[f], rtol=1e-6, atol=1e-6)
@@ -257,9 +262,10 @@ def test_merged_weights_is_w_plus_scaled_ba(tmp_path, tiny):
     lora = load_peft_adapter(path, config)
     merged = merged_weights(tiny.weights, config, lora)
     q, kv, i = config.q_size, config.kv_size, config.intermediate_size
-    d = {m: 2.0 * lora.b(0, m) @ lora.a(0, m) for m in ("q", "v", "up", "o")}
     w = tiny.weights
-    expected_qkv = w["layers.0.qkv"] + torch.cat([d["q"], torch.zeros(kv, config.hidden_size), d["v"]])
+    dev = w["embed"].device
+    d = {m: (2.0 * lora.b(0, m) @ lora.a(0, m)).to(dev) for m in ("q", "v", "up", "o")}  # (computed on the CPU)
+    expected_qkv = w["layers.0.qkv"] + torch.cat([d["q"], torch.zeros(kv, config.hidden_size, device=dev), d["v"]])
     torch.testing.assert_close(merged["layers.0.qkv"], expected_qkv)
     torch.testing.assert_close(merged["layers.0.gate_up"][:i], w["layers.0.gate_up"][:i])
     torch.testing.assert_close(merged["layers.0.gate_up"][i:], w["layers.0.gate_up"][i:] + d["up"])
@@ -423,6 +429,7 @@ def test_disk_reads_recycle_the_buffer_of_an_adapter_that_left_the_cpu_tier(tmp_
     assert slots.stats.disk_loads == 4
 
 
+@pytest.mark.cpu_kernels
 def test_the_dominant_adapter_is_packed_once_for_folding_and_repacked_after_its_slot_is_rewritten(tmp_path, config):
     from loraplex.engine.kernels.cpu.decode_step import decode_step_available
     from loraplex.engine.lora.slots import FOLD_MIN_SHARE, FOLD_MIN_TOKENS

@@ -1,4 +1,5 @@
-"""Per-request sampling: seeds, top-k/top-p, penalties, stop strings and stop tokens."""
+"""Per-request sampling: seeds, top-k/top-p, penalties, stop strings and stop tokens (engines and logits on
+the test device, --device)."""
 
 from __future__ import annotations
 
@@ -75,16 +76,16 @@ def _req(**kw) -> Request:
     return Request("r", [1], SamplingParams(**kw), max_tokens=10, stop_ids=frozenset())
 
 
-def test_penalties_follow_openai_formula():
+def test_penalties_follow_openai_formula(device):
     r = _req(presence_penalty=0.5, frequency_penalty=0.25)
     r.output_ids = [2, 2, 2, 3]
-    logits = torch.zeros(1, 6)
+    logits = torch.zeros(1, 6, device=device)
     apply_penalties(logits, [r])
     assert logits[0].tolist() == [0.0, 0.0, -(0.75 + 0.5), -(0.25 + 0.5), 0.0, 0.0]
 
 
-def test_greedy_and_top_k_sampling_pick_allowed_tokens():
-    logits = torch.tensor([[0.0, 5.0, 1.0, 4.9], [0.0, 5.0, 1.0, 4.9]])
+def test_greedy_and_top_k_sampling_pick_allowed_tokens(device):
+    logits = torch.tensor([[0.0, 5.0, 1.0, 4.9], [0.0, 5.0, 1.0, 4.9]], device=device)
     g = _req(temperature=0.0)
     k = _req(temperature=1.0, top_k=2, seed=0)
     picks = {sample(logits.clone(), [g, k])[0][1] for _ in range(50)}
@@ -92,18 +93,18 @@ def test_greedy_and_top_k_sampling_pick_allowed_tokens():
     assert picks == {1, 3}
 
 
-def test_greedy_tokens_match_torch_argmax_on_every_path():
+def test_greedy_tokens_match_torch_argmax_on_every_path(device):
     gen = torch.Generator().manual_seed(7)
-    logits = torch.randn(32, 49152, generator=gen)
+    logits = torch.randn(32, 49152, generator=gen).to(device)
     logits[3, 100:] = logits[3].max()  # a tie: the first index of the maximum wins
     want = logits.argmax(-1).tolist()
-    assert greedy_tokens(logits) == want  # the C kernel (fp32, dense rows)
+    assert greedy_tokens(logits) == want  # on the CPU the C kernel (fp32, dense rows)
     assert greedy_tokens(logits.t().contiguous().t()) == want  # columns dense: torch's argmax
     assert greedy_tokens(logits.to(torch.bfloat16)) == logits.to(torch.bfloat16).argmax(-1).tolist()
 
 
-def test_greedy_rows_of_a_mixed_batch_take_the_argmax():
-    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3))
+def test_greedy_rows_of_a_mixed_batch_take_the_argmax(device):
+    logits = torch.randn(4, 50, generator=torch.Generator().manual_seed(3)).to(device)
     reqs = [_req(temperature=0.0) if i % 2 else _req(temperature=1.0, seed=i) for i in range(4)]
     out, logprobs = sample(logits.clone(), reqs)
     assert logprobs == [None] * 4  # none asked

@@ -174,47 +174,55 @@ def test_adapter_requests_speculate_and_keep_their_tokens(tmp_path):
     assert cores[4].stats().spec_accepted_tokens > 0
 
 
-@pytest.mark.parametrize("path", ["fused", "per_op", "torch"])
-def test_a_sequences_new_tokens_as_decode_rows_see_exactly_the_tokens_before_them(path, monkeypatch):
+@pytest.mark.parametrize("path", [pytest.param("fused", marks=pytest.mark.cpu_kernels),
+                                  pytest.param("per_op", marks=pytest.mark.cpu_kernels), "torch_sdpa", "triton_paged"])
+def test_a_sequences_new_tokens_as_decode_rows_see_exactly_the_tokens_before_them(path, monkeypatch, device):
     """Drafts after a context are decode rows, each with its own length: their logits equal those of
-    decoding the same tokens one at a time (fused C step, per-op C attention, torch SDPA)."""
+    decoding the same tokens one at a time, on the test device (fused C step and per-op C attention on
+    the CPU; torch SDPA; Triton paged attention, on the CPU in the interpreter)."""
     import torch
 
+    from loraplex.engine.attention.triton_paged import PagedMetadata
     from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
-    from loraplex.engine.models.attention import build_metadata
     from loraplex.engine.models.layer_ops import CpuKernelOps
     from loraplex.engine.models.llama import LlamaModel
     from loraplex.engine.models.synthetic import synthetic_model
 
     config, weights, _ = synthetic_model("tiny")
-    dtype = torch.float64 if path == "torch" else torch.float32  # the C kernels serve fp32 only
-    model = LlamaModel(config, {name: w.to(dtype) for name, w in weights.items()})
-    assert isinstance(model.ops, CpuKernelOps) == (path != "torch")
+    dtype = torch.float32
+    model = LlamaModel(config, {name: w.to(device, dtype) for name, w in weights.items()},
+                       attention="cpu_c" if path in ("fused", "per_op") else path)
+    if path in ("fused", "per_op"):
+        assert isinstance(model.ops, CpuKernelOps) and model.attention.fused_decode_step
     if path == "per_op":
         monkeypatch.setattr(model.ops, "decode_step", None)
     g = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, config.vocab_size, (35,), generator=g)
-    blocks, cpu = [1, 2, 3], torch.device("cpu")
+    ids = torch.randint(0, config.vocab_size, (35,), generator=g).to(device)
+    blocks = [1, 2, 3]
+
+    def positions(*span: int) -> torch.Tensor:
+        return torch.arange(*span, device=device)
+
+    def metadata(computed: int, new: int):
+        return model.attention.build_metadata([(computed, new, blocks)], 16, device, dtype)
 
     def cache():
-        storage = allocate_kv_storage(config.num_layers, 4, 16, config.num_kv_heads, config.head_dim, dtype, cpu)
-        prefill = build_metadata([(0, 30, blocks)], 16, cpu, dtype)
-        model.forward(ids[:30], torch.arange(30), prefill, layer_views(storage), torch.tensor([29]))
+        storage = allocate_kv_storage(config.num_layers, 4, 16, config.num_kv_heads, config.head_dim, dtype, device)
+        model.forward(ids[:30], positions(30), metadata(0, 30), layer_views(storage), positions(29, 30))
         return layer_views(storage)
 
     one_by_one, kv = [], cache()
     for p in range(30, 35):
-        meta = build_metadata([(p, 1, blocks)], 16, cpu, dtype)
-        one_by_one.append(model.forward(ids[p:p + 1], torch.tensor([p]), meta, kv, torch.tensor([0]))[0])
-    meta = build_metadata([(30, 5, blocks)], 16, cpu, dtype)
-    assert meta.decode_all and meta.decode_lens.tolist() == [31, 32, 33, 34, 35]
-    together = model.forward(ids[30:35], torch.arange(30, 35), meta, cache(), torch.arange(5))
+        one_by_one.append(model.forward(ids[p:p + 1], positions(p, p + 1), metadata(p, 1), kv, positions(1))[0])
+    meta = metadata(30, 5)
+    lens = meta.lens if isinstance(meta, PagedMetadata) else meta.decode_lens
+    assert meta.decode_all and lens.tolist() == [31, 32, 33, 34, 35]
+    together = model.forward(ids[30:35], positions(30, 35), meta, cache(), positions(5))
     torch.testing.assert_close(together, torch.stack(one_by_one), rtol=1e-5, atol=1e-5)
-    prefill_path = build_metadata([(30, 9, blocks)], 16, cpu)  # more new tokens than decode rows take
-    assert not prefill_path.decode_all and prefill_path.prefills
+    assert not metadata(30, 9).decode_all  # more new tokens than decode rows take: a prefill chunk
 
 
-def test_sampled_drafts_leave_every_token_distributed_as_plain_sampling():
+def test_sampled_drafts_leave_every_token_distributed_as_plain_sampling(device):
     """Speculative sampling with deterministic drafts: the first token is distributed as the first
     row's p, and the second, given the first draft was emitted, as the second row's."""
     import torch
@@ -225,7 +233,7 @@ def test_sampled_drafts_leave_every_token_distributed_as_plain_sampling():
     vocab, drafts, n = 6, [2, 4], 20000
     logits = torch.tensor([[1.0, 0.5, 1.5, 0.0, -1.0, 0.2],  # after the last token: draft 2 is likely
                            [0.3, 0.1, 0.0, 0.2, 0.1, -0.5],  # after draft 2: draft 4 is not favoured
-                           [0.0, 2.0, 0.0, 0.0, 0.0, 0.0]])  # after draft 4
+                           [0.0, 2.0, 0.0, 0.0, 0.0, 0.0]], device=device)  # after draft 4
     sp = SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95)
     first = torch.zeros(vocab)
     second = torch.zeros(vocab)
@@ -242,7 +250,7 @@ def test_sampled_drafts_leave_every_token_distributed_as_plain_sampling():
 
     def target(row):
         from loraplex.engine.sampler import _filter_top_k_top_p
-        return _filter_top_k_top_p(logits[row] / sp.temperature, sp.top_k, sp.top_p).softmax(-1)
+        return _filter_top_k_top_p(logits[row] / sp.temperature, sp.top_k, sp.top_p).softmax(-1).cpu()
 
     assert (first / n - target(0)).abs().max() < 0.012
     assert (second / second.sum() - target(1)).abs().max() < 0.015
