@@ -14,6 +14,15 @@ from pathlib import Path
 
 DEFAULT_MODEL = "smollm2-135m"
 
+# Where a benchmark runs (bench/roofline.py's rules; checked when it runs, not here, so the CLI starts without torch).
+DEVICE_OPTIONS: list[tuple[str, dict]] = [
+    ("--device", {"default": "auto", "help": "auto (cuda when present, else cpu), cpu, cuda or cuda:N"}),
+    ("--dtype", {"default": "auto", "choices": ["auto", "float32", "bfloat16", "float16"],
+                 "help": "auto: bfloat16 on CUDA, float32 on the CPU (as EngineConfig.dtype)"}),
+]
+ENGINE_DEVICE_OPTIONS = [*DEVICE_OPTIONS, ("--attention-backend", {
+    "default": "auto", "help": "auto, torch_sdpa, cpu_c or triton_paged (EngineConfig.attention_backend)"})]
+
 # name -> (module, help, [(flag, kwargs)]); every benchmark also takes --json PATH.
 BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
     "engine": ("engine", "engine tokens/s vs HF transformers, with the machine's roofline", [
@@ -24,6 +33,7 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--skip-hf", {"action": "store_true", "help": "measure our engine only"}),
         ("--rounds", {"type": int, "default": 3,
                       "help": "interleaved rounds; each system's best round counts (a shared VM's noise only slows)"}),
+        *ENGINE_DEVICE_OPTIONS,
     ]),
     "lora": ("lora", "multi-LoRA tokens/s (identical, zipf, distinct, zipf in a rank-64 fleet, zipf and distinct "
                      "on bf16 slots) vs base and HF PEFT", [
@@ -38,6 +48,13 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--rounds", {"type": int, "default": 3,
                       "help": "rounds, each with the patterns' engines taking turns step by step, then "
                               "HF PEFT's batch; all count"}),
+        *ENGINE_DEVICE_OPTIONS,
+    ]),
+    "kernels": ("kernels", "Triton SGMV/BGMV LoRA and paged-attention kernels vs the torch path on the same inputs, "
+                           "with errors against the references and decode attention's GB/s against the device's", [
+        *DEVICE_OPTIONS,
+        ("--quick", {"action": "store_true",
+                     "help": "tiny shapes (a smoke run; the only size on the CPU, under TRITON_INTERPRET=1)"}),
     ]),
     "weights": ("weights", "bf16 base weights (--weight-dtype bfloat16) vs fp32 ones: tokens/s at each batch, "
                            "agreement of greedy tokens, batch 1 against the memory roofline", [

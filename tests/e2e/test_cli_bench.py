@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 
+import torch
+
 from loraplex.cli.bench.soak_hostile import hostile_requests
 from tests.e2e.server import PG_SERVER
-from tests.e2e.test_cli_generate import loraplex
+from tests.e2e.test_cli_generate import ENV, loraplex
 
 
 def run_bench(tmp_path, *args: str) -> dict:
@@ -19,11 +21,40 @@ def run_bench(tmp_path, *args: str) -> dict:
 
 def test_bench_engine_reports_ours_and_roofline(tmp_path):
     r = run_bench(tmp_path, "engine", "--model", "synthetic:tiny", "--skip-hf", "--batch", "4",
-                  "--batch1-prompts", "1", "--new-tokens", "4", "--rounds", "2")
+                  "--batch1-prompts", "1", "--new-tokens", "4", "--rounds", "2", "--device", "cpu",
+                  "--attention-backend", "torch_sdpa")
+    machine = r["machine"]  # where it ran: --dtype auto is fp32 on the CPU
+    assert (machine["device"], machine["dtype"], r["dtype"]) == ("cpu", "float32", "float32")
+    assert machine["attention_backend"] == machine["attention_backend_used"] == "torch_sdpa" and machine["device_name"]
+    assert machine["torch"] == torch.__version__ and machine["triton"]
     assert r["roofline"]["mem_read_gbs"] > 0 and r["roofline"]["gemm_gflops"] > 0
     for key in ("batch1", "batch4"):
         assert r[key]["ours_tok_s"] > 0 and r[key]["roofline_tok_s"] > 0
         assert len(r["rounds"][f"{key}.ours"]) == 2 and r[key]["ours_tok_s"] == max(r["rounds"][f"{key}.ours"])
+
+
+def test_bench_engine_refuses_an_unknown_device_in_one_line(tmp_path):
+    done = loraplex("bench", "engine", "--model", "synthetic:tiny", "--device", "tpu",
+                    "--json", str(tmp_path / "r.json"))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.strip() == "loraplex: error: --device must be auto, cpu, cuda or cuda:N, got 'tpu'"
+    assert not (tmp_path / "r.json").exists()
+
+
+def test_bench_kernels_quick_runs_every_kernel_in_the_interpreter(tmp_path, monkeypatch):
+    monkeypatch.setitem(ENV, "TRITON_INTERPRET", "1")  # the CPU runs the Triton kernels in the interpreter
+    r = run_bench(tmp_path, "kernels", "--quick", "--device", "cpu")
+    assert (r["device"], r["dtype"], r["quick"]) == ("cpu", "float32", True) and "interpreter" in r["note"]
+    assert r["machine"]["triton"] and r["roofline"]["mem_read_gbs"] > 0
+    assert set(r["lora"]) == {"bgmv_decode", "sgmv_prefill"}
+    assert set(r["attention"]) == {"prefill", *(f"decode_ctx{ctx}" for ctx in r["shapes"]["contexts"])}
+    for case in [*r["lora"].values(), *r["attention"].values()]:  # fp32: both paths match the references
+        assert case["max_abs_err_triton"] < 1e-4 and case["max_abs_err_torch"] < 1e-4, case
+        assert case["triton_us"] > 0 and case["torch_us"] > 0 and case["triton_speedup"] > 0
+    shapes = r["shapes"]
+    decode = r["attention"][f"decode_ctx{shapes['contexts'][0]}"]  # K and V of every row's context, 4-byte fp32
+    assert decode["kv_bytes"] == 2 * shapes["batch"] * decode["context"] * shapes["kv_heads"] * shapes["head_dim"] * 4
+    assert decode["fraction_of_read_bandwidth"] == round(decode["triton_gbs"] / r["roofline"]["mem_read_gbs"], 3)
 
 
 def test_bench_prefix_and_priority_compare_both_sides(tmp_path):
@@ -43,6 +74,7 @@ def test_bench_prefix_and_priority_compare_both_sides(tmp_path):
 
 def test_bench_lora_reports_every_pattern_peft_and_both_loads(tmp_path):
     r = run_bench(tmp_path, "lora", "--model", "synthetic:tiny", "--batch", "4", "--new-tokens", "2", "--rounds", "1")
+    assert (r["machine"]["device"], r["dtype"], r["machine"]["attention_backend"]) == ("cpu", "float32", "auto")
     assert [r[k]["distinct_adapters"] for k in ("identical", "distinct")] == [1, 4]
     assert 1 <= r["zipf"]["distinct_adapters"] <= 4
     assert r["zipf_rank64_fleet"]["distinct_adapters"] == r["zipf"]["distinct_adapters"]
