@@ -4,12 +4,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
+import pytest
 import torch
 
+from loraplex.cli.bench.engine import BenchTarget
+from loraplex.cli.bench.kernels import run_kernels_bench
 from loraplex.cli.bench.soak_hostile import hostile_requests
 from tests.e2e.server import PG_SERVER
-from tests.e2e.test_cli_generate import ENV, loraplex
+from tests.e2e.test_cli_generate import loraplex
 
 
 def run_bench(tmp_path, *args: str) -> dict:
@@ -33,17 +37,17 @@ def test_bench_engine_reports_ours_and_roofline(tmp_path):
         assert len(r["rounds"][f"{key}.ours"]) == 2 and r[key]["ours_tok_s"] == max(r["rounds"][f"{key}.ours"])
 
 
-def test_bench_engine_refuses_an_unknown_device_in_one_line(tmp_path):
-    done = loraplex("bench", "engine", "--model", "synthetic:tiny", "--device", "tpu",
-                    "--json", str(tmp_path / "r.json"))
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.strip() == "loraplex: error: --device must be auto, cpu, cuda or cuda:N, got 'tpu'"
-    assert not (tmp_path / "r.json").exists()
+def test_bench_targets_refuse_an_unknown_device_dtype_or_backend_before_loading():
+    """(The CLI prints such a ValueError as one line, `loraplex: error: ...`, like every option error.)"""
+    for kwargs, says in [({"device": "tpu"}, "--device must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+                         ({"dtype": "int4"}, "int4"), ({"attention_backend": "flash"}, "attention_backend")]:
+        with pytest.raises(ValueError, match=re.escape(says)):
+            BenchTarget.parse(**kwargs)
 
 
-def test_bench_kernels_quick_runs_every_kernel_in_the_interpreter(tmp_path, monkeypatch):
-    monkeypatch.setitem(ENV, "TRITON_INTERPRET", "1")  # the CPU runs the Triton kernels in the interpreter
-    r = run_bench(tmp_path, "kernels", "--quick", "--device", "cpu")
+def test_bench_kernels_quick_runs_every_kernel_in_the_interpreter():
+    """In process (the test session runs Triton in its interpreter); the CLI around it is bench_cmd's."""
+    r = run_kernels_bench(device="cpu", quick=True)
     assert (r["device"], r["dtype"], r["quick"]) == ("cpu", "float32", True) and "interpreter" in r["note"]
     assert r["machine"]["triton"] and r["roofline"]["mem_read_gbs"] > 0
     assert set(r["lora"]) == {"bgmv_decode", "sgmv_prefill"}
