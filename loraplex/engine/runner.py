@@ -1,6 +1,9 @@
 """Turns a scheduled batch into tensors, runs the model over the paged KV cache, samples.
 
-The batch is flat: every scheduled token of every request, in batch order, no padding.
+The batch is flat: every scheduled token of every request, in batch order, no padding. The runner
+reads the requests and writes nothing onto them: `execute` returns the step's results as a StepOutput
+(sampled tokens, their log-probabilities, rejected drafts, prompt log-probabilities), which
+`Scheduler.update` and the core apply.
 """
 
 from __future__ import annotations
@@ -12,8 +15,9 @@ from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
 from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.llama import LlamaModel
-from loraplex.engine.sampler import StepLogprobs, sample_steps, token_logprobs
+from loraplex.engine.sampler import sample_steps, token_logprobs
 from loraplex.engine.sched.scheduler import ScheduledBatch
+from loraplex.engine.step_output import StepOutput
 
 
 class StepLora:
@@ -70,10 +74,10 @@ class ModelRunner:
             self.kv_storage[:, :, dst] = self.swap_storage[:, :, torch.tensor(cpu_ids)].to(self.device)
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[list[list[int]], list[list[StepLogprobs | None]]]:
+    def execute(self, batch: ScheduledBatch) -> StepOutput:
         """Computes the batch's tokens; returns the new tokens of each `batch.sampled()` request (one, or
-        with drafts the ones the model agreed with and its own next), and their log-probabilities where
-        it asked for them."""
+        with drafts the ones the model agreed with and its own next), their log-probabilities where it
+        asked for them, its rejected drafts, and the prompt log-probabilities this step computed."""
         if batch.swap_out or batch.swap_in:
             self._swap(batch)
         ids: list[int] = []
@@ -108,15 +112,15 @@ class ModelRunner:
             torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev),
             lora=self._step_lora(token_slots),
         )  # [sampled + prompt rows, vocab]
+        out = StepOutput()
         if prompt_rows:
             found = token_logprobs(logits[len(logits_rows):], [t for _, t in prompt_targets],
                                    [r.sampling.prompt_logprobs for r, _ in prompt_targets])
-            for (req, _), step in zip(prompt_targets, found, strict=True):
-                req.prompt_logprobs.append(step)
+            out.prompt_logprobs = [(req, step) for (req, _), step in zip(prompt_targets, found, strict=True)]
             logits = logits[:len(logits_rows)]
-        if not sampled:
-            return [], []
-        return sample_steps(logits, sampled)
+        if sampled:
+            out.tokens, out.logprobs, out.num_rejected = sample_steps(logits, sampled)
+        return out
 
     def _step_lora(self, token_slots: list[int]) -> StepLora | None:
         if self.lora_slots is None or max(token_slots) < 0:

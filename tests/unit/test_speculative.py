@@ -241,8 +241,8 @@ def test_sampled_drafts_leave_every_token_distributed_as_plain_sampling(device):
         r = Request(f"r{i}", [1], sp, max_tokens=8, stop_ids=frozenset())
         r.generator.manual_seed(i)
         r.spec_ids = list(drafts)
-        (tokens,), _ = sample_steps(logits.clone(), [r])
-        assert 1 <= len(tokens) <= 3 and r.num_rejected == 3 - len(tokens)
+        (tokens,), _, (rejected,) = sample_steps(logits.clone(), [r])
+        assert 1 <= len(tokens) <= 3 and rejected == 3 - len(tokens)
         assert tokens[:-1] == drafts[:len(tokens) - 1]  # only drafts are kept, in order
         first[tokens[0]] += 1
         if tokens[0] == drafts[0]:

@@ -36,6 +36,7 @@ class Request:
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0
+    # KV state, written by the KV manager only (kv/manager.py):
     num_cached: int = 0  # prompt tokens served from the prefix cache
     blocks: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)  # content hashes of its full blocks, in order
@@ -49,10 +50,10 @@ class Request:
     guide: Guide | None = None  # holds the output to `sampling.json_schema`
     # sampling.logit_bias as (ids [n] long, values [n] fp32) on the logits' device, built once (at prepare)
     bias: tuple[torch.Tensor, torch.Tensor] | None = None
-    # (logprob, top) of prompt tokens 1.. as their positions are computed; None when not asked for
+    # (logprob, top) of prompt tokens 1.. as their positions are computed (appended by Scheduler.update
+    # from the step output); None when not asked for
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] | None = None
     spec_ids: list[int] = field(default_factory=list)  # draft tokens this step verifies after its last token
-    num_rejected: int = 0  # of this step's drafts, those the model did not agree with (set by the sampler)
 
     def __post_init__(self) -> None:
         if self.sampling.prompt_logprobs is not None:

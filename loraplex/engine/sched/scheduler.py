@@ -1,14 +1,16 @@
 """Token-budget scheduler: continuous batching with chunked prefill, priority classes, preemption
-and prefix caching.
+and prefix caching. Policy only: who runs, with how many tokens and drafts, and whom to preempt; the
+KV blocks, prefix hashes and their counters are the KV manager's (kv/manager.py), asked per request.
 
 Each step grants tokens under `max_num_batched_tokens`: running requests first, highest class and
 oldest first (their decodes and unfinished prefill chunks), then waiting requests in weighted
 class order (queues.py) while sequences and tokens remain. When the KV pool runs short, the lowest
 class's newest running request is preempted: recompute (its blocks are freed, and it is prefilled
 again later, mostly from the prefix cache) or swap (its blocks are copied to a CPU swap space and
-back). A step that preempts for blocks admits nobody. A waiting request may also preempt running
-requests of a lower class to get a sequence slot or blocks (priority preemption). The runner copies
-swap-outs before swap-ins, and swap space freed by a swap-in is only reused after the step.
+back, when the swap space has room). A step that preempts for blocks admits nobody. A waiting
+request may also preempt running requests of a lower class to get a sequence slot or blocks
+(priority preemption). The runner copies swap-outs before swap-ins, and swap space freed by a
+swap-in is only reused after the step.
 
 A prefix is computed once even when several requests bring it at the same time (the choices of an
 `n > 1` request, a fleet's shared system prompt at a cold start): a waiting request whose next
@@ -22,6 +24,10 @@ after its last token, in the same step; the sampler keeps those the model's dist
 and `update` counts only those as computed (the rejected drafts' KV lies past `num_computed`, to be
 overwritten).
 
+After the runner's step, `update(batch, output)` applies its StepOutput (step_output.py): progress,
+kept drafts, prompt log-probabilities, newly full blocks to the prefix cache. The runner and the
+sampler write nothing onto requests; the core then appends the sampled tokens to the output.
+
 A request for a LoRA adapter holds a device slot while it runs. A step never needs more distinct
 adapters than there are slots: a waiting request whose adapter finds no free slot is passed over
 (keeping its place) until a running request releases one. A request whose adapter cannot be loaded
@@ -33,14 +39,16 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from loraplex.engine.api import PRIORITY_CLASSES, EngineError
-from loraplex.engine.kv.block_pool import BlockPool
-from loraplex.engine.kv.prefix_cache import chain_hashes, root_hash
+from loraplex.engine.kv.manager import KVManager
 from loraplex.engine.sched.ngram import propose
 from loraplex.engine.sched.queues import RANK, PriorityQueues
 from loraplex.engine.sched.request import Request, Status
+
+if TYPE_CHECKING:
+    from loraplex.engine.step_output import StepOutput
 
 
 @dataclass
@@ -68,29 +76,21 @@ class AdapterSlots(Protocol):
 
     def release(self, adapter_id: str) -> None: ...
 
-    def registration(self, adapter_id: str) -> int: ...
-
 
 @dataclass
 class SchedulerCounters:
+    """Preemptions by priority class, since start (the KV counters are KVManager.stats)."""
+
     preemptions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PRIORITY_CLASSES, 0))
-    swapped_out_blocks: int = 0
-    swapped_in_blocks: int = 0
-    prefix_query_tokens: int = 0
-    prefix_hit_tokens: int = 0
 
 
 class Scheduler:
-    def __init__(self, pool: BlockPool, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 model: str = "", priority_weights: tuple[float, ...] = (10.0, 5.0, 1.0),
-                 aging_s: float = 30.0, swap_pool: BlockPool | None = None, prefix_caching: bool = True,
+    def __init__(self, kv: KVManager, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 priority_weights: tuple[float, ...] = (10.0, 5.0, 1.0), aging_s: float = 30.0,
                  speculative_tokens: int = 0, speculative_max_seqs: int = 8):
-        self.pool = pool
+        self.kv = kv
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.model = model
-        self.swap_pool = swap_pool  # None: preemption recomputes
-        self.prefix_caching = prefix_caching
         self.speculative_tokens = speculative_tokens
         self.speculative_max_seqs = speculative_max_seqs
         self.adapters: AdapterSlots | None = None  # set when the engine first registers an adapter
@@ -131,10 +131,10 @@ class Scheduler:
             req = self.running[i]
             n = min(req.num_tokens - req.num_computed, budget)
             req.spec_ids = drafts.get(id(req), [])[:budget - n]
-            if req.spec_ids and not self._grow(req, n + len(req.spec_ids)):
+            if req.spec_ids and not self.kv.grow(req, n + len(req.spec_ids)):
                 req.spec_ids = []  # no blocks to spare for guesses
             n += len(req.spec_ids)
-            if not self._grow(req, n):
+            if not self.kv.grow(req, n):
                 # Out of blocks: preempt the lowest class's newest (the sort put it last) and retry;
                 # if that is this request itself, the ones after it in the list are tried next.
                 self._preempt(self.running[-1], batch)
@@ -154,30 +154,30 @@ class Scheduler:
         """Frees the CPU swap blocks of the batch's swap-ins, once (their requests now hold device blocks):
         by update() after the step ran, or by the core when the step failed and update() never runs."""
         for cpu_ids, _ in batch.swap_in:
-            self.swap_pool.free(cpu_ids)
+            self.kv.free_swap(cpu_ids)
         batch.swap_in = []
 
-    def update(self, batch: ScheduledBatch) -> None:
-        """Records that the batch ran: advances progress and caches newly full blocks."""
+    def update(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """Records that the batch ran, from the runner's output alone: advances each request by its
+        tokens less the drafts the model did not keep, records prompt log-probabilities, and caches
+        newly full blocks. (The core appends the sampled tokens to the requests' output after this.)"""
         self.release_swap_ins(batch)  # copied back now: the swap space may reuse them
-        bs = self.pool.block_size
+        rejected = {id(r): k for r, k in zip(batch.sampled(), output.num_rejected, strict=True)}
+        for req, step in output.prompt_logprobs:
+            req.prompt_logprobs.append(step)
         for req, n in batch.entries:
-            req.num_computed += n - req.num_rejected
-            kept = req.spec_ids[:len(req.spec_ids) - req.num_rejected]  # join the output after this
-            req.spec_ids, req.num_rejected = [], 0
-            full = req.num_computed // bs
-            if self.prefix_caching and full > req.num_registered:
-                self._hashes(req, full, kept)
-                for idx in range(req.num_registered, full):
-                    self.pool.register(req.blocks[idx], req.block_hashes[idx])
-                req.num_registered = full
+            k = rejected.get(id(req), 0)
+            req.num_computed += n - k
+            kept = req.spec_ids[:len(req.spec_ids) - k]  # join the output after this
+            req.spec_ids = []
+            self.kv.cache_full_blocks(req, kept)
 
     # --- admission ------------------------------------------------------------------------------
 
     def _admit(self, batch: ScheduledBatch, budget: int) -> int:
         """Moves waiting requests to running in weighted class order while sequences, tokens and
         blocks last. A request that finds no room may preempt running requests of a lower class."""
-        self._in_prefill = self._blocks_in_prefill()
+        self._in_prefill = self.kv.blocks_in_prefill(self.running) if self.waiting else set()
         for req in list(self.waiting.in_admission_order()):
             if budget <= 0:
                 break
@@ -199,7 +199,7 @@ class Scheduler:
             req.status = Status.RUNNING
             self.running.append(req)
             self._admitted_now.add(id(req))
-            self._in_prefill.update(self._prompt_blocks_to_compute(req))
+            self._in_prefill.update(self.kv.prompt_blocks_to_compute(req))
             n = min(budget, req.num_tokens - req.num_computed)
             batch.entries.append((req, n))
             budget -= n
@@ -226,32 +226,22 @@ class Scheduler:
         k = min(self.speculative_tokens, req.max_tokens - len(req.output_ids) - 1)
         return propose(req.prompt_ids + req.output_ids, k) if k > 0 and req.can_speculate else []
 
-    def _blocks_in_prefill(self) -> set[bytes]:
-        if not (self.prefix_caching and self.waiting):
-            return set()
-        return {h for r in self.running for h in self._prompt_blocks_to_compute(r)}
-
-    def _prompt_blocks_to_compute(self, req: Request) -> list[bytes]:
-        """The hashes of the full prompt blocks a running request has still to compute (and will cache)."""
-        if not self.prefix_caching:
-            return []
-        full = len(req.prompt_ids) // self.pool.block_size
-        if req.num_registered >= full:
-            return []
-        return self._hashes(req, full)[req.num_registered:full]
-
     def _awaits_prefix(self, req: Request) -> bool:
         """A fresh request whose first block missing from the cache is being computed by a running one."""
         if not self._in_prefill or req.num_computed or req.status is not Status.WAITING or req.needs_prompt_logits:
             return False
-        usable = (req.num_tokens - 1) // self.pool.block_size
-        hashes = self._hashes(req, usable)[:usable]
-        hits = len(self.pool.lookup(hashes))
-        return hits < usable and hashes[hits] in self._in_prefill
+        return self.kv.next_uncached_block(req) in self._in_prefill
 
     def _place(self, req: Request, budget: int, batch: ScheduledBatch) -> bool:
+        """Gives an admitted request its blocks for up to `budget` tokens (back from the swap space, or
+        fresh with any cached prefix), or returns False having taken none."""
         n = min(req.num_tokens - req.num_computed, budget)
-        return self._swap_in(req, n, batch) if req.status is Status.SWAPPED else self._start(req, n)
+        if req.status is not Status.SWAPPED:
+            return self.kv.start(req, n)
+        copy = self.kv.swap_in(req, n)
+        if copy is not None:
+            batch.swap_in.append(copy)  # its CPU blocks are freed in update()
+        return copy is not None
 
     def _make_room(self, req: Request, batch: ScheduledBatch) -> int | None:
         """Preempts the newest running request of the lowest class below req's; returns the tokens
@@ -273,64 +263,6 @@ class Scheduler:
                 break
         self._preempt(victim, batch)
         return freed
-
-    def _start(self, req: Request, n: int) -> bool:
-        """Reuses the longest cached prefix, then allocates for the first chunk (or takes nothing)."""
-        hits: list[int] = []
-        if self.prefix_caching and req.num_computed == 0 and not req.needs_prompt_logits:
-            usable = (req.num_tokens - 1) // self.pool.block_size  # the last token is always computed
-            hits = self.pool.lookup(self._hashes(req, usable)[:usable])
-            self.pool.take(hits)
-            req.blocks = list(hits)
-            req.num_computed = len(hits) * self.pool.block_size
-            req.num_registered = len(hits)
-        if self._grow(req, min(n, req.num_tokens - req.num_computed)):
-            if not req.output_ids:  # first admission: report prompt tokens served from the cache
-                req.num_cached = req.num_computed
-                self.counters.prefix_query_tokens += len(req.prompt_ids)
-                self.counters.prefix_hit_tokens += req.num_computed
-            return True
-        self.pool.free(hits)
-        req.blocks, req.num_computed, req.num_registered = [], 0, 0
-        return False
-
-    def _swap_in(self, req: Request, n: int, batch: ScheduledBatch) -> bool:
-        held = len(req.swap_blocks)
-        if not self.pool.can_allocate(self.pool.blocks_for(req.num_computed + n)):  # held blocks + growth
-            return False
-        device = self.pool.allocate(held)
-        batch.swap_in.append((list(req.swap_blocks), list(device)))  # CPU blocks freed in update()
-        self.counters.swapped_in_blocks += held
-        req.blocks, req.swap_blocks, req.num_registered = device, [], 0
-        return self._grow(req, n)
-
-    def _hashes(self, req: Request, n_blocks: int, kept: list[int] = ()) -> list[bytes]:
-        """The content hashes of the request's first n_blocks full blocks (computed once each); `kept`:
-        tokens past the request's own, this step's kept drafts."""
-        have = len(req.block_hashes)
-        if n_blocks > have:
-            parent = req.block_hashes[-1] if have else self._root_hash(req)
-            start, end = have * self.pool.block_size, n_blocks * self.pool.block_size
-            tokens = req.token_ids(start, end)
-            if end > req.num_tokens:
-                tokens = tokens + list(kept[max(0, start - req.num_tokens):end - req.num_tokens])
-            req.block_hashes.extend(chain_hashes(parent, tokens, self.pool.block_size, 0, n_blocks - have))
-        return req.block_hashes
-
-    def _root_hash(self, req: Request) -> bytes:
-        # A request's adapter stays registered while it is in the engine (remove_adapter waits for it).
-        registration = self.adapters.registration(req.adapter) if req.adapter is not None else 0
-        return root_hash(self.model, req.adapter, registration, req.cache_salt)
-
-    def _grow(self, req: Request, n: int) -> bool:
-        """Gives `req` the blocks to hold n more tokens, or returns False having taken none."""
-        need = self.pool.blocks_for(req.num_computed + n) - len(req.blocks)
-        if need <= 0:
-            return True
-        if not self.pool.can_allocate(need):
-            return False
-        req.blocks.extend(self.pool.allocate(need))
-        return True
 
     def _take_adapter_slot(self, req: Request) -> bool:
         if req.adapter is None:
@@ -356,18 +288,13 @@ class Scheduler:
         self.running.remove(req)
         req.spec_ids = []
         self._drop_adapter_slot(req)
-        swap = self.swap_pool
-        if swap is not None and req.blocks and swap.can_allocate(len(req.blocks)):
-            req.swap_blocks = swap.allocate(len(req.blocks))
-            batch.swap_out.append((list(req.blocks), list(req.swap_blocks)))
-            self.counters.swapped_out_blocks += len(req.blocks)
+        copy = self.kv.preempt(req)
+        if copy is not None:
+            batch.swap_out.append(copy)
             req.status = Status.SWAPPED
         else:  # recompute: its tokens stay known; the prefix cache may still hold its blocks
             req.num_computed = 0
             req.status = Status.WAITING
-        self.pool.free(req.blocks)
-        req.blocks = []
-        req.num_registered = 0
         req.num_preemptions += 1
         self.counters.preemptions[req.priority] += 1
         self.waiting.add(req, front=True)
@@ -381,9 +308,6 @@ class Scheduler:
             self._drop_adapter_slot(req)
         else:
             self.waiting.remove(req)
-        self.pool.free(req.blocks)
-        if req.swap_blocks:
-            self.swap_pool.free(req.swap_blocks)
-        req.blocks, req.swap_blocks = [], []
+        self.kv.free(req)
         req.status = Status.FINISHED
         req.finish_reason = reason
