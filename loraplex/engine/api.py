@@ -78,6 +78,8 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
+    # keeps the tokens at least min_p times as likely as the most likely one (after temperature); 0 = off
+    min_p: float = 0.0
     seed: int | None = None
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -108,6 +110,8 @@ class SamplingParams:
             raise InvalidRequestError(f"temperature must be >= 0, got {self.temperature}", "temperature")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}", "top_p")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise InvalidRequestError(f"min_p must be in [0, 1], got {self.min_p}", "min_p")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}", "top_k")
         if self.seed is not None and not -(2**63) <= self.seed < 2**64:
@@ -256,6 +260,13 @@ class EngineStats:
     model_weight_bytes: int = 0
     model_loads: int = 0
     model_evictions: int = 0
+    # memory sizing (engine/memory.py): the KV caches' memory; on CUDA, where the KV cache was sized by
+    # measurement, the device memory for weights + KV cache + adapter slots that gpu_memory_utilization left
+    # after other memory and a maximum-size step's activations (peak_step_bytes); those three are 0 elsewhere
+    kv_cache_bytes: int = 0
+    memory_budget_bytes: int = 0
+    gpu_memory_utilization: float = 0.0
+    peak_step_bytes: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
