@@ -16,7 +16,7 @@ _CONFIG_OPTIONS = {"device": "device", "dtype": "dtype", "max_model_len": "max_m
                    "speculative_tokens": "speculative_tokens", "max_loras": "max_loras",
                    "max_cpu_loras": "max_cpu_loras", "max_lora_rank": "max_lora_rank", "lora_dtype": "lora_dtype",
                    "weight_dtype": "weight_dtype", "threads": "num_threads",
-                   "attention_backend": "attention_backend"}
+                   "attention_backend": "attention_backend", "gpu_memory_utilization": "gpu_memory_utilization"}
 ENGINE_OPTIONS = ("model", "memory_budget_mb", "kv_cache_mb", *_CONFIG_OPTIONS)
 ATTENTION_BACKEND_HELP = ("attention kernels: auto (default: triton_paged on CUDA, cpu_c on the CPU with the C "
                           "kernels, else torch_sdpa), torch_sdpa, cpu_c or triton_paged")
@@ -29,11 +29,17 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                         f"the first loaded at start and the default (default {DEFAULT_MODEL})")
     g.add_argument("--memory-budget-mb", type=int,
                    help="with several models: device memory for their weights, KV caches and adapter slots together "
-                        "(default 80%% of the device's); idle models are evicted, least recently used first")
+                        "(default: on CUDA --gpu-memory-utilization of the device less the memory in use at start, "
+                        "elsewhere 80%% of the host's); idle models are evicted, least recently used first")
     g.add_argument("--device", help="auto (default), cpu, cuda or cuda:N")
     g.add_argument("--dtype", help="auto (default: bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16")
     g.add_argument("--max-model-len", type=int, help="context length (default: the model's, at most 8192)")
-    g.add_argument("--kv-cache-mb", type=int, help=f"KV cache size in MiB (default {DEFAULT_KV_CACHE_MB})")
+    g.add_argument("--kv-cache-mb", type=int,
+                   help=f"KV cache size in MiB (default: on CUDA what --gpu-memory-utilization leaves after the "
+                        f"weights and a maximum-size step, measured at start; elsewhere {DEFAULT_KV_CACHE_MB})")
+    g.add_argument("--gpu-memory-utilization", type=float,
+                   help="CUDA: the fraction of the device's memory the engine may use, for its weights, KV cache, "
+                        "adapter slots and step activations (0 < f <= 1; default 0.9)")
     g.add_argument("--speculative-tokens", type=int,
                    help="n-gram speculative decoding: draft tokens per request and step, while at most 8 run "
                         "(0: off; default 4)")
@@ -76,13 +82,16 @@ def build_engine(args: argparse.Namespace):
     if args.memory_budget_mb is not None and args.memory_budget_mb <= 0:
         raise ValueError(f"--memory-budget-mb must be positive, got {args.memory_budget_mb}")
     options = {field: getattr(args, dest) for dest, field in _CONFIG_OPTIONS.items() if getattr(args, dest) is not None}
-    config = EngineConfig(model=models[0], kv_cache_bytes=(args.kv_cache_mb or DEFAULT_KV_CACHE_MB) * 2**20, **options)
+    if args.kv_cache_mb is not None and args.kv_cache_mb <= 0:
+        raise ValueError(f"--kv-cache-mb must be positive, got {args.kv_cache_mb}")
+    kv = {} if args.kv_cache_mb is None else {"kv_cache_bytes": args.kv_cache_mb * 2**20}  # None: measured (CUDA)
+    config = EngineConfig(model=models[0], **kv, **options)
     for name in models:
         resolve_model(name)
     if len(models) == 1 and args.memory_budget_mb is None:
         return AsyncEngine.from_config(config)
-    budget = args.memory_budget_mb * 2**20 if args.memory_budget_mb is not None else 0.8
-    pool = ModelPool(memory_budget=budget, device=config.device)
+    budget = args.memory_budget_mb * 2**20 if args.memory_budget_mb is not None else None  # None: measured
+    pool = ModelPool(memory_budget=budget, device=config.device, gpu_memory_utilization=config.gpu_memory_utilization)
     try:
         for name in models:
             pool.register_model(name, config=config)

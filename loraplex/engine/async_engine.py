@@ -141,9 +141,15 @@ class AsyncEngine:
         total: dict = {"running": 0, "waiting": 0, "kv_blocks_total": 0, "kv_blocks_used": 0, "kv_blocks_free": 0,
                        **{k: dict.fromkeys(PRIORITY_CLASSES, 0)
                           for k in ("running_by_class", "waiting_by_class", "preemptions_by_class")}}
-        for core in cores:
-            add_stats(total, vars(core.stats()))
+        per_core = [vars(core.stats()) for core in cores]
+        for stats in per_core:
+            add_stats(total, stats)
         add_stats(total, self.pool.retired)  # (totals since start survive a model's eviction)
+        # settings and peaks, not sums: the utilization asked, the largest step; several models share the pool's budget
+        for key in ("gpu_memory_utilization", "peak_step_bytes", "memory_budget_bytes"):
+            total[key] = max((stats[key] for stats in per_core), default=0)
+        if len(self.pool.models) > 1:
+            total["memory_budget_bytes"] = self.pool.budget
         entries = list(self.pool.models.values())
         total["waiting"] += sum(len(e.pending) for e in entries)
         total.update(models_resident=len(cores), model_loads=sum(sum(e.loads.values()) for e in entries),

@@ -28,7 +28,9 @@ class EngineConfig:
     """One base model's engine: its KV pool and scheduler limits.
 
     dtype "auto" is bfloat16 on CUDA and float32 on CPU. The KV pool holds `num_kv_blocks`
-    blocks, or as many as fit in `kv_cache_bytes` when that is None.
+    blocks, or as many as fit in `kv_cache_bytes` when that is None; when both are None, on CUDA what
+    `gpu_memory_utilization` of the device leaves after the weights and a maximum-size step's
+    activations (measured: engine/memory.py), elsewhere 512 MiB.
     """
 
     model: str = "smollm2-135m"
@@ -39,7 +41,8 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # tokens one step may compute (chunked prefill budget)
     block_size: int = 16
     num_kv_blocks: int | None = None
-    kv_cache_bytes: int = 512 * 1024 * 1024
+    kv_cache_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9  # fraction of the device's memory the engine may use (CUDA)
     num_threads: int | None = None  # CPU: torch threads (None = torch's default)
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (engine/attention)
     # LoRA: device slots (distinct adapters in one step), largest rank, parsed adapters kept in memory.
@@ -105,7 +108,7 @@ class EngineConfig:
         if self.weight_dtype != "auto" and self.torch_dtype not in (torch.float32, _DTYPES[self.weight_dtype]):
             raise ValueError(f"engine config: weight_dtype {self.weight_dtype} needs a float32 model, the model's "
                              f"dtype is {self.dtype}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "kv_cache_bytes", "max_loras",
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras",
                      "max_lora_rank", "max_cpu_loras", "guided_schema_max_bytes", "guided_max_grammar_size",
                      "guided_lexer_fuel", "guided_step_lexer_fuel", "guided_step_max_items", "guided_max_lexer_states"):
             if getattr(self, name) < 1:
@@ -128,6 +131,11 @@ class EngineConfig:
             raise ValueError(f"engine config: max_model_len must be >= 2, got {self.max_model_len}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
             raise ValueError(f"engine config: num_kv_blocks must be >= 1, got {self.num_kv_blocks}")
+        if self.kv_cache_bytes is not None and self.kv_cache_bytes < 1:
+            raise ValueError(f"engine config: kv_cache_bytes must be >= 1, got {self.kv_cache_bytes}")
+        if not 0 < self.gpu_memory_utilization <= 1:  # (false for nan too)
+            raise ValueError(f"engine config: gpu_memory_utilization must be in (0, 1], "
+                             f"got {self.gpu_memory_utilization}")
 
     @property
     def torch_device(self) -> torch.device:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -27,11 +28,13 @@ from loraplex.engine.api import (
 from loraplex.engine.attention.registry import attention_backend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
-from loraplex.engine.frontend import RequestFrontend, kv_blocks
+from loraplex.engine.frontend import RequestFrontend, max_model_len
 from loraplex.engine.guided.masks import start_masks
 from loraplex.engine.kv.block_pool import BlockPool
+from loraplex.engine.kv.manager import KVManager
 from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
+from loraplex.engine.memory import size_kv_cache
 from loraplex.engine.models.loader import LoadedModel, build_model, load_model, resolve_model
 from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import StepLogprobs
@@ -82,21 +85,29 @@ class EngineCore:
         self.weight_bytes = model.weight_bytes() + model.packed_bytes()  # (what stats() reports)
         mcfg = loaded.config
         bs = config.block_size
-        num_blocks = kv_blocks(config, mcfg)
-        self.frontend = RequestFrontend(config.model, loaded.tokenizer, mcfg, config, self._adapter_available)
+        # the KV pool: measured on CUDA unless sized (profiles a maximum-size step; engine/memory.py)
+        self.memory = size_kv_cache(config, model, self.weight_bytes, max_model_len(config, mcfg))
+        num_blocks = self.memory.num_blocks
+        self.frontend = RequestFrontend(config.model, loaded.tokenizer, mcfg, config, self._adapter_available,
+                                        num_blocks)
         self.max_model_len = self.frontend.max_model_len
         self.pool = BlockPool(num_blocks, bs)
         swap_pool = None
         if config.preemption_mode == "swap":
             swap_blocks = max(1, config.swap_space_bytes // (bs * mcfg.kv_bytes_per_token(model.dtype)))
             swap_pool = BlockPool(swap_blocks, bs)
+        # (a request's adapter stays registered while it is in the engine: remove_adapter waits for it)
+        self.kv = KVManager(self.pool, model=config.model, swap_pool=swap_pool,
+                            prefix_caching=config.enable_prefix_caching,
+                            registration=lambda adapter_id: self.lora.registration(adapter_id))
         self.scheduler = Scheduler(
-            self.pool, config.max_num_seqs, config.max_num_batched_tokens, model=config.model,
-            priority_weights=config.priority_weights, aging_s=config.priority_aging_s, swap_pool=swap_pool,
-            prefix_caching=config.enable_prefix_caching, speculative_tokens=config.speculative_tokens,
-            speculative_max_seqs=config.speculative_max_seqs)
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens,
+            priority_weights=config.priority_weights, aging_s=config.priority_aging_s,
+            speculative_tokens=config.speculative_tokens, speculative_max_seqs=config.speculative_max_seqs)
         self.runner = ModelRunner(model, num_blocks, bs, swap_pool.num_blocks if swap_pool else 0)
         self.requests: dict[str, Request] = {}
+        self.wake: Callable[[], None] = lambda: None  # set by the model pool: wakes its engine loop
+        self._idle_at_reads: int | None = None  # reads_done when a step found only requests awaiting reads
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.lora: LoraSlots | None = None
         self._removing: set[str] = set()  # adapters to unregister once their requests finish
@@ -126,6 +137,9 @@ class EngineCore:
             self.token_bytes, self.tokenizer.special_ids,
             skip_special_tokens=r.sampling.skip_special_tokens, stop=r.sampling.stop)
         self.scheduler.add(r)
+        self._idle_at_reads = None  # (it may run at once)
+        if r.adapter is not None and self.lora is not None:
+            self.lora.prefetch(r.adapter)  # read in the background now: its first step finds it in the CPU tier
 
     # --- adapters ---------------------------------------------------------------------------
 
@@ -137,7 +151,9 @@ class EngineCore:
             return self.lora.register(adapter_id, path, version)
         cfg, model = self.config, self.runner.model
         lora = LoraSlots(model.config, cfg.max_loras, cfg.max_lora_rank, cfg.max_cpu_loras,
-                         model.dtype if cfg.lora_dtype == "auto" else cfg.lora_torch_dtype, model.device)
+                         model.dtype if cfg.lora_dtype == "auto" else cfg.lora_torch_dtype, model.device,
+                         background=True)  # a step never waits for an adapter's disk read
+        lora.on_read = lambda: self.wake()
         version = lora.register(adapter_id, path, version)
         self.lora = self.runner.lora_slots = self.scheduler.adapters = lora
         if cfg.lora_merge_after_steps:
@@ -179,26 +195,39 @@ class EngineCore:
     def has_work(self) -> bool:
         return self.scheduler.has_work()
 
+    def runnable(self) -> bool:
+        """Whether a step would do something now: not while every waiting request waits on an adapter's
+        background read and none has ended since the last step found nothing to run (the read's end calls
+        `wake`, so an engine loop can sleep instead of spinning)."""
+        if self._idle_at_reads is not None and self.lora.reads_done == self._idle_at_reads:
+            return False
+        return self.has_work()
+
     def step(self) -> list[GenerateEvent]:
+        """One step. The runner's StepOutput is its only result: the scheduler applies it (`update`),
+        then each sampled request's tokens are appended to its output here, as its events are made
+        (`_append`: a stop string, a schema or a limit may end it at any of them, dropping the rest)."""
         batch = self.scheduler.schedule()
         failed = [self._finish(r, "error", "", error=f"adapter {r.adapter!r} cannot be loaded: {why}")
                   for r, why in self.scheduler.take_failed()]
+        idle_on_reads = batch.empty and not failed and self.lora is not None and self.lora.loading()
+        self._idle_at_reads = self.lora.reads_done if idle_on_reads else None
         if batch.empty:
             return failed
         sampled = batch.sampled()
         self.spec_draft_tokens += sum(len(r.spec_ids) for r in sampled)
         start_masks((r.guide for r in sampled if r.guide is not None), self.config.torch_device.type == "cpu")
         try:
-            tokens, logprobs = self.runner.execute(batch)
+            out = self.runner.execute(batch)  # (writes nothing onto the requests)
         except BaseException:  # the pool fails this model's requests; their swap space must not leak
             self.scheduler.release_swap_ins(batch)
             raise
         self.prompt_tokens_computed += sum(
             min(n, len(r.prompt_ids) - r.num_computed) for r, n in batch.entries if r.num_computed < len(r.prompt_ids))
-        self.scheduler.update(batch)
+        self.scheduler.update(batch, out)
         self.num_steps += 1
         return failed + [self._append_all(req, toks, lps)
-                         for req, toks, lps in zip(sampled, tokens, logprobs, strict=True)]
+                         for req, toks, lps in zip(sampled, out.tokens, out.logprobs, strict=True)]
 
     def _append_all(self, r: Request, tokens: list[int], steps: list[StepLogprobs | None]) -> GenerateEvent:
         """A step's new tokens for one request (several when drafts were kept) as one event; a token
@@ -273,12 +302,12 @@ class EngineCore:
         return GenerateEvent(r.request_id, text, token_ids, reason, usage, error, logprobs, prompt_logprobs)
 
     def stats(self) -> EngineStats:
-        sched, counters = self.scheduler, self.scheduler.counters
+        sched, counters, kv = self.scheduler, self.scheduler.counters, self.kv.stats
         running = dict.fromkeys(PRIORITY_CLASSES, 0)
         for r in list(sched.running):
             running[r.priority] += 1
         waiting = list(sched.waiting)
-        swap = sched.swap_pool
+        swap = self.kv.swap_pool
         lora, merge = self.lora, self.runner.lora_merge
         return EngineStats(
             running=sum(running.values()), waiting=len(waiting),
@@ -289,9 +318,9 @@ class EngineCore:
             preemptions_by_class=dict(counters.preemptions),
             swapped_requests=sum(1 for r in waiting if r.swap_blocks),
             swap_blocks_used=swap.num_used if swap else 0,
-            swapped_out_blocks=counters.swapped_out_blocks, swapped_in_blocks=counters.swapped_in_blocks,
-            prefix_cached_blocks=self.pool.num_cached, prefix_query_tokens=counters.prefix_query_tokens,
-            prefix_hit_tokens=counters.prefix_hit_tokens,
+            swapped_out_blocks=kv.swapped_out_blocks, swapped_in_blocks=kv.swapped_in_blocks,
+            prefix_cached_blocks=self.pool.num_cached, prefix_query_tokens=kv.prefix_query_tokens,
+            prefix_hit_tokens=kv.prefix_hit_tokens,
             adapters_loaded=len(lora.loaded()) if lora else 0, adapter_slots=self.config.max_loras,
             adapter_loads=lora.stats.loads if lora else 0,
             adapter_disk_loads=lora.stats.disk_loads if lora else 0,
@@ -300,7 +329,8 @@ class EngineCore:
             adapter_merges=merge.builds if merge else 0, adapter_merged_bytes=merge.nbytes() if merge else 0,
             adapter_slot_bytes=lora.nbytes() if lora else 0,
             spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens,
-            model_weight_bytes=self.weight_bytes)
+            model_weight_bytes=self.weight_bytes,
+            **self.memory.stats())  # KV cache size, measured budget and step peak (engine/memory.py)
 
     # --- synchronous convenience -----------------------------------------------------------
 

@@ -20,6 +20,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.guided.grammar import GrammarCache, GuideLimits, SchemaError
 from loraplex.engine.guided.guide import Guide
 from loraplex.engine.guided.tokenizer import GuideTokenizer, guide_tokenizer
+from loraplex.engine.memory import kv_blocks
 from loraplex.engine.models.llama import LlamaConfig
 from loraplex.engine.models.tokenizer import Tokenizer
 from loraplex.engine.sampler import bias_tensors
@@ -44,12 +45,6 @@ def text_chars(messages, stop_after: int) -> int:
     return total
 
 
-def kv_blocks(config: EngineConfig, model: LlamaConfig) -> int:
-    """Blocks in a model's KV pool: `num_kv_blocks`, or as many as fit in `kv_cache_bytes`."""
-    per_block = config.block_size * model.kv_bytes_per_token(config.torch_dtype)
-    return config.num_kv_blocks or max(1, config.kv_cache_bytes // per_block)
-
-
 def max_model_len(config: EngineConfig, model: LlamaConfig) -> int:
     limit = config.max_model_len or min(model.max_position_embeddings, MAX_DEFAULT_CONTEXT)
     return min(limit, model.max_position_embeddings)
@@ -57,12 +52,13 @@ def max_model_len(config: EngineConfig, model: LlamaConfig) -> int:
 
 class RequestFrontend:
     def __init__(self, name: str, tokenizer: Tokenizer, model: LlamaConfig, config: EngineConfig,
-                 adapter_available: Callable[[str], bool]):
+                 adapter_available: Callable[[str], bool], num_kv_blocks: int | None = None):
+        """num_kv_blocks: the engine's KV pool where it was measured (default: kv_blocks, as configured)."""
         self.name = name
         self.tokenizer = tokenizer
         self.vocab_size = model.vocab_size
         self.max_model_len = max_model_len(config, model)
-        self.kv_capacity = kv_blocks(config, model) * config.block_size
+        self.kv_capacity = (num_kv_blocks or kv_blocks(config, model)) * config.block_size
         self.adapter_available = adapter_available
         self.device = config.torch_device
         self.max_prompt_chars = CHARS_PER_TOKEN * self.max_model_len

@@ -34,9 +34,15 @@ from loraplex.engine.api import (
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.frontend import RequestFrontend, kv_blocks
-from loraplex.engine.lora.peft import load_peft_adapter, module_dims
-from loraplex.engine.lora.slots import slot_buffer_bytes
-from loraplex.engine.models.layer_ops import uses_cpu_kernels, weight_copies
+from loraplex.engine.lora.peft import load_peft_adapter
+from loraplex.engine.memory import (
+    DEFAULT_KV_CACHE_BYTES,
+    DeviceMemory,
+    adapter_device_bytes,
+    measure_device_memory,
+    measures_kv_cache,
+)
+from loraplex.engine.models.layer_ops import weight_copies
 from loraplex.engine.models.llama import LlamaConfig
 from loraplex.engine.models.loader import LoadedModel, ModelSource, load_model, resolve_model
 from loraplex.engine.sched.request import Request
@@ -85,34 +91,32 @@ class ModelEntry:
         return self.base_bytes + (self.adapter_bytes if with_adapters else 0)
 
 
-def adapter_device_bytes(cfg: EngineConfig, model: LlamaConfig, device: torch.device) -> int:
-    """Device memory a model's adapters may take once it has one: the slot buffers (all `max_loras` slots
-    at `max_lora_rank`, the most they grow to from the first adapter's rank); with the CPU kernels also
-    the folded copies of the adapters that dominate a step (at most one per slot, about a slot's size
-    each, in the model's dtype whatever the slots' lora_dtype) and, with merging on, the merged copy of the
-    projections (at most all of them, packed at weight_dtype; lora/merged.py)."""
-    slots = slot_buffer_bytes(model, cfg.max_loras, cfg.max_lora_rank, cfg.lora_torch_dtype)
-    if not uses_cpu_kernels(device, cfg.torch_dtype):
-        return slots
-    folds = slot_buffer_bytes(model, cfg.max_loras, cfg.max_lora_rank, cfg.torch_dtype)
-    weights = model.num_layers * sum(i * o for i, o in module_dims(model).values())
-    projections = weights * cfg.weight_torch_dtype.itemsize
-    return slots + folds + (projections if cfg.lora_merge_after_steps else 0)
-
-
 def device_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+DEFAULT_BUDGET_FRACTION = 0.8  # of the host's memory, where the budget is not measured (the CPU)
+
+
 class ModelPool:
-    def __init__(self, memory_budget: int | float = 0.8, cpu_budget_bytes: int = 8 << 30,
-                 device: str = "auto", on_ready: Callable[[], None] | None = None):
-        """memory_budget: bytes, or a fraction (<= 1) of the device's memory."""
+    def __init__(self, memory_budget: int | float | None = None, cpu_budget_bytes: int = 8 << 30,
+                 device: str = "auto", on_ready: Callable[[], None] | None = None,
+                 gpu_memory_utilization: float = 0.9):
+        """memory_budget: bytes, or a fraction (<= 1) of the device's memory; None: on CUDA measured,
+        `gpu_memory_utilization` of the device less the memory in use now (engine/memory.py), on the CPU
+        DEFAULT_BUDGET_FRACTION of the host's."""
         self.device = EngineConfig(device=device).torch_device
-        total = device_memory_bytes(self.device)
-        self.budget = int(memory_budget * total) if memory_budget <= 1 else int(memory_budget)
+        # the measurement the budget came from (None where it was given, or on the CPU)
+        self.memory: DeviceMemory | None = None
+        if memory_budget is None and self.device.type == "cuda":
+            self.memory = measure_device_memory(self.device, gpu_memory_utilization)
+            self.budget = self.memory.budget
+        else:
+            fraction = DEFAULT_BUDGET_FRACTION if memory_budget is None else memory_budget
+            total = device_memory_bytes(self.device)
+            self.budget = int(fraction * total) if fraction <= 1 else int(fraction)
         self.cpu_budget = cpu_budget_bytes
         self.models: dict[str, ModelEntry] = {}
         # The counters (api.ENGINE_COUNTERS) of engines since evicted: the engine's totals add them.
@@ -131,6 +135,8 @@ class ModelPool:
             raise InvalidRequestError(f"model {name!r} is already registered", "model")
         src = resolve_model(source or name)
         cfg = replace(config or EngineConfig(), model=name, device=str(self.device))
+        if measures_kv_cache(cfg):  # one model of several: a KV cache of its own size, not what the device has left
+            cfg = replace(cfg, kv_cache_bytes=DEFAULT_KV_CACHE_BYTES)
         try:
             loaded = load_model(src, cfg.torch_dtype, torch.device("cpu"), weight_dtype=cfg.weight_torch_dtype)
         except (ValueError, OSError) as e:
@@ -268,7 +274,7 @@ class ModelPool:
     def runnable(self) -> bool:
         """Whether `step` would do something now (False while the only work is a load in progress)."""
         for e in list(self.models.values()):
-            if (e.core is not None and e.core.has_work()) or (e.loading is not None and e.loading.done()):
+            if (e.core is not None and e.core.runnable()) or (e.loading is not None and e.loading.done()):
                 return True
             if e.pending and e.loading is None:
                 return True
@@ -283,6 +289,7 @@ class ModelPool:
         sizes = self._sizes(core.config, mcfg, core.runner.model.dtype, core.pool.num_blocks, core.pool.block_size)
         entry = ModelEntry(name, resolve_model(name), core.config, mcfg, *sizes,
                            pinned=pinned, tier="device", core=core, last_used=time.monotonic())
+        core.wake = lambda: self.on_ready()  # (on_ready is the engine loop's, set after the pool is made)
         entry.frontend = RequestFrontend(name, core.tokenizer, mcfg, core.config,
                                          lambda a, e=entry: a in e.adapters and a not in e.removing)
         entry.frontend.guide_vocabulary()  # now, not on the first schema request's (event-loop) thread
@@ -298,7 +305,7 @@ class ModelPool:
         for entry in list(self.models.values()):
             if entry.pending and entry.loading is None and entry.core is None:
                 events.extend(self._start_load(entry))
-            if entry.core is not None and entry.core.has_work():
+            if entry.core is not None and entry.core.runnable():
                 events.extend(_step_or_fail(entry.core))
         return events
 
@@ -351,6 +358,7 @@ class ModelPool:
         loaded = host if self.device.type == "cpu" else replace(
             host, weights={k: v.to(self.device) for k, v in host.weights.items()})
         core = EngineCore(entry.config, loaded=loaded)
+        core.wake = lambda: self.on_ready()  # an adapter read ended: the engine loop may run it
         for adapter_id, (path, version) in entry.adapters.items():
             # read on their first requests: a reload costs the same whatever the fleet, and an adapter whose
             # files went away fails its own requests, not the model's load

@@ -70,6 +70,14 @@ class EngineCollector:
                                 value=s.model_weight_bytes)
         yield GaugeMetricFamily("loraplex_adapter_slot_bytes", "Memory of the adapter slot buffers (at the slots' "
                                 "dtype) and the folded adapter copies", value=s.adapter_slot_bytes)
+        yield GaugeMetricFamily("loraplex_kv_cache_bytes", "Memory of the KV caches", value=s.kv_cache_bytes)
+        yield GaugeMetricFamily("loraplex_memory_budget_bytes", "Device memory for weights, KV cache and adapter "
+                                "slots that --gpu-memory-utilization left after other memory and a maximum-size "
+                                "step (CUDA, measured at start; 0 where not measured)", value=s.memory_budget_bytes)
+        yield GaugeMetricFamily("loraplex_gpu_memory_utilization", "Fraction of the device's memory the engine "
+                                "sized itself to (0 where not measured)", value=s.gpu_memory_utilization)
+        yield GaugeMetricFamily("loraplex_peak_step_bytes", "Activation memory of a maximum-size step, profiled at "
+                                "start (CUDA; 0 where not measured)", value=s.peak_step_bytes)
         yield CounterMetricFamily("loraplex_engine_generated_tokens", "Tokens the engine generated",
                                   value=s.generated_tokens)
         yield CounterMetricFamily("loraplex_engine_steps", "Engine steps run", value=s.num_steps)

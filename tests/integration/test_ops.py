@@ -30,8 +30,12 @@ def test_metrics_cover_latency_tokens_statuses_and_the_engine(api):
                  "loraplex_adapter_loads_total", "loraplex_adapter_disk_loads_total",
                  "loraplex_adapter_load_seconds_total", "loraplex_adapter_merges_total",
                  "loraplex_adapter_merged_bytes", "loraplex_adapter_slot_bytes", "loraplex_spec_draft_tokens_total",
-                 "loraplex_spec_accepted_tokens_total", "loraplex_model_weight_bytes"):
+                 "loraplex_spec_accepted_tokens_total", "loraplex_model_weight_bytes", "loraplex_kv_cache_bytes",
+                 "loraplex_memory_budget_bytes", "loraplex_gpu_memory_utilization", "loraplex_peak_step_bytes"):
         assert name in text, name
+    stats = api.backend.engine.inner.stats()  # the KV cache's memory, as the engine reports it
+    exported = [float(line.split()[1]) for line in text.splitlines() if line.startswith("loraplex_kv_cache_bytes ")]
+    assert stats.kv_cache_bytes > 0 and exported == [stats.kv_cache_bytes]
     assert f'loraplex_tokens_total{{kind="completion",model="synthetic:tiny",tenant="{tenant}"}}' in text
     assert 'loraplex_requests_total{endpoint="/v1/chat/completions",status="404"}' in text
 

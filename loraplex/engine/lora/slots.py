@@ -14,7 +14,14 @@ with scaling folded into B, lower ranks zero-padded, untargeted modules zero, an
 int32 holding each slot's true rank (0 = empty) so kernels skip the padding. B is stored rank-major
 (lora_ops.stacked_b: storage [max_loras, r, out_total], handed out as its [max_loras, out_total, r]
 view): an adapter of rank 16 reads 16 whole rows of B whatever r is. The scheduler acquires a
-slot per request (None: every slot busy, wait) and releases it when the request leaves the batch.
+slot per request (None: every slot busy, or the adapter still loading: wait) and releases it when the
+request leaves the batch.
+
+With `background` loads (the engine's), `acquire` never reads the disk: an adapter in neither tier is
+read by a background thread (lora/prefetch.py; `prefetch` starts it when a request is admitted) while
+`acquire` answers None, and a failed read is raised by the next `acquire`. On CUDA the CPU tier also
+holds each adapter staged in the slots' layout and dtype in pinned memory, and slot writes copy it
+without blocking the host (prefetch.copy_staged).
 
 The buffers' rank follows the largest adapter loaded so far (rounded up to RANK_STEP, at most
 max_lora_rank), not max_lora_rank itself, so that they take no more memory than the fleet needs (with
@@ -32,7 +39,6 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -45,11 +51,10 @@ from loraplex.engine.lora.peft import (
     AdapterInUseError,
     AdapterNotFoundError,
     LoraWeights,
-    files_version,
     fused_rows,
-    load_peft_adapter,
     module_dims,
 )
+from loraplex.engine.lora.prefetch import CpuTiers, Registration, StagedAdapter, copy_staged
 from loraplex.engine.models.llama import LlamaConfig
 
 # An adapter is folded into the fused decode step's GEMMs (kernels/cpu/lora_fold.c) when it holds at
@@ -66,18 +71,6 @@ RANK_STEP = 8
 TABLES_KEPT = 16
 
 _ONE, _SCALED, _ZERO = 0, 1, 2  # a slot block's scale (_slot_blocks): 1, the adapter's scaling, zero fill
-
-
-class _Registration(NamedTuple):
-    path: str  # the PEFT directory
-    number: int  # unique over the slots' life (LoraSlots.registration)
-    version: tuple  # peft.files_version() of the files as registered
-
-
-def _changed(adapter_id: str, registration: _Registration) -> AdapterError:
-    return AdapterError(f"adapter {adapter_id!r}: its files in {registration.path!r} changed since it was registered; "
-                        "a new version belongs in a new directory, registered as a new adapter (registering this "
-                        "one again serves the files as they are now)")
 
 
 def slot_buffer_shapes(config: LlamaConfig, max_loras: int, max_lora_rank: int) -> dict[str, tuple[tuple, tuple]]:
@@ -108,11 +101,11 @@ class LoraSlotStats:
     load_seconds: float = 0.0  # wall time of every slot load so far: over `loads`, the mean load time
 
 
-class LoraSlots:
+class LoraSlots(CpuTiers):
     """Adapters of one base model, from registration to device slots. Thread-safe (one lock)."""
 
     def __init__(self, config: LlamaConfig, max_loras: int, max_lora_rank: int, max_cpu_loras: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", background: bool = False):
         for name, value, low in (("max_loras", max_loras, 1), ("max_lora_rank", max_lora_rank, 1),
                                  ("max_cpu_loras", max_cpu_loras, 0)):
             if not isinstance(value, int) or value < low:
@@ -145,17 +138,13 @@ class LoraSlots:
         self.r_max = 0  # the buffers' rank (_grow)
         self._buffers: tuple[list[dict[str, torch.Tensor]], list[dict[str, torch.Tensor]]] = ([], [])
         self._grow(1)
-        self._registered: dict[str, _Registration] = {}
+        self._registered: dict[str, Registration] = {}
         self._registered_total = 0
-        self._cpu: OrderedDict[str, LoraWeights] = OrderedDict()  # CPU tier, least recently used first
         self._owner: list[str | None] = [None] * max_loras  # slot -> adapter
         self._loaded: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
         self._refs: dict[str, int] = {}  # adapter -> acquisitions not yet released
         self._pinned: set[str] = set()
-        # The file buffer of the latest adapter to leave the CPU tier, for the next disk read to reuse:
-        # fresh pages cost a page fault each (on a VM, as much as the read itself). It is reused only by a
-        # later read under the lock, after the dropped adapter's last use (a slot write in the same call).
-        self._spare: torch.Tensor | None = None
+        self._init_tiers(background)
 
     # ----------------------------------------------------------------------------------- layout
 
@@ -257,9 +246,9 @@ class LoraSlots:
                 lora = self._read(path)
                 version = lora.version
             self._registered_total += 1
-            self._registered[adapter_id] = _Registration(str(path), self._registered_total, version)
+            self._registered[adapter_id] = Registration(str(path), self._registered_total, version)
             if lora is not None:
-                self._remember(adapter_id, lora)
+                self._remember(adapter_id, lora, self._stage(lora))
             return version
 
     def unregister(self, adapter_id: str) -> None:
@@ -275,9 +264,9 @@ class LoraSlots:
                 self._write_slot(slot, None)
             self._pinned.discard(adapter_id)
             self._refs.pop(adapter_id, None)
-            dropped = self._cpu.pop(adapter_id, None)
-            if dropped is not None:
-                self._recycle(dropped)
+            self._forget(adapter_id)
+            self._pending.pop(adapter_id, None)  # (a read in flight finds its registration gone: dropped)
+            self._load_errors.pop(adapter_id, None)
             del self._registered[adapter_id]
 
     def registration(self, adapter_id: str) -> int:
@@ -315,10 +304,18 @@ class LoraSlots:
     def acquire(self, adapter_id: str) -> int | None:
         """A slot holding the adapter, loading it (evicting the LRU idle unpinned slot) if needed.
 
-        Returns None when every slot is held or pinned: the caller waits and retries. Each successful
-        call must be paired with `release`.
+        Returns None when every slot is held or pinned, or (background loads) while the adapter is read
+        from disk in the background (started here if no `prefetch` did): the caller waits and retries.
+        Raises the AdapterError of a failed read. Each successful call must be paired with `release`.
         """
         with self._lock:
+            self._check_known(adapter_id)
+            if self.background and not self._resident(adapter_id) and adapter_id not in self._ready:
+                error = self._load_errors.pop(adapter_id, None)
+                if error is not None:
+                    raise error
+                self.prefetch(adapter_id)
+                return None
             slot = self._ensure_loaded(adapter_id)
             if slot is not None:
                 self._refs[adapter_id] = self._refs.get(adapter_id, 0) + 1
@@ -352,57 +349,6 @@ class LoraSlots:
         if adapter_id not in self._registered:
             raise AdapterNotFoundError(f"adapter {adapter_id!r} is not registered")
 
-    def _remember(self, adapter_id: str, lora: LoraWeights) -> None:
-        """Puts the adapter in the CPU tier as most recently used, dropping the LRU beyond capacity."""
-        self._cpu[adapter_id] = lora
-        self._cpu.move_to_end(adapter_id)
-        while len(self._cpu) > self.max_cpu_loras:
-            self._recycle(self._cpu.popitem(last=False)[1])
-
-    def _read(self, path: str | Path) -> LoraWeights:
-        """Parses and validates the adapter from disk, into the spare buffer when it fits."""
-        spare, self._spare = self._spare, None
-        try:
-            lora = load_peft_adapter(path, self.config, self.max_lora_rank, buffer=spare)
-        except AdapterError:
-            self._spare = spare
-            raise
-        if spare is not None and (lora.buffer is None
-                                  or lora.buffer.untyped_storage().data_ptr() != spare.data_ptr()):
-            self._spare = spare  # not used: the file was larger, or its values were converted
-        return lora
-
-    def _recycle(self, lora: LoraWeights) -> None:
-        """Keeps the file buffer of an adapter leaving the CPU tier as the spare, when larger than the spare."""
-        if lora.buffer is None:
-            return
-        whole = torch.empty(0, dtype=torch.uint8).set_(lora.buffer.untyped_storage())  # all of it, not the slice
-        if self._spare is None or len(whole) > len(self._spare):
-            self._spare = whole
-
-    def _weights(self, adapter_id: str) -> LoraWeights:
-        lora = self._cpu.get(adapter_id)
-        if lora is not None:
-            self.stats.cpu_hits += 1
-            self._cpu.move_to_end(adapter_id)
-            return lora
-        # Re-read from disk and re-validated. A registration serves the files as they were when registered:
-        # once they change, its KV in the prefix cache and the weights in use elsewhere would disagree
-        # with them, so the adapter's requests fail (naming it) until it is registered again. Checked before
-        # the read (a request for a changed adapter then costs two stats on the step's path, not a read;
-        # a missing file: the read says which) and after it (a change in between).
-        registration = self._registered[adapter_id]
-        now = files_version(Path(registration.path))
-        if None not in now and now != registration.version:
-            raise _changed(adapter_id, registration)
-        lora = self._read(registration.path)
-        if lora.version != registration.version:
-            self._recycle(lora)
-            raise _changed(adapter_id, registration)
-        self.stats.disk_loads += 1
-        self._remember(adapter_id, lora)
-        return lora
-
     def _ensure_loaded(self, adapter_id: str) -> int | None:
         self._check_known(adapter_id)
         slot = self._loaded.get(adapter_id)
@@ -416,13 +362,13 @@ class LoraSlots:
             if victim is None:
                 return None
         start = time.perf_counter()
-        lora = self._weights(adapter_id)  # before evicting: a failed disk read leaves the slots as they were
+        lora, image = self._weights(adapter_id)  # before evicting: a failed disk read leaves the slots as they were
         if victim is not None:
             slot = self._loaded.pop(victim)
             self.stats.evictions += 1
         else:
             slot = free[0]
-        self._write_slot(slot, lora)
+        self._write_slot(slot, lora, image)
         self._owner[slot] = adapter_id
         self._loaded[adapter_id] = slot
         self.stats.loads += 1
@@ -457,15 +403,18 @@ class LoraSlots:
         self._views.clear()
         self._view_addresses.clear()
 
-    def _write_slot(self, slot: int, lora: LoraWeights | None) -> None:
+    def _write_slot(self, slot: int, lora: LoraWeights | None, image: StagedAdapter | None = None) -> None:
         """Overwrites the whole slot: A and scaling * B in their rows, zeros everywhere else (None: all
-        zeros, an empty slot)."""
+        zeros, an empty slot); from `image` (lora's slot image) when given, without blocking the host."""
         rank = lora.rank if lora is not None else 0
         self._grow(rank)
         self._folds.pop(slot, None)
         self.writes[slot] += 1
         self.ranks[slot] = rank
-        self._run_blocks(slot, self._slot_blocks(slot, lora), lora)
+        if image is not None:
+            copy_staged(image, self._buffers, slot, self.r_max, self._dirty[slot], self._rows)
+        else:
+            self._run_blocks(slot, self._slot_blocks(slot, lora), lora)
         self._dirty[slot] = rank
 
     def _slot_blocks(self, slot: int, lora: LoraWeights | None) -> torch.Tensor:
