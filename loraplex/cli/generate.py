@@ -8,7 +8,7 @@ import sys
 import uuid
 from typing import TYPE_CHECKING
 
-from loraplex.cli.engine_args import ATTENTION_BACKEND_HELP
+from loraplex.cli.engine_args import ATTENTION_BACKEND_HELP, CUDA_GRAPHS_HELP
 from loraplex.engine.api import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:  # torch is imported only when an engine is built, not by every `loraplex` command
@@ -38,6 +38,7 @@ def add_parser(sub) -> None:
     p.add_argument("--weight-dtype", default="auto",
                    help="auto (the model's dtype) or bfloat16: base weights rounded to bf16 under a float32 model")
     p.add_argument("--attention-backend", default="auto", help=ATTENTION_BACKEND_HELP)
+    p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"), help=CUDA_GRAPHS_HELP)
     p.set_defaults(func=run)
 
 
@@ -77,7 +78,8 @@ def _engine(args) -> EngineCore:
     from loraplex.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                   weight_dtype=args.weight_dtype, attention_backend=args.attention_backend))
+                                   weight_dtype=args.weight_dtype, attention_backend=args.attention_backend,
+                                   cuda_graphs=args.cuda_graphs))
     if args.adapter:
         core.add_adapter(ADAPTER_ID, args.adapter)
     return core

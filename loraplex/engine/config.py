@@ -45,6 +45,10 @@ class EngineConfig:
     gpu_memory_utilization: float = 0.9  # fraction of the device's memory the engine may use (CUDA)
     num_threads: int | None = None  # CPU: torch threads (None = torch's default)
     attention_backend: str = "auto"  # one of ATTENTION_BACKENDS (engine/attention)
+    # All-decode steps over static, bucket-padded buffers (engine/static_decode.py): on CUDA "auto" and "on"
+    # capture one CUDA graph per bucket when the attention backend is triton_paged; on the CPU "on" runs the
+    # same static step eagerly (no graphs there) and "auto" is off. "off": every step dynamic.
+    cuda_graphs: str = "auto"
     # LoRA: device slots (distinct adapters in one step), largest rank, parsed adapters kept in memory.
     # The slot buffers are allocated when the first adapter is registered.
     # Scheduling: admission weights of realtime:standard:batch, the wait after which any request goes
@@ -102,6 +106,8 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"engine config: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
+        if self.cuda_graphs not in ("auto", "on", "off"):
+            raise ValueError(f"engine config: cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
         if self.weight_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"engine config: weight_dtype must be auto, float32 or bfloat16, "
                              f"got {self.weight_dtype!r}")

@@ -40,6 +40,7 @@ from loraplex.engine.runner import ModelRunner
 from loraplex.engine.sampler import StepLogprobs
 from loraplex.engine.sched.request import Request
 from loraplex.engine.sched.scheduler import Scheduler
+from loraplex.engine.static_decode import StaticDecodeSpec, static_decode_mode
 
 
 @dataclass
@@ -104,7 +105,10 @@ class EngineCore:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             priority_weights=config.priority_weights, aging_s=config.priority_aging_s,
             speculative_tokens=config.speculative_tokens, speculative_max_seqs=config.speculative_max_seqs)
-        self.runner = ModelRunner(model, num_blocks, bs, swap_pool.num_blocks if swap_pool else 0)
+        mode = static_decode_mode(config.cuda_graphs, device, attention.name)
+        static = StaticDecodeSpec(mode, config.max_num_seqs * (1 + config.speculative_tokens),
+                                  self.max_model_len) if mode else None
+        self.runner = ModelRunner(model, num_blocks, bs, swap_pool.num_blocks if swap_pool else 0, static)
         self.requests: dict[str, Request] = {}
         self.wake: Callable[[], None] = lambda: None  # set by the model pool: wakes its engine loop
         self._idle_at_reads: int | None = None  # reads_done when a step found only requests awaiting reads

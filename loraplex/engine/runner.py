@@ -1,6 +1,8 @@
 """Turns a scheduled batch into tensors, runs the model over the paged KV cache, samples.
 
-The batch is flat: every scheduled token of every request, in batch order, no padding. The runner
+The batch is flat: every scheduled token of every request, in batch order, no padding; all-decode steps
+may instead run over static bucket-padded buffers (static_decode.py: CUDA graphs on CUDA), with the same
+result. The runner
 reads the requests and writes nothing onto them: `execute` returns the step's results as a StepOutput
 (sampled tokens, their log-probabilities, rejected drafts, prompt log-probabilities), which
 `Scheduler.update` and the core apply.
@@ -8,8 +10,11 @@ reads the requests and writes nothing onto them: `execute` returns the step's re
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
+from loraplex.engine.attention.base import is_decode
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex
 from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
 from loraplex.engine.lora.merged import MergedAdapter
@@ -17,6 +22,7 @@ from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.llama import LlamaModel
 from loraplex.engine.sampler import sample_steps, token_logprobs
 from loraplex.engine.sched.scheduler import ScheduledBatch
+from loraplex.engine.static_decode import StaticDecodeRunner, StaticDecodeSpec
 from loraplex.engine.step_output import StepOutput
 
 
@@ -44,8 +50,25 @@ class StepLora:
         return table, self.index.slot_groups, self.slots.fold_for(self.index, table), None
 
 
+@dataclass
+class StepLayout:
+    """One step's flat rows, as both paths take them: every scheduled token in batch order."""
+
+    ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    seqs: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (computed, new, blocks)
+    logits_rows: list[int] = field(default_factory=list)  # each sampled request's last row and its drafts'
+    sampled: list = field(default_factory=list)
+    token_slots: list[int] = field(default_factory=list)  # LoRA slot per row, -1 = base model
+    prompt_rows: list[int] = field(default_factory=list)  # rows whose logits predict a prompt token
+    prompt_targets: list[tuple] = field(default_factory=list)  # (request, the prompt token those logits predict)
+
+
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0):
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
+                 static_decode: StaticDecodeSpec | None = None):
+        """static_decode: run all-decode steps over static buffers (one more KV block, never handed out by the
+        block pool, takes the padded rows' K/V); None: every step dynamic."""
         cfg = model.config
         self.model = model
         self.device = model.device
@@ -55,8 +78,15 @@ class ModelRunner:
         self._last_lora_index: tuple[tuple[int, ...], LoraBatchIndex] | None = None  # (token slots, index)
         shape = (cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim)
         # [layers, 2, blocks, block_size, kv_heads, head_dim]: one op moves a block in every layer
-        self.kv_storage = allocate_kv_storage(shape[0], num_blocks, *shape[1:], model.dtype, model.device)
+        extra = 1 if static_decode is not None else 0  # block num_blocks: the static step's scratch block
+        self.kv_storage = allocate_kv_storage(shape[0], num_blocks + extra, *shape[1:], model.dtype, model.device)
         self.kv_caches = layer_views(self.kv_storage)
+        self.static: StaticDecodeRunner | None = None
+        if static_decode is not None:
+            self.static = StaticDecodeRunner(model, self.kv_caches, block_size, num_blocks, static_decode.max_rows,
+                                             static_decode.max_model_len, graphs=static_decode.mode == "graphs")
+            if self.static.graphs:
+                self.static.capture()  # every bucket's base-model graph, now that the KV cache exists
         self.swap_storage = None
         if num_swap_blocks:
             self.swap_storage = allocate_kv_storage(shape[0], num_swap_blocks, *shape[1:], model.dtype,
@@ -80,47 +110,57 @@ class ModelRunner:
         asked for them, its rejected drafts, and the prompt log-probabilities this step computed."""
         if batch.swap_out or batch.swap_in:
             self._swap(batch)
-        ids: list[int] = []
-        positions: list[int] = []
-        seqs: list[tuple[int, int, list[int]]] = []
-        logits_rows: list[int] = []
-        sampled = []
-        token_slots: list[int] = []
-        prompt_rows: list[int] = []  # rows whose logits predict a prompt token (prompt log-probabilities)
-        prompt_targets: list[tuple] = []  # (request, the prompt token those logits predict)
+        lay = self._layout(batch)
+        dev = self.device
+        if self._static_eligible(lay):
+            lora = self.lora_slots if self.lora_slots is not None and max(lay.token_slots) >= 0 else None
+            logits = self.static.run(lay.ids, lay.positions, lay.seqs, lay.token_slots, lay.logits_rows, lora)
+        else:
+            meta = self.model.attention.build_metadata(lay.seqs, self.block_size, dev, self.model.dtype)
+            logits = self.model.forward(
+                torch.tensor(lay.ids, dtype=torch.long, device=dev),
+                torch.tensor(lay.positions, dtype=torch.long, device=dev),
+                meta,
+                self.kv_caches,
+                torch.tensor(lay.logits_rows + lay.prompt_rows, dtype=torch.long, device=dev),
+                lora=self._step_lora(lay.token_slots),
+            )  # [sampled + prompt rows, vocab]
+        out = StepOutput()
+        if lay.prompt_rows:
+            found = token_logprobs(logits[len(lay.logits_rows):], [t for _, t in lay.prompt_targets],
+                                   [r.sampling.prompt_logprobs for r, _ in lay.prompt_targets])
+            out.prompt_logprobs = [(req, step) for (req, _), step in zip(lay.prompt_targets, found, strict=True)]
+            logits = logits[:len(lay.logits_rows)]
+        if lay.sampled:
+            out.tokens, out.logprobs, out.num_rejected = sample_steps(logits, lay.sampled)
+        return out
+
+    @staticmethod
+    def _layout(batch: ScheduledBatch) -> StepLayout:
+        """The step's rows: tokens, positions, sequences, logits rows, adapters, prompt log-probability rows."""
+        lay = StepLayout()
+        ids = lay.ids
         for req, n in batch.entries:
-            token_slots.extend([req.lora_slot] * n)
+            lay.token_slots.extend([req.lora_slot] * n)
             start = req.num_computed
             if req.needs_prompt_logits:  # position p's logits predict prompt token p + 1; each is recorded once
                 for p in range(max(start, len(req.prompt_logprobs)), min(start + n, len(req.prompt_ids) - 1)):
-                    prompt_rows.append(len(ids) + p - start)
-                    prompt_targets.append((req, req.prompt_ids[p + 1]))
+                    lay.prompt_rows.append(len(ids) + p - start)
+                    lay.prompt_targets.append((req, req.prompt_ids[p + 1]))
             ids.extend(req.token_ids(start, start + n - len(req.spec_ids)))
             ids.extend(req.spec_ids)
-            positions.extend(range(start, start + n))
-            seqs.append((start, n, req.blocks))
+            lay.positions.extend(range(start, start + n))
+            lay.seqs.append((start, n, req.blocks))
             if start + n >= req.num_tokens:  # the last token's logits, and each draft's
-                logits_rows.extend(range(len(ids) - 1 - len(req.spec_ids), len(ids)))
-                sampled.append(req)
-        dev = self.device
-        meta = self.model.attention.build_metadata(seqs, self.block_size, dev, self.model.dtype)
-        logits = self.model.forward(
-            torch.tensor(ids, dtype=torch.long, device=dev),
-            torch.tensor(positions, dtype=torch.long, device=dev),
-            meta,
-            self.kv_caches,
-            torch.tensor(logits_rows + prompt_rows, dtype=torch.long, device=dev),
-            lora=self._step_lora(token_slots),
-        )  # [sampled + prompt rows, vocab]
-        out = StepOutput()
-        if prompt_rows:
-            found = token_logprobs(logits[len(logits_rows):], [t for _, t in prompt_targets],
-                                   [r.sampling.prompt_logprobs for r, _ in prompt_targets])
-            out.prompt_logprobs = [(req, step) for (req, _), step in zip(prompt_targets, found, strict=True)]
-            logits = logits[:len(logits_rows)]
-        if sampled:
-            out.tokens, out.logprobs, out.num_rejected = sample_steps(logits, sampled)
-        return out
+                lay.logits_rows.extend(range(len(ids) - 1 - len(req.spec_ids), len(ids)))
+                lay.sampled.append(req)
+        return lay
+
+    def _static_eligible(self, lay: StepLayout) -> bool:
+        """Static decode takes steps whose every row is a decode row (drafts included), with no prompt
+        log-probabilities, within the largest bucket."""
+        return (self.static is not None and not lay.prompt_rows and len(lay.ids) <= self.static.max_rows
+                and all(is_decode(computed, new) for computed, new, _ in lay.seqs))
 
     def _step_lora(self, token_slots: list[int]) -> StepLora | None:
         if self.lora_slots is None or max(token_slots) < 0:

@@ -450,6 +450,21 @@ def lora_shrink_expand(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor,
         bgmv_expand(y, lora_b, out, index.token_slots, slice_widths=widths, ranks=ranks, check_values=False)
 
 
+def bgmv_shrink_expand(x: torch.Tensor, out: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor,
+                       token_slots: torch.Tensor, *, slice_widths: Sequence[int], ranks: torch.Tensor | None) -> None:
+    """Graph-safe out += LoRA deltas: BGMV shrink then expand over a device per-token slot tensor (-1 = none).
+
+    No LoraBatchIndex, no host read of the slots (their values are not checked), fixed grids from the
+    shapes alone: what a captured static decode step (engine/static_decode.py) launches. x [T, in],
+    out [T, out_total], token_slots [T] int32; weights as in the module docstring.
+    """
+    from loraplex.engine.kernels.bgmv import bgmv_expand, bgmv_shrink
+
+    num_slices, _, widths = check_weights(lora_a, lora_b, slice_widths, ranks)
+    y = bgmv_shrink(x, lora_a, token_slots, num_slices=num_slices, ranks=ranks, check_values=False)  # [T, S*r]
+    bgmv_expand(y, lora_b, out, token_slots, slice_widths=widths, ranks=ranks, check_values=False)
+
+
 @functools.cache
 def cpu_lora_kernel():
     """cpu/lora.c's wrapper when the C kernels are built on this machine, else None (torch ops)."""

@@ -266,6 +266,19 @@ def _check_index(device: torch.device, **tensors: torch.Tensor) -> int:
     return lengths.pop()
 
 
+def _check_scratch(scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor], num_splits: int | None,
+                   shape: tuple[int, int, int], head_dim: int, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Caller-given split scratch: needs a forced num_splits and exact fp32 shapes on q's device."""
+    if num_splits is None:
+        raise ValueError("split scratch needs an explicit num_splits")
+    want = (shape, shape, (*shape, head_dim))
+    for name, t, w in zip(("part_m", "part_l", "part_acc"), scratch, want, strict=True):
+        if t.dtype != torch.float32 or tuple(t.shape) != w or t.device != device or not t.is_contiguous():
+            raise ValueError(f"scratch {name} must be contiguous fp32 {w} on {device}, got {t.dtype} "
+                             f"{tuple(t.shape)} on {t.device}")
+    return scratch
+
+
 def _dot_args(q: torch.Tensor) -> dict:
     precision, upcast = dot_config(q.dtype)
     return {"PRECISION": precision, "UPCAST": upcast, "BLOCK_D": pow2_block(q.shape[2], 16, MAX_HEAD_DIM),
@@ -314,7 +327,8 @@ def prefill_tiles(seq_new: list[int]) -> tuple[list[int], list[int]]:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, out: torch.Tensor,
                            rows: torch.Tensor, lens: torch.Tensor, row_table: torch.Tensor,
                            block_tables: torch.Tensor, scale: float, max_len: int,
-                           num_splits: int | None = None) -> None:
+                           num_splits: int | None = None,
+                           scratch: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None) -> None:
     """Decode (and draft) rows: each row is one query token attending its first lens[r] context keys, in place.
 
     Semantics:
@@ -327,7 +341,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         in fp32, rounded once to out's dtype. lens[r] >= 1. Other rows of out are not touched.
     max_len (host-known max(lens)) only picks the split count: num_splits None = choose_num_splits (split-KV
     when few rows attend long contexts), an int forces it. num_splits > 1 adds a reduce launch and fp32
-    scratch of R x heads x num_splits x (head_dim + 2).
+    scratch of R x heads x num_splits x (head_dim + 2), allocated per call unless `scratch` gives it: (part_m,
+    part_l [R, heads, num_splits], part_acc [R, heads, num_splits, head_dim]) fp32 on q's device, which a CUDA
+    graph needs fixed (engine/static_decode.py); it takes an explicit num_splits.
     """
     group, block_size = _check_attention(q, k_cache, v_cache, out, block_tables)
     n_rows = _check_index(q.device, rows=rows, lens=lens, row_table=row_table)
@@ -338,7 +354,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     heads, head_dim, kv_heads = q.shape[1], q.shape[2], k_cache.shape[2]
     splits = num_splits or choose_num_splits(n_rows, kv_heads, max_len, _sm_count(q.device))
     part_m = part_l = part_acc = out  # unused (pointer placeholders) without splits
-    if splits > 1:
+    if splits > 1 and scratch is not None:
+        part_m, part_l, part_acc = _check_scratch(scratch, num_splits, (n_rows, heads, splits), head_dim, q.device)
+    elif splits > 1:
         part_m = torch.empty(n_rows, heads, splits, dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         part_acc = torch.empty(n_rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)

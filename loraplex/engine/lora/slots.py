@@ -44,7 +44,7 @@ import torch
 
 from loraplex.engine.kernels.cpu.build import WEIGHT_CODES
 from loraplex.engine.kernels.cpu.copy_blocks import copy_blocks, copy_blocks_available, scale_bits_column
-from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora, stacked_b
+from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora, bgmv_shrink_expand, stacked_b
 from loraplex.engine.lora.peft import (
     FUSED,
     AdapterError,
@@ -171,6 +171,13 @@ class LoraSlots(CpuTiers):
         """out += each token's adapter delta for this layer and module (what LlamaModel.forward wants per step)."""
         a, b = self.buffers(layer, module)
         apply_lora(x, out, a, b, index, slice_widths=self.slice_widths(module), ranks=self.ranks)
+
+    def apply_static(self, layer: int, module: str, x: torch.Tensor, out: torch.Tensor,
+                     token_slots: torch.Tensor) -> None:
+        """apply() for a static decode step (engine/static_decode.py): BGMV over a device slot tensor [T]
+        int32 (-1 = no adapter), with no host work that depends on the slots, so it can be captured."""
+        a, b = self.buffers(layer, module)
+        bgmv_shrink_expand(x, out, a, b, token_slots, slice_widths=self.slice_widths(module), ranks=self.ranks)
 
     def kernel_table(self):
         """The slot buffers as the fused CPU decode step takes them (kernels/cpu/decode_step.py), built
