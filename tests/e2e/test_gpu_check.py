@@ -1,6 +1,7 @@
 """`make gpu-check`'s script in --quick mode on the CPU (Triton in its interpreter), on an engine-only box:
 the platform's packages are made unimportable in it and in its pytest subprocesses. Plus its verdicts on
-hand-made inputs: a gather inside attention is caught, a divergence is located, steps are selected."""
+hand-made inputs: a gather inside attention is caught, a divergence is located, steps are selected, step-time
+percentiles."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.cli.bench import gpu_check_steps
+from loraplex.cli.bench import gpu_check_engine, gpu_check_steps
 from loraplex.cli.bench.gpu_check import NAMES, CheckContext, parse_junit, select_steps
 from loraplex.engine.models import synthetic
 
@@ -99,6 +100,23 @@ def test_quick_run_passes_every_step_and_reports(quick_run):
     lt = steps["lora_throughput"]["figures"]
     assert min(lt["base_tok_s"], lt["identical_tok_s"], lt["distinct_tok_s"]) > 0 and lt["adapters"] == 8
 
+    g = steps["graphs"]["figures"]  # the static decode step, eager on the CPU, against the dynamic one
+    assert g["static_decode"] == {"off": None, "on": "eager"} and g["attention_backend"] == "triton_paged"
+    for key in ("batch1", "batch2"):
+        assert g[key]["on_vs_off_tokens"]["identical"] and g[key]["on_vs_off_tokens"]["tokens_per_request"] > 2
+        assert g[key]["graphs_on"]["median_ms"] > 0 and g[key]["graphs_off"]["steps"] == g["timed_steps"]
+    assert "target" not in g  # (judged on CUDA only)
+    s = steps["sampled"]["figures"]
+    assert s["batch"] == 8 and len(s["seeded"]) == 2 and s["seeded_batch_vs_alone"]["identical"]
+    assert s["sampled_unlike_greedy"] > 0 and min(s["greedy_tok_s"], s["sampled_tok_s"]) > 0
+    a = steps["adapter_load"]["figures"]  # the unread adapter read once, in the background
+    assert a["decoding"] == 32 and a["adapter_read_from_disk"] == 1 and a["window_steps"] >= 1
+    assert len(a["window_ms"]["load"]) == len(a["window_ms"]["without"]) == a["window_steps"]
+    assert min(a["p99_ms_during_load"], a["p99_ms_without"]) > 0 and "target" not in a
+    m = steps["memory"]["figures"]["tiny"]  # the CPU: the configured 512 MiB, nothing measured
+    assert 500 * 2**20 < m["kv_cache_bytes"] <= 512 * 2**20 and m["kv_blocks"] * 16 == m["kv_tokens"]
+    assert m["memory_budget_bytes"] == 0 and m["peak_step_bytes"] == 0 and m["max_step"]["prompt_tokens"] == 2047
+
     table = done.stdout[done.stdout.index("gpu-check summary"):]
     assert all(f" {name} " in table for name in NAMES) and "overall: OK" in table
 
@@ -136,6 +154,14 @@ def test_profile_analysis_of_device_events():
     assert f["attention_kernels"] == ["_paged_decode_kernel", "indexSelectLargeIndex", "linked_attention_kernel"]
     assert f["gathers_in_attention"] == ["aten::index_select", "indexSelectLargeIndex"]
     assert f["top_kernels_us"]["sm90_bf16_gemm"] == 170.0
+
+
+def test_percentiles_of_step_times():
+    assert gpu_check_engine.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert gpu_check_engine.percentile([5.0], 99) == 5.0
+    assert gpu_check_engine.percentile([float(i) for i in range(101)], 99) == 99.0
+    f = gpu_check_engine.ms_stats([1.0, 2.0, 10.0])
+    assert (f["steps"], f["median_ms"], f["min_ms"], f["max_ms"]) == (3, 2.0, 1.0, 10.0) and f["p99_ms"] == 9.84
 
 
 def test_junit_outcomes(tmp_path):

@@ -11,6 +11,10 @@ Steps, in order, each timed, each failure caught and reported without stopping t
     6 profile           one decode step at batch 64: kernels, GPU busy / wall, no gather inside attention
     7 throughput        decode tok/s at batch 1 and 64 vs HF transformers and the roofline
     8 lora_throughput   batch 64 with no adapter, one adapter, 8 adapters
+    9 graphs            decode step ms at batch 1 and 64, cuda_graphs off vs on, greedy tokens identical
+   10 sampled           64 sampled requests: tok/s vs greedy; seeded ones in the batch = alone
+   11 adapter_load      32 requests decoding: step p99 while an unread adapter loads vs without
+   12 memory            default KV sizing on the card (small, llama3-8b) and a maximum-size step
 
 Statuses: pass, fail (a check did not hold), error (the step raised), skip. The exit code is 1 when any
 step failed or raised. The JSON (rewritten after each step; "complete" once all ran): {"tool", "schema",
@@ -323,9 +327,10 @@ def kernels(ctx: CheckContext) -> tuple[str, str, dict]:
 # --- the runner ---------------------------------------------------------------------------------------
 
 
-def _engine_step(name: str) -> Callable[[CheckContext], tuple[str, str, dict]]:
-    """A step of gpu_check_steps, imported when it runs (an engine import error is that step's error)."""
-    return lambda ctx: getattr(importlib.import_module("loraplex.cli.bench.gpu_check_steps"), name)(ctx)
+def _engine_step(name: str, module: str = "gpu_check_steps") -> Callable[[CheckContext], tuple[str, str, dict]]:
+    """A step of gpu_check_steps (or `module`), imported when it runs (an engine import error is that step's
+    error)."""
+    return lambda ctx: getattr(importlib.import_module(f"loraplex.cli.bench.{module}"), name)(ctx)
 
 
 STEPS: list[tuple[str, str, Callable[[CheckContext], tuple[str, str, dict]]]] = [
@@ -337,6 +342,10 @@ STEPS: list[tuple[str, str, Callable[[CheckContext], tuple[str, str, dict]]]] = 
     ("profile", "one profiled decode step at batch 64", _engine_step("profile")),
     ("throughput", "decode tok/s vs HF transformers and roofline", _engine_step("throughput")),
     ("lora_throughput", "LoRA tok/s: identical / 8 adapters vs base", _engine_step("lora_throughput")),
+    ("graphs", "decode step time, CUDA graphs off vs on", _engine_step("graphs", "gpu_check_engine")),
+    ("sampled", "sampled batch: tok/s vs greedy, seeds vs alone", _engine_step("sampled", "gpu_check_engine")),
+    ("adapter_load", "step p99 while an adapter is read", _engine_step("adapter_load", "gpu_check_engine")),
+    ("memory", "KV cache sized by measurement, max step", _engine_step("memory", "gpu_check_engine")),
 ]
 NAMES = [s[0] for s in STEPS]
 
