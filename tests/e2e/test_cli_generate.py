@@ -47,11 +47,13 @@ def test_json_schema_and_json_object_hold_the_output(tmp_path):
     path = tmp_path / "schema.json"
     path.write_text(json.dumps(schema))
     for flag in (("--json-schema", str(path)), ("--json-object",)):
-        out = loraplex("generate", "--model", "synthetic:tiny", "--prompt", "x", "--temperature", "1", "--seed", "3",
+        out = loraplex("generate", "--model", "synthetic:tiny", "--prompt", "x", "--temperature", "1", "--seed", "7",
                        "--max-tokens", "300", "--json", *flag)
         assert out.returncode == 0, out.stderr
         body = json.loads(out.stdout)
-        assert body["finish_reason"] == "stop", body  # the random model's JSON closes well within 300 tokens
+        # with this seed the random model's JSON closes well within 300 tokens (53 and 43; a seed whose string
+        # wanders on would end on length, still valid JSON so far, which is not what this test checks)
+        assert body["finish_reason"] == "stop", body
         value = json.loads(body["text"])
         assert isinstance(value, dict) and (flag[0] == "--json-object" or set(value) == {"id", "ok"})
 
