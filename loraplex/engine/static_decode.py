@@ -94,20 +94,6 @@ class StaticDecodeAttention:
         return out.view(n_tok, n_heads * head_dim)
 
 
-class _ModelView:
-    """The model with its attention backend replaced by StaticDecodeAttention (weights and ops shared)."""
-
-    def __init__(self, model: LlamaModel):
-        self._model = model
-        self.attention = StaticDecodeAttention()
-
-    def __getattr__(self, name: str):
-        return getattr(self._model, name)
-
-    def forward(self, *args, **kwargs) -> torch.Tensor:
-        return LlamaModel.forward(self, *args, **kwargs)
-
-
 class StaticLora:
     """The adapters of a static step, as LlamaModel.forward calls them, over the static per-token slots."""
 
@@ -133,7 +119,8 @@ class StaticDecodeRunner:
     def __init__(self, model: LlamaModel, kv_caches: list[tuple[torch.Tensor, torch.Tensor]], block_size: int,
                  scratch_block: int, max_rows: int, max_model_len: int, graphs: bool):
         cfg = model.config
-        self.model = _ModelView(model)
+        self.model = model
+        self.attention = StaticDecodeAttention()
         self.kv_caches = kv_caches
         self.block_size = block_size
         self.scratch_slot = scratch_block * block_size  # padded rows write here and attend it
@@ -231,7 +218,8 @@ class StaticDecodeRunner:
         longs = self.device_longs[:, :bucket]
         longs.copy_(self.device_ints[:len(_LONG_REGIONS) * r].view(len(_LONG_REGIONS), r)[:, :bucket])
         lora = StaticLora(lora_slots, self._region("lora", bucket)) if lora_slots is not None else None
-        logits = self.model.forward(longs[0], longs[1], self._meta[bucket], self.kv_caches, longs[3], lora=lora)
+        logits = self.model.forward(longs[0], longs[1], self._meta[bucket], self.kv_caches, longs[3], lora=lora,
+                                    attention=self.attention)
         self.logits[:bucket].copy_(logits)  # [B, vocab]
 
     def run(self, ids: list[int], positions: list[int], seqs: list[tuple[int, int, list[int]]],

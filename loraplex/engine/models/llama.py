@@ -200,6 +200,7 @@ class LlamaModel:
         kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
         logits_indices: torch.Tensor,
         lora=None,
+        attention=None,
     ) -> torch.Tensor:
         """Runs every token once and returns logits [len(logits_indices), vocab] in fp32.
 
@@ -209,7 +210,8 @@ class LlamaModel:
         all-decode step may run as one fused call instead (ops.decode_step, with lora.kernel_args()).
         """
         ops = self.ops
-        if attn.decode_all and ops.decode_step is not None and self.attention.fused_decode_step:
+        attention = attention or self.attention  # (the static decode path passes its own: static_decode.py)
+        if attn.decode_all and ops.decode_step is not None and attention.fused_decode_step:
             logits = ops.decode_step(self, input_ids, positions, attn, kv_caches, logits_indices, lora)
             if logits is not None:
                 return logits
@@ -228,7 +230,7 @@ class LlamaModel:
             q, k = ops.rope_qk(qkv, rope, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, qk_size:].view(n_tok, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_caches[li]
-            attn_out = self.attention.forward(q, k, v, k_cache, v_cache, attn)  # [tokens, q_size]
+            attn_out = attention.forward(q, k, v, k_cache, v_cache, attn)  # [tokens, q_size]
             o = ops.linear(attn_out, lw.o)
             if lora is not None:
                 lora.apply(li, "o", attn_out, o)
