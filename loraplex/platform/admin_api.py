@@ -183,7 +183,8 @@ async def engine_stats(platform: PlatformDep) -> a.EngineStatsOut:
                             s.num_steps, s.generated_tokens, s.prompt_tokens_computed, s.adapters_loaded,
                             s.adapter_loads, s.models_resident, s.model_loads, s.model_evictions,
                             s.prefix_hit_tokens, s.prefix_query_tokens, s.spec_draft_tokens, s.spec_accepted_tokens,
-                            s.model_weight_bytes)
+                            s.model_weight_bytes, s.kv_cache_bytes, s.memory_budget_bytes,
+                            s.gpu_memory_utilization, s.peak_step_bytes)
 
 
 @get("/engine/workers")

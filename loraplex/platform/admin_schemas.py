@@ -121,6 +121,10 @@ class EngineStatsOut(Struct):
     spec_draft_tokens: int  # speculative decoding: drafts verified
     spec_accepted_tokens: int  # of which kept
     model_weight_bytes: int  # the resident models' weights, with the CPU kernels' packed copies
+    kv_cache_bytes: int  # the KV caches' size (measured on CUDA, configured elsewhere)
+    memory_budget_bytes: int  # CUDA: for weights, KV cache and adapter slots, as measured at start (else 0)
+    gpu_memory_utilization: float  # CUDA: the fraction of the device that budget was taken from (else 0)
+    peak_step_bytes: int  # CUDA: a maximum-size step's activations, profiled at start (else 0)
 
 
 def tenant_out(t: Tenant) -> TenantOut:

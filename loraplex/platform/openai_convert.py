@@ -43,6 +43,8 @@ def sampling(data: s.ChatCompletionRequest | s.CompletionRequest, max_tokens: in
         max_tokens=max_tokens,
         temperature=1.0 if data.temperature is None else data.temperature,
         top_p=1.0 if data.top_p is None else data.top_p,
+        top_k=max(0, data.top_k or 0),  # (-1 is vLLM's "off", as 0 is)
+        min_p=data.min_p or 0.0,
         seed=data.seed,
         presence_penalty=data.presence_penalty or 0.0,
         frequency_penalty=data.frequency_penalty or 0.0,

@@ -103,6 +103,10 @@ class _Sampling(Struct, kw_only=True):
     max_tokens: PositiveInt | None = None
     temperature: float | None = None
     top_p: float | None = None
+    # vLLM's extensions (the openai client sends them in extra_body): the k most likely tokens (-1 or 0: all),
+    # and the tokens at least min_p times as likely as the most likely one
+    top_k: Annotated[int, Meta(ge=-1, le=2**31 - 1)] | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: StopText | Annotated[list[StopText], Meta(max_length=MAX_STOP)] | None = None
     presence_penalty: float | None = None

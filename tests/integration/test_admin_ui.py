@@ -280,6 +280,8 @@ def test_the_overview_and_engine_stats_report_the_prefix_cache_and_speculation(u
     kept = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
     assert drafted > 0 and 0 <= kept <= drafted
     assert after["prefix_query_tokens"] - before["prefix_query_tokens"] == 50
+    # memory sizing: a configured KV cache on the CPU (its blocks' bytes), nothing measured there
+    assert after["kv_cache_bytes"] > 0 and after["memory_budget_bytes"] == 0 and after["peak_step_bytes"] == 0
     login(ui)
     page = ui.get("/admin").text
     assert re.search(r'id="stat-spec">\d+%</span><span class="label">of [\d,]+ speculative drafts kept', page)

@@ -103,6 +103,9 @@ def test_authentication_errors_never_echo_the_key(api):
     ({"max_tokens": 0}, "max_tokens"),
     ({"temperature": -1}, "temperature"),
     ({"top_p": 0}, "top_p"),
+    ({"top_k": -2}, "top_k"),
+    ({"top_k": 2**40}, "top_k"),
+    ({"min_p": 1.5}, "min_p"),
     ({"n": 0}, "n"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"messages": "hello"}, "messages"),
@@ -114,7 +117,8 @@ def test_invalid_fields_answer_400_naming_the_field(api, body, param):
 
 
 def _code_for(param: str) -> str:
-    return {"temperature": "invalid_request", "top_p": "invalid_request"}.get(param, "invalid_value")
+    return {"temperature": "invalid_request", "top_p": "invalid_request", "min_p": "invalid_request"}.get(
+        param, "invalid_value")
 
 
 def test_context_length_and_unknown_routes_and_methods(api):
@@ -230,6 +234,19 @@ def test_retrieve_model_answers_like_resolution(api, peft_dirs):
     found = api.client.get("/v1/models/synthetic:tiny", headers=headers)
     assert found.status_code == 200 and found.json()["id"] == "synthetic:tiny" and found.json()["object"] == "model"
     _error(api.client.get("/v1/models/theirs", headers=headers), 404, "model_not_found")
+
+
+def test_top_k_and_min_p_reach_the_sampler(api):
+    """top_k 1 and min_p 1 leave only the most likely token: any seed gives the greedy answer."""
+    key = api.key(api.tenant())
+    greedy = api.chat(key, max_tokens=6, temperature=0).json()["choices"][0]["message"]["content"]
+    for seed in range(3):
+        for narrow in ({"top_k": 1}, {"min_p": 1.0}):
+            r = api.chat(key, max_tokens=6, temperature=1.5, seed=seed, **narrow)
+            assert r.json()["choices"][0]["message"]["content"] == greedy, narrow
+    wide = {api.chat(key, max_tokens=6, temperature=1.5, seed=s, top_k=-1).json()["choices"][0]["message"]["content"]
+            for s in range(3)}
+    assert wide != {greedy}  # (-1: no top-k, so the seeds differ)
 
 
 def test_logit_bias_reaches_the_sampler_and_bad_maps_are_400(api):
