@@ -17,11 +17,13 @@ _CONFIG_OPTIONS = {"device": "device", "dtype": "dtype", "max_model_len": "max_m
                    "max_cpu_loras": "max_cpu_loras", "max_lora_rank": "max_lora_rank", "lora_dtype": "lora_dtype",
                    "weight_dtype": "weight_dtype", "threads": "num_threads",
                    "attention_backend": "attention_backend", "gpu_memory_utilization": "gpu_memory_utilization",
-                   "cuda_graphs": "cuda_graphs"}
+                   "cuda_graphs": "cuda_graphs", "async_scheduling": "async_scheduling"}
 ENGINE_OPTIONS = ("model", "memory_budget_mb", "kv_cache_mb", *_CONFIG_OPTIONS)
 CUDA_GRAPHS_HELP = ("decode steps over static bucket-padded buffers, on CUDA captured as CUDA graphs: auto (default: "
                     "on with CUDA and the triton_paged backend, off on the CPU), on (the CPU runs the static step "
                     "eagerly) or off")
+ASYNC_SCHEDULING_HELP = ("schedule the next step while the device runs the current one: auto (default: on with "
+                         "CUDA, off on the CPU, where nothing overlaps), on or off")
 ATTENTION_BACKEND_HELP = ("attention kernels: auto (default: triton_paged on CUDA, cpu_c on the CPU with the C "
                           "kernels, else torch_sdpa), torch_sdpa, cpu_c or triton_paged")
 
@@ -60,6 +62,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, help="CPU: threads for the model's kernels (default: torch's)")
     g.add_argument("--attention-backend", help=ATTENTION_BACKEND_HELP)
     g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), help=CUDA_GRAPHS_HELP)
+    g.add_argument("--async-scheduling", choices=("auto", "on", "off"), help=ASYNC_SCHEDULING_HELP)
 
 
 def given_engine_options(args: argparse.Namespace) -> list[str]:

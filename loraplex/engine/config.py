@@ -49,6 +49,9 @@ class EngineConfig:
     # capture one CUDA graph per bucket when the attention backend is triton_paged; on the CPU "on" runs the
     # same static step eagerly (no graphs there) and "auto" is off. "off": every step dynamic.
     cuda_graphs: str = "auto"
+    # Schedule step N+1 while step N runs on the device, feeding N's tokens to N+1 there (core.py): "auto" is on
+    # with CUDA and off on the CPU, where the device is the host and nothing overlaps; "on" runs it anywhere.
+    async_scheduling: str = "auto"
     # LoRA: device slots (distinct adapters in one step), largest rank, parsed adapters kept in memory.
     # The slot buffers are allocated when the first adapter is registered.
     # Scheduling: admission weights of realtime:standard:batch, the wait after which any request goes
@@ -106,8 +109,9 @@ class EngineConfig:
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"engine config: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
-        if self.cuda_graphs not in ("auto", "on", "off"):
-            raise ValueError(f"engine config: cuda_graphs must be auto, on or off, got {self.cuda_graphs!r}")
+        for name in ("cuda_graphs", "async_scheduling"):
+            if getattr(self, name) not in ("auto", "on", "off"):
+                raise ValueError(f"engine config: {name} must be auto, on or off, got {getattr(self, name)!r}")
         if self.weight_dtype not in ("auto", "float32", "bfloat16"):
             raise ValueError(f"engine config: weight_dtype must be auto, float32 or bfloat16, "
                              f"got {self.weight_dtype!r}")
@@ -142,6 +146,10 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:  # (false for nan too)
             raise ValueError(f"engine config: gpu_memory_utilization must be in (0, 1], "
                              f"got {self.gpu_memory_utilization}")
+
+    @property
+    def async_scheduling_on(self) -> bool:
+        return self.async_scheduling == "on" or (self.async_scheduling == "auto" and self.torch_device.type == "cuda")
 
     @property
     def torch_device(self) -> torch.device:

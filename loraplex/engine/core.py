@@ -1,4 +1,8 @@
-"""EngineCore: one base model, its KV pool and scheduler; `step()` = schedule -> execute -> update.
+"""EngineCore: one base model, its KV pool and scheduler; `step()` = schedule -> launch -> update.
+
+With asynchronous scheduling (EngineConfig.async_scheduling) a step is scheduled and launched while the
+step before it still runs on the device, and that one's results are applied after: the host's
+scheduling overlaps the device's work, and the events a step returns are the previous step's.
 
 Single-threaded by design: the async engine runs it on one background thread. `prepare()` (validation
 and tokenization) touches no engine state, so callers may run it on their own thread and get errors
@@ -36,11 +40,11 @@ from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.memory import size_kv_cache
 from loraplex.engine.models.loader import LoadedModel, build_model, load_model, resolve_model
-from loraplex.engine.runner import ModelRunner
+from loraplex.engine.runner import LaunchedStep, ModelRunner
 from loraplex.engine.sampler import StepLogprobs
 from loraplex.engine.sched.request import Request
-from loraplex.engine.sched.scheduler import Scheduler
-from loraplex.engine.static_decode import StaticDecodeSpec, static_decode_mode
+from loraplex.engine.sched.scheduler import ScheduledBatch, Scheduler
+from loraplex.engine.static_decode import StaticDecodeSpec, buckets_for, static_decode_mode
 
 
 @dataclass
@@ -86,8 +90,13 @@ class EngineCore:
         self.weight_bytes = model.weight_bytes() + model.packed_bytes()  # (what stats() reports)
         mcfg = loaded.config
         bs = config.block_size
-        # the KV pool: measured on CUDA unless sized (profiles a maximum-size step; engine/memory.py)
-        self.memory = size_kv_cache(config, model, self.weight_bytes, max_model_len(config, mcfg))
+        mode = static_decode_mode(config.cuda_graphs, device, attention.name)
+        static = StaticDecodeSpec(mode, config.max_num_seqs * (1 + config.speculative_tokens),
+                                  max_model_len(config, mcfg)) if mode else None
+        # the KV pool: measured on CUDA unless sized (profiles a maximum-size step and, with decode graphs, the
+        # largest bucket; engine/memory.py)
+        graph_rows = buckets_for(static.max_rows)[-1] if mode == "graphs" else 0
+        self.memory = size_kv_cache(config, model, self.weight_bytes, max_model_len(config, mcfg), graph_rows)
         num_blocks = self.memory.num_blocks
         self.frontend = RequestFrontend(config.model, loaded.tokenizer, mcfg, config, self._adapter_available,
                                         num_blocks)
@@ -105,10 +114,9 @@ class EngineCore:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             priority_weights=config.priority_weights, aging_s=config.priority_aging_s,
             speculative_tokens=config.speculative_tokens, speculative_max_seqs=config.speculative_max_seqs)
-        mode = static_decode_mode(config.cuda_graphs, device, attention.name)
-        static = StaticDecodeSpec(mode, config.max_num_seqs * (1 + config.speculative_tokens),
-                                  self.max_model_len) if mode else None
         self.runner = ModelRunner(model, num_blocks, bs, swap_pool.num_blocks if swap_pool else 0, static)
+        self.async_scheduling = config.async_scheduling_on
+        self._in_flight: tuple[ScheduledBatch, LaunchedStep] | None = None  # launched, results not applied
         self.requests: dict[str, Request] = {}
         self.wake: Callable[[], None] = lambda: None  # set by the model pool: wakes its engine loop
         self._idle_at_reads: int | None = None  # reads_done when a step found only requests awaiting reads
@@ -197,12 +205,14 @@ class EngineCore:
     # --- the step --------------------------------------------------------------------------
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self._in_flight is not None or self.scheduler.has_work()
 
     def runnable(self) -> bool:
         """Whether a step would do something now: not while every waiting request waits on an adapter's
         background read and none has ended since the last step found nothing to run (the read's end calls
         `wake`, so an engine loop can sleep instead of spinning)."""
+        if self._in_flight is not None:
+            return True
         if self._idle_at_reads is not None and self.lora.reads_done == self._idle_at_reads:
             return False
         return self.has_work()
@@ -211,27 +221,67 @@ class EngineCore:
         """One step. The runner's StepOutput is its only result: the scheduler applies it (`update`),
         then each sampled request's tokens are appended to its output here, as its events are made
         (`_append`: a stop string, a schema or a limit may end it at any of them, dropping the rest)."""
+        try:
+            return self._step()
+        except BaseException:
+            self._in_flight = None  # (the pool ends this model's requests)
+            raise
+
+    def _step(self) -> list[GenerateEvent]:
+        """Schedules and launches a step; applies the step in flight before it (asynchronous scheduling),
+        first if the schedule needs its tokens on the host (`_overlaps`), else after the launch; without
+        asynchronous scheduling, applies the new step at once."""
+        events = []
+        if self._in_flight is not None and not self._overlaps(self._in_flight[0]):
+            events = self._apply_in_flight()
         batch = self.scheduler.schedule()
         failed = [self._finish(r, "error", "", error=f"adapter {r.adapter!r} cannot be loaded: {why}")
                   for r, why in self.scheduler.take_failed()]
-        idle_on_reads = batch.empty and not failed and self.lora is not None and self.lora.loading()
+        idle_on_reads = (batch.empty and not failed and self._in_flight is None and self.lora is not None
+                         and self.lora.loading())
         self._idle_at_reads = self.lora.reads_done if idle_on_reads else None
         if batch.empty:
-            return failed
+            return failed + events + self._apply_in_flight()
         sampled = batch.sampled()
         self.spec_draft_tokens += sum(len(r.spec_ids) for r in sampled)
         start_masks((r.guide for r in sampled if r.guide is not None), self.config.torch_device.type == "cpu")
-        try:
-            out = self.runner.execute(batch)  # (writes nothing onto the requests)
+        try:  # (the runner writes nothing onto the requests)
+            launched = self.runner.launch(batch, self._in_flight[1] if self._in_flight is not None else None)
         except BaseException:  # the pool fails this model's requests; their swap space must not leak
             self.scheduler.release_swap_ins(batch)
             raise
         self.prompt_tokens_computed += sum(
             min(n, len(r.prompt_ids) - r.num_computed) for r, n in batch.entries if r.num_computed < len(r.prompt_ids))
-        self.scheduler.update(batch, out)
+        self.scheduler.commit(batch)
         self.num_steps += 1
-        return failed + [self._append_all(req, toks, lps)
-                         for req, toks, lps in zip(sampled, out.tokens, out.logprobs, strict=True)]
+        events += self._apply_in_flight()  # the previous step's, while this one runs
+        self._in_flight = (batch, launched)
+        if not self.async_scheduling:
+            events += self._apply_in_flight()
+        return failed + events
+
+    def drain(self) -> list[GenerateEvent]:
+        """Applies the step in flight, if any, and returns its events (for a caller that stops stepping)."""
+        return self._apply_in_flight()
+
+    def _overlaps(self, in_flight: ScheduledBatch) -> bool:
+        """Whether the next step may be scheduled before the step in flight's tokens reach the host: not
+        when a request it sampled needs its token on the host for its next step (a schema, penalties),
+        nor when the scheduler may make drafts (an n-gram lookup over the output)."""
+        return (self.async_scheduling and not self.scheduler.may_speculate()
+                and not any(r.needs_host_tokens for r in in_flight.sampled() if not r.finished))
+
+    def _apply_in_flight(self) -> list[GenerateEvent]:
+        """Waits for the step in flight's tokens and applies them: update, then each sampled request's
+        tokens to its output (a request that ended meanwhile, by a stop or an abort, loses its token)."""
+        if self._in_flight is None:
+            return []
+        batch, launched = self._in_flight
+        self._in_flight = None
+        out = launched.output()
+        self.scheduler.update(batch, out)
+        return [self._append_all(req, toks, lps)
+                for req, toks, lps in zip(batch.sampled(), out.tokens, out.logprobs, strict=True) if not req.finished]
 
     def _append_all(self, r: Request, tokens: list[int], steps: list[StepLogprobs | None]) -> GenerateEvent:
         """A step's new tokens for one request (several when drafts were kept) as one event; a token
@@ -289,7 +339,7 @@ class EngineCore:
                                     error=f"token {token} was sampled outside the JSON schema's mask")
             if r.guide.complete:  # the schema's value is whole: nothing may follow, so stop without EOS
                 return self._finish(r, "stop", text + detok.flush(), (token,), **lps)
-        if len(r.output_ids) >= r.max_tokens or r.num_tokens >= self.max_model_len:
+        if len(r.output_ids) >= r.max_tokens or r.num_known >= self.max_model_len:
             return self._finish(r, "length", text + detok.flush(), (token,), **lps)
         return GenerateEvent(r.request_id, text, (token,), **lps)
 

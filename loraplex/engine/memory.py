@@ -5,12 +5,14 @@ maximum-size step once the weights are on the device and gives the KV cache what
 `gpu_memory_utilization` x the device's memory:
 
     budget   = total * utilization - (in_use - weights) - peak_step   (weights + KV cache + adapter slots)
-    kv_cache = budget - weights - adapter slots
+    kv_cache = budget - weights - adapter slots - decode graphs
 
 where `in_use` is what `torch.cuda.mem_get_info()` says is taken (the weights, the CUDA context, other
-processes) and `peak_step` the activations of the largest step. The CPU keeps a configured size
-(`kv_cache_bytes`, default 512 MiB). `plan_memory` and `blocks_for_bytes` are the arithmetic of both paths,
-pure so that tests run them with given numbers.
+processes), `peak_step` the activations of the largest step and `decode graphs` what static decode keeps
+for its CUDA graphs, captured after the KV cache exists: the largest bucket's activations (profiled the
+same way; the buckets share one graph pool, captured largest first) and its static logits buffer. The
+CPU keeps a configured size (`kv_cache_bytes`, default 512 MiB). `plan_memory` and `blocks_for_bytes`
+are the arithmetic of both paths, pure so that tests run them with given numbers.
 """
 
 from __future__ import annotations
@@ -122,12 +124,12 @@ def measures_kv_cache(config: EngineConfig) -> bool:
 
 
 @torch.inference_mode()
-def dummy_step(model: LlamaModel, config: EngineConfig, max_model_len: int) -> int:
-    """Runs a maximum-size step on dummy tokens: `max_num_batched_tokens` prompt tokens (in sequences of
-    at most `max_model_len`) through the model's attention backend, with logits for every token (a step of
-    prompt_logprobs requests computes that many) and their softmax. Returns the bytes of the temporary KV
-    cache it wrote into."""
-    n, bs, dev, cfg = config.max_num_batched_tokens, config.block_size, model.device, model.config
+def dummy_step(model: LlamaModel, config: EngineConfig, max_model_len: int, tokens: int | None = None) -> int:
+    """Runs a maximum-size step on dummy tokens: `tokens` (default `max_num_batched_tokens`) prompt tokens
+    (in sequences of at most `max_model_len`) through the model's attention backend, with logits for every
+    token (a step of prompt_logprobs requests computes that many) and their softmax. Returns the bytes of
+    the temporary KV cache it wrote into."""
+    n, bs, dev, cfg = tokens or config.max_num_batched_tokens, config.block_size, model.device, model.config
     lens = [min(max_model_len, n - start) for start in range(0, n, max_model_len)]
     seqs, first = [], 0
     for m in lens:
@@ -144,27 +146,37 @@ def dummy_step(model: LlamaModel, config: EngineConfig, max_model_len: int) -> i
     return storage.numel() * storage.element_size()
 
 
-def profile_step(model: LlamaModel, config: EngineConfig, max_model_len: int) -> int:
-    """Peak activation memory (bytes) of a maximum-size step on CUDA, above what was allocated before it
-    (the dummy step's own small KV cache left out)."""
+def profile_step(model: LlamaModel, config: EngineConfig, max_model_len: int, tokens: int | None = None) -> int:
+    """Peak activation memory (bytes) of a maximum-size step on CUDA (dummy_step's), above what was
+    allocated before it (the dummy step's own small KV cache left out)."""
     dev = model.device
     with torch.cuda.device(dev):
         torch.cuda.synchronize(dev)
         torch.cuda.reset_peak_memory_stats(dev)
         before = torch.cuda.memory_allocated(dev)
-        kv_bytes = dummy_step(model, config, max_model_len)
+        kv_bytes = dummy_step(model, config, max_model_len, tokens)
         torch.cuda.synchronize(dev)
         peak = torch.cuda.max_memory_allocated(dev) - before - kv_bytes
     return max(0, peak)
 
 
-def size_kv_cache(config: EngineConfig, model: LlamaModel, weight_bytes: int, max_model_len: int) -> DeviceMemory:
+def decode_graph_bytes(model: LlamaModel, config: EngineConfig, graph_rows: int) -> int:
+    """CUDA: what static decode's graphs keep once captured (see the module docstring): the activations of a
+    step of `graph_rows` one-token sequences, profiled, and the [graph_rows, vocab] fp32 logits buffer."""
+    return profile_step(model, config, 1, graph_rows) + graph_rows * model.config.vocab_size * 4
+
+
+def size_kv_cache(config: EngineConfig, model: LlamaModel, weight_bytes: int, max_model_len: int,
+                  graph_rows: int = 0) -> DeviceMemory:
     """The engine's KV cache: measured on CUDA when the user gave no size (profiling a maximum-size step,
-    with the adapter slots' computed size kept free), else `kv_blocks`. `model` is on the device."""
+    with the adapter slots' computed size and, for `graph_rows` > 0 (the largest static decode bucket when
+    its CUDA graphs are on), the graphs' memory kept free), else `kv_blocks`. `model` is on the device."""
     per_block = block_bytes(config, model.config)
     if not measures_kv_cache(config):
         blocks = kv_blocks(config, model.config)
         return DeviceMemory(weights=weight_bytes, kv_cache_bytes=blocks * per_block, num_blocks=blocks)
     peak = profile_step(model, config, max_model_len)
     reserved = adapter_device_bytes(config, model.config, model.device)
+    if graph_rows:
+        reserved += decode_graph_bytes(model, config, graph_rows)
     return measure_device_memory(model.device, config.gpu_memory_utilization, weight_bytes, peak, reserved, per_block)

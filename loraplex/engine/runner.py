@@ -2,10 +2,15 @@
 
 The batch is flat: every scheduled token of every request, in batch order, no padding; all-decode steps
 may instead run over static bucket-padded buffers (static_decode.py: CUDA graphs on CUDA), with the same
-result. The runner
-reads the requests and writes nothing onto them: `execute` returns the step's results as a StepOutput
-(sampled tokens, their log-probabilities, rejected drafts, prompt log-probabilities), which
-`Scheduler.update` and the core apply.
+result. The runner reads the requests and writes nothing onto them: `launch` lays the step out, runs it
+and starts the copy of its tokens to the host, returning a LaunchedStep whose `output()` is the step's
+StepOutput (sampled tokens, their log-probabilities, rejected drafts, prompt log-probabilities), which
+`Scheduler.update` and the core apply. `execute` is both at once.
+
+Asynchronous scheduling: a step may be launched while the previous one is still in flight. A request
+that step sampled then has a pending token (Request.num_pending), the input of its next row: the
+layout leaves a placeholder there and the launch fills it on the device from the previous step's
+sampled tokens, so no step waits for the host to see a token.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
 from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.llama import LlamaModel
-from loraplex.engine.sampler import sample_steps, token_logprobs
+from loraplex.engine.sampler import DrawnTokens, draw, sample_steps, token_logprobs
 from loraplex.engine.sched.scheduler import ScheduledBatch
 from loraplex.engine.static_decode import StaticDecodeRunner, StaticDecodeSpec
 from loraplex.engine.step_output import StepOutput
@@ -62,6 +67,27 @@ class StepLayout:
     token_slots: list[int] = field(default_factory=list)  # LoRA slot per row, -1 = base model
     prompt_rows: list[int] = field(default_factory=list)  # rows whose logits predict a prompt token
     prompt_targets: list[tuple] = field(default_factory=list)  # (request, the prompt token those logits predict)
+    output_positions: list[int] = field(default_factory=list)  # each sampled request's next output index
+    from_previous: list[tuple[int, int]] = field(default_factory=list)  # (row, previous step's token index)
+
+
+class LaunchedStep:
+    """A step the runner launched: its sampled tokens on the device (`tokens`, [sampled] int64, the inputs
+    of the next step's pending rows) and `output()`, which waits for their copy to the host."""
+
+    def __init__(self, sampled: list, drawn: DrawnTokens | None, eager: StepOutput):
+        self.rows = {id(r): i for i, r in enumerate(sampled)} if drawn is not None else {}  # request -> row
+        self.tokens = drawn.tokens if drawn is not None else None
+        self._drawn = drawn
+        self._out = eager  # prompt log-probabilities (and drafts' results), known at launch
+
+    def output(self) -> StepOutput:
+        if self._drawn is not None:
+            tokens, logprobs = self._drawn.result()
+            self._out.tokens, self._out.logprobs = [[t] for t in tokens], [[lp] for lp in logprobs]
+            self._out.num_rejected = [0] * len(tokens)
+            self._drawn = None
+        return self._out
 
 
 class ModelRunner:
@@ -105,20 +131,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:
-        """Computes the batch's tokens; returns the new tokens of each `batch.sampled()` request (one, or
-        with drafts the ones the model agreed with and its own next), their log-probabilities where it
-        asked for them, its rejected drafts, and the prompt log-probabilities this step computed."""
+        """`launch` with nothing in flight, then its output."""
+        return self.launch(batch).output()
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, previous: LaunchedStep | None = None) -> LaunchedStep:
+        """Computes the batch's tokens; its output() is the new tokens of each `batch.sampled()` request
+        (one, or with drafts the ones the model agreed with and its own next), their log-probabilities
+        where it asked for them, its rejected drafts, and the prompt log-probabilities this step computed.
+        `previous`: the step still in flight, whose sampled tokens are this step's pending inputs."""
         if batch.swap_out or batch.swap_in:
             self._swap(batch)
-        lay = self._layout(batch)
+        lay = self._layout(batch, previous)
         dev = self.device
+        fill = self._pending_inputs(lay, previous)
         if self._static_eligible(lay):
             lora = self.lora_slots if self.lora_slots is not None and max(lay.token_slots) >= 0 else None
-            logits = self.static.run(lay.ids, lay.positions, lay.seqs, lay.token_slots, lay.logits_rows, lora)
+            logits = self.static.run(lay.ids, lay.positions, lay.seqs, lay.token_slots, lay.logits_rows, lora,
+                                     fill=fill)
         else:
             meta = self.model.attention.build_metadata(lay.seqs, self.block_size, dev, self.model.dtype)
+            ids = torch.tensor(lay.ids, dtype=torch.long, device=dev)
+            if fill is not None:
+                ids[fill[0]] = fill[1]
             logits = self.model.forward(
-                torch.tensor(lay.ids, dtype=torch.long, device=dev),
+                ids,
                 torch.tensor(lay.positions, dtype=torch.long, device=dev),
                 meta,
                 self.kv_caches,
@@ -131,13 +168,27 @@ class ModelRunner:
                                    [r.sampling.prompt_logprobs for r, _ in lay.prompt_targets])
             out.prompt_logprobs = [(req, step) for (req, _), step in zip(lay.prompt_targets, found, strict=True)]
             logits = logits[:len(lay.logits_rows)]
-        if lay.sampled:
+        if not lay.sampled:
+            return LaunchedStep([], None, out)
+        if any(r.spec_ids for r in lay.sampled):  # verifying drafts reads the host: not deferred
             out.tokens, out.logprobs, out.num_rejected = sample_steps(logits, lay.sampled)
-        return out
+            return LaunchedStep(lay.sampled, None, out)
+        return LaunchedStep(lay.sampled, draw(logits, lay.sampled, lay.output_positions), out)
+
+    def _pending_inputs(self, lay: StepLayout, previous: LaunchedStep | None
+                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rows [k] long, tokens [k] long) on the device: the pending tokens the layout left placeholders
+        for, taken from the previous step's sampled tokens (one small copy of their indices)."""
+        if not lay.from_previous:
+            return None
+        index = torch.tensor([[row for row, _ in lay.from_previous], [i for _, i in lay.from_previous]],
+                             dtype=torch.long).to(self.device, non_blocking=True)  # [2, k]: rows, token indices
+        return index[0], previous.tokens[index[1]]
 
     @staticmethod
-    def _layout(batch: ScheduledBatch) -> StepLayout:
-        """The step's rows: tokens, positions, sequences, logits rows, adapters, prompt log-probability rows."""
+    def _layout(batch: ScheduledBatch, previous: LaunchedStep | None = None) -> StepLayout:
+        """The step's rows: tokens, positions, sequences, logits rows, adapters, prompt log-probability rows;
+        a pending token (sampled by `previous`, still in flight) as a placeholder to fill on the device."""
         lay = StepLayout()
         ids = lay.ids
         for req, n in batch.entries:
@@ -147,13 +198,21 @@ class ModelRunner:
                 for p in range(max(start, len(req.prompt_logprobs)), min(start + n, len(req.prompt_ids) - 1)):
                     lay.prompt_rows.append(len(ids) + p - start)
                     lay.prompt_targets.append((req, req.prompt_ids[p + 1]))
-            ids.extend(req.token_ids(start, start + n - len(req.spec_ids)))
+            end = start + n - len(req.spec_ids)
+            ids.extend(req.token_ids(start, min(end, req.num_known)))
+            if end > req.num_known:  # its last token is still on the device
+                if previous is None or end - req.num_known != 1 or id(req) not in previous.rows:
+                    raise RuntimeError(f"request {req.request_id} has {req.num_pending} tokens in flight, "
+                                       f"not one from the step before")
+                lay.from_previous.append((len(ids), previous.rows[id(req)]))
+                ids.append(0)
             ids.extend(req.spec_ids)
             lay.positions.extend(range(start, start + n))
             lay.seqs.append((start, n, req.blocks))
             if start + n >= req.num_tokens:  # the last token's logits, and each draft's
                 lay.logits_rows.extend(range(len(ids) - 1 - len(req.spec_ids), len(ids)))
                 lay.sampled.append(req)
+                lay.output_positions.append(req.next_output_index)
         return lay
 
     def _static_eligible(self, lay: StepLayout) -> bool:

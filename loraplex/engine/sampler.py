@@ -7,9 +7,10 @@ rows are one argmax (on the CPU in C, kernels/cpu/argmax.c: torch's took 1.3-1.9
 step). A sampled row's noise is a hash of (its request's seed, its output position, the token id), so a
 seeded request gives the same tokens whatever else shares its batch; an unseeded request's key is the
 random seed its generator took at admission. The step's token ids (and the log-probabilities asked for)
-come to the host in one copy. A request with drafts (speculative decoding) has a row per draft too. Greedy: the
-drafts up to the first the argmax disagrees with are kept, then the argmax after them, which is
-exactly what decoding one token at a time would have given. Sampled (speculative sampling with a
+come to the host in one copy, started without waiting (`draw`: the next step may be scheduled meanwhile).
+A request with drafts (speculative decoding) has a row per draft too. Greedy: the drafts up to the
+first the argmax disagrees with are kept, then the argmax after them, which is exactly what decoding
+one token at a time would have given. Sampled (speculative sampling with a
 deterministic draft): draft d is kept with probability p(d); at the first one not kept, the token is
 drawn from p without d, renormalized; after all are kept, one more from the next row's p. Each
 emitted token is then distributed exactly as p, as in plain sampling.
@@ -184,27 +185,59 @@ def request_key(r: Request) -> int:
 
 
 def _to_host(t: torch.Tensor) -> list:
-    """The step's one device-to-host copy (of token ids, with the log-probabilities asked for)."""
+    """A device-to-host copy that waits for it (log-probabilities of drafts and prompts)."""
     return t.tolist()
 
 
-def sample(logits: torch.Tensor, reqs: list[Request]) -> tuple[list[int], list[StepLogprobs | None]]:
-    """logits: [reqs, vocab] fp32 -> one token id per request, and the log-probabilities of those
-    that asked (None for the others), taken from the logits before anything below changes them. The
-    tokens and log-probabilities come to the host in one copy."""
+class DrawnTokens:
+    """A step's sampled tokens on the device (`tokens`: the next step's inputs), with their one copy to
+    the host (and the log-probabilities asked for) started without waiting: pinned memory and an event on
+    CUDA, so the host can schedule the next step meanwhile. `result()` waits for the copy."""
+
+    def __init__(self, tokens: torch.Tensor, flat: torch.Tensor, wanted: list[int], ks: list[int]):
+        self.tokens = tokens  # [reqs] int64 on the logits' device
+        self._wanted, self._ks = wanted, ks
+        self._ready = None
+        if flat.device.type == "cuda":
+            host = torch.empty(flat.shape, dtype=flat.dtype, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+            flat = host
+        self._flat = flat  # [reqs (+ wanted x (1 + 2k))] on the host once the copy is done
+
+    def result(self) -> tuple[list[int], list[StepLogprobs | None]]:
+        """Each request's token id, and the log-probabilities of those that asked (None for the others)."""
+        if self._ready is not None:
+            self._ready.synchronize()
+        flat, n = self._flat.tolist(), self.tokens.shape[0]
+        logprobs: list[StepLogprobs | None] = [None] * n
+        if self._wanted:
+            ks = self._ks
+            for i, step in zip(self._wanted, ops.unpack_logprobs(flat[n:], ks, max(ks)), strict=True):
+                logprobs[i] = step
+        return [int(t) for t in flat[:n]], logprobs
+
+
+def draw(logits: torch.Tensor, reqs: list[Request], positions: list[int] | None = None) -> DrawnTokens:
+    """logits: [reqs, vocab] fp32 -> one token per request on the device, its copy to the host under way.
+    Log-probabilities are taken from the logits before anything below changes them. positions: each
+    request's output position (its noise key; default: its next_output_index)."""
     wanted = [i for i, r in enumerate(reqs) if r.sampling.logprobs is not None]
     raw = logits[wanted] if wanted else None  # [wanted, vocab], a copy
-    tokens = _choose(logits, reqs)  # [reqs] int64, on the logits' device
+    tokens = _choose(logits, reqs, positions)  # [reqs] int64, on the logits' device
     if raw is None:
-        return _to_host(tokens), [None] * len(reqs)
+        return DrawnTokens(tokens, tokens, [], [])
     ks = [reqs[i].sampling.logprobs for i in wanted]
     chosen = tokens[torch.tensor(wanted, device=tokens.device)]  # [wanted]
     table = ops.logprob_table(raw, chosen, max(ks))  # [wanted, 1 + 2k]
-    flat = _to_host(torch.cat([tokens.double(), table.flatten()]))
-    logprobs: list[StepLogprobs | None] = [None] * len(reqs)
-    for i, step in zip(wanted, ops.unpack_logprobs(flat[len(reqs):], ks, max(ks)), strict=True):
-        logprobs[i] = step
-    return [int(t) for t in flat[:len(reqs)]], logprobs
+    return DrawnTokens(tokens, torch.cat([tokens.double(), table.flatten()]), wanted, ks)
+
+
+def sample(logits: torch.Tensor, reqs: list[Request], positions: list[int] | None = None
+           ) -> tuple[list[int], list[StepLogprobs | None]]:
+    """`draw`, waiting for its tokens: one token id per request and the log-probabilities asked for."""
+    return draw(logits, reqs, positions).result()
 
 
 def token_logprobs(logits: torch.Tensor, tokens: list[int], ks: list[int]) -> list[StepLogprobs]:
@@ -223,8 +256,10 @@ def _rows_to_mask(reqs: list[Request], greedy: list[int] | None) -> list[tuple[i
         greedy is not None and r.sampling.temperature == 0 and not r.guide.ahead and r.guide.allows(greedy[i]))]
 
 
-def _choose(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def _choose(logits: torch.Tensor, reqs: list[Request], positions: list[int] | None = None) -> torch.Tensor:
     """logits: [reqs, vocab] fp32, changed in place -> [reqs] int64 token ids on the logits' device."""
+    if positions is None:
+        positions = [r.next_output_index for r in reqs]
     _add_biases(logits, reqs)
     apply_penalties(logits, reqs)  # (a per-token shift: it commutes with the masks' -inf)
     greedy = [i for i, r in enumerate(reqs) if r.sampling.temperature == 0]
@@ -237,15 +272,15 @@ def _choose(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     if not drawn:
         return _argmax(logits)
     if not greedy:
-        return _draw(logits, reqs)
+        return _draw(logits, reqs, positions)
     tokens = torch.empty(len(reqs), dtype=torch.long, device=logits.device)  # [reqs]
     greedy_index, drawn_index = (torch.tensor(rows, device=logits.device) for rows in (greedy, drawn))
     tokens[greedy_index] = _argmax(logits[greedy_index])
-    tokens[drawn_index] = _draw(logits[drawn_index], [reqs[i] for i in drawn])
+    tokens[drawn_index] = _draw(logits[drawn_index], [reqs[i] for i in drawn], [positions[i] for i in drawn])
     return tokens
 
 
-def _draw(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+def _draw(logits: torch.Tensor, reqs: list[Request], positions: list[int]) -> torch.Tensor:
     """logits: [reqs, vocab] of sampled requests -> [reqs] int64 draws: temperature, the filters with
     per-row parameter tensors (neutral where a row has none), then the exponential race on each row's
     noise, keyed by (request_key, output position)."""
@@ -254,7 +289,7 @@ def _draw(logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
     top_k = [min(sp.top_k, vocab) for sp in sps]
     params = torch.tensor([[sp.temperature, k, sp.top_p, sp.min_p] for sp, k in zip(sps, top_k, strict=True)],
                           dtype=torch.float32, device=device)  # [reqs, 4]
-    counters = torch.tensor([[request_key(r), len(r.output_ids)] for r in reqs], dtype=torch.long,
+    counters = torch.tensor([[request_key(r), p] for r, p in zip(reqs, positions, strict=True)], dtype=torch.long,
                             device=device)  # [reqs, 2]: key, position
     x = logits.float() / params[:, 0:1]  # [reqs, vocab]
     x = ops.filter_logits(x, params[:, 1].long() if any(top_k) else None,

@@ -223,11 +223,16 @@ class StaticDecodeRunner:
         self.logits[:bucket].copy_(logits)  # [B, vocab]
 
     def run(self, ids: list[int], positions: list[int], seqs: list[tuple[int, int, list[int]]],
-            token_slots: list[int], logits_rows: list[int], lora_slots) -> torch.Tensor:
+            token_slots: list[int], logits_rows: list[int], lora_slots,
+            fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """One all-decode step (rows <= max bucket); returns the logits of `logits_rows` [len, vocab] fp32, a view
-        of the static output valid until the next step. lora_slots: the LoraSlots when a row has an adapter."""
+        of the static output valid until the next step. lora_slots: the LoraSlots when a row has an adapter.
+        fill: (rows [k], tokens [k]) on the device, token ids written over those rows' placeholders after the
+        copy (the previous step's tokens, still in flight: asynchronous scheduling)."""
         bucket = self.bucket_for(len(ids))
         self._stage(ids, positions, seqs, token_slots, logits_rows, bucket)
+        if fill is not None:
+            self._region("ids", bucket)[fill[0]] = fill[1].to(torch.int32)
         if self.graphs:
             self._replay(bucket, lora_slots)
         else:
@@ -241,8 +246,8 @@ class StaticDecodeRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         """CUDA: captures every bucket's base-model graph (padded rows only in the buffers: each warm-up writes
-        the scratch block alone)."""
-        for b in self.buckets:
+        the scratch block alone), largest first: the smaller ones reuse its memory in the shared graph pool."""
+        for b in reversed(self.buckets):
             self._body(b, None)  # warm-up: compiles the Triton kernels, initialises cuBLAS, off the capture
             self._capture(b, None)
         torch.cuda.synchronize(self.logits.device)

@@ -101,9 +101,11 @@ def test_quick_run_passes_every_step_and_reports(quick_run):
     assert min(lt["base_tok_s"], lt["identical_tok_s"], lt["distinct_tok_s"]) > 0 and lt["adapters"] == 8
 
     g = steps["graphs"]["figures"]  # the static decode step, eager on the CPU, against the dynamic one
-    assert g["static_decode"] == {"off": None, "on": "eager"} and g["attention_backend"] == "triton_paged"
+    assert g["static_decode"] == {"off": None, "on": "eager", "on_sync": "eager"}
+    assert g["attention_backend"] == "triton_paged"
     for key in ("batch1", "batch2"):
         assert g[key]["on_vs_off_tokens"]["identical"] and g[key]["on_vs_off_tokens"]["tokens_per_request"] > 2
+        assert g[key]["async_vs_sync_tokens"]["identical"] and g[key]["graphs_on_sync"]["median_ms"] > 0
         assert g[key]["graphs_on"]["median_ms"] > 0 and g[key]["graphs_off"]["steps"] == g["timed_steps"]
     assert "target" not in g  # (judged on CUDA only)
     s = steps["sampled"]["figures"]

@@ -28,15 +28,15 @@ def test_a_step_that_fails_while_swapping_in_leaks_no_swap_space():
     core = make_core(num_kv_blocks=14, preemption_mode="swap")
     for i, p in enumerate(mixed_prompts(6, seed=4)):
         core.add_request(req(f"r{i}", p, max_tokens=40))
-    run, failed = core.runner.execute, []
+    run, failed = core.runner.launch, []
 
-    def execute(batch):
+    def launch(batch, previous=None):
         if batch.swap_in and not failed:
             failed.append(len(batch.swap_in))
             raise RuntimeError("injected fault")
-        return run(batch)
+        return run(batch, previous)
 
-    core.runner.execute = execute
+    core.runner.launch = launch
     for _ in range(500):
         try:
             core.step()

@@ -41,32 +41,34 @@ def _snapshot(r: Request) -> dict:
 
 def _run(core, freeze: bool) -> tuple[dict, list]:
     """Runs the phases to the end; returns each request's tokens and prompt/sampled logprobs, and the
-    step outputs seen. With `freeze`, every request in the engine is read-only inside execute."""
+    step outputs seen. With `freeze`, every request in the engine is read-only inside the runner's launch
+    and its output."""
     outputs, inside = [], [False]
-    execute = core.runner.execute
+    launch = core.runner.launch
 
     def frozen_setattr(obj, name, value):
         if inside[0]:
-            raise AssertionError(f"execute set {name} on request {obj.request_id}")
+            raise AssertionError(f"the runner set {name} on request {obj.request_id}")
         object.__setattr__(obj, name, value)
 
-    def checked_execute(batch):
+    def checked_launch(batch, previous=None):
         before = {r.request_id: _snapshot(r) for r in core.requests.values()}
         inside[0] = True
         try:
-            out = execute(batch)
+            launched = launch(batch, previous)
+            out = launched.output()
         finally:
             inside[0] = False
         assert {r.request_id: _snapshot(r) for r in core.requests.values()} == before
         outputs.append(out)
-        return out
+        return launched
 
     got: dict[str, list] = {}
     mp = pytest.MonkeyPatch()
     try:
         if freeze:
             mp.setattr(Request, "__setattr__", frozen_setattr, raising=False)
-            core.runner.execute = checked_execute
+            core.runner.launch = checked_launch
         for phase in _phases():
             for r in phase:
                 core.add_request(r)

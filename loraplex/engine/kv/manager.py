@@ -131,8 +131,9 @@ class KVManager:
 
     def cache_full_blocks(self, req: Request, kept_drafts: list[int] = ()) -> None:
         """Offers the request's blocks that are full now (after `num_computed` advanced) to the prefix
-        cache; `kept_drafts`: this step's drafts the model kept, computed but not yet in its output."""
-        full = req.num_computed // self.block_size
+        cache; `kept_drafts`: this step's drafts the model kept, computed but not yet in its output. Only
+        blocks of tokens the host knows (a step in flight may have computed past them)."""
+        full = min(req.num_computed, req.num_known + len(kept_drafts)) // self.block_size
         if self.prefix_caching and full > req.num_registered:
             self._hashes(req, full, kept_drafts)
             for idx in range(req.num_registered, full):
@@ -164,7 +165,7 @@ class KVManager:
     def _usable_hashes(self, req: Request) -> list[bytes]:
         """The hashes of the blocks a prefix hit may supply: full ones before the last token, which is
         always computed (its logits are sampled)."""
-        usable = (req.num_tokens - 1) // self.block_size
+        usable = (req.num_known - 1) // self.block_size
         return self._hashes(req, usable)[:usable]
 
     def _hashes(self, req: Request, n_blocks: int, kept: list[int] = ()) -> list[bytes]:
@@ -175,8 +176,8 @@ class KVManager:
             parent = req.block_hashes[-1] if have else self._root_hash(req)
             start, end = have * self.block_size, n_blocks * self.block_size
             tokens = req.token_ids(start, end)
-            if end > req.num_tokens:
-                tokens = tokens + list(kept[max(0, start - req.num_tokens):end - req.num_tokens])
+            if end > req.num_known:
+                tokens = tokens + list(kept[max(0, start - req.num_known):end - req.num_known])
             req.block_hashes.extend(chain_hashes(parent, tokens, self.block_size, 0, n_blocks - have))
         return req.block_hashes
 

@@ -35,7 +35,10 @@ class Request:
     cache_salt: str | None = None
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
-    num_computed: int = 0
+    num_computed: int = 0  # advanced when a step is scheduled (Scheduler.commit), less the drafts it rejects
+    # tokens sampled by steps still in flight, not yet in output_ids (asynchronous scheduling: the next step is
+    # scheduled before the last one's tokens reach the host; the runner takes them from the device)
+    num_pending: int = 0
     # KV state, written by the KV manager only (kv/manager.py):
     num_cached: int = 0  # prompt tokens served from the prefix cache
     blocks: list[int] = field(default_factory=list)
@@ -67,10 +70,33 @@ class Request:
 
     @property
     def num_tokens(self) -> int:
+        """Prompt, output and pending tokens: what the scheduler computes up to."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.num_pending
+
+    @property
+    def num_known(self) -> int:
+        """Prompt and output tokens: those the host has (token_ids reads only these)."""
         return len(self.prompt_ids) + len(self.output_ids)
 
+    @property
+    def next_output_index(self) -> int:
+        """The output position the next token sampled for it takes (its sampling noise is keyed by it)."""
+        return len(self.output_ids) + self.num_pending
+
+    @property
+    def ends_with_pending(self) -> bool:
+        """Its pending tokens reach max_tokens: it ends when they land, so no step is scheduled for it."""
+        return self.num_pending > 0 and self.next_output_index >= self.max_tokens
+
+    @property
+    def needs_host_tokens(self) -> bool:
+        """Its next step needs its last token on the host: a schema's mask follows the output, and penalties
+        count it (such a request's step is not scheduled while its token is in flight)."""
+        sp = self.sampling
+        return self.guide is not None or sp.presence_penalty != 0 or sp.frequency_penalty != 0
+
     def token_ids(self, start: int, end: int) -> list[int]:
-        """Tokens [start, end) of prompt + output."""
+        """Tokens [start, end) of prompt + output (end <= num_known)."""
         n_prompt = len(self.prompt_ids)
         if end <= n_prompt:
             return self.prompt_ids[start:end]

@@ -24,9 +24,13 @@ after its last token, in the same step; the sampler keeps those the model's dist
 and `update` counts only those as computed (the rejected drafts' KV lies past `num_computed`, to be
 overwritten).
 
-After the runner's step, `update(batch, output)` applies its StepOutput (step_output.py): progress,
-kept drafts, prompt log-probabilities, newly full blocks to the prefix cache. The runner and the
-sampler write nothing onto requests; the core then appends the sampled tokens to the output.
+Once the runner has laid a batch out, `commit(batch)` counts its tokens as computed and gives each
+sampled request a pending token, so the next step can be scheduled before this one's tokens reach the
+host (asynchronous scheduling: the runner feeds a pending token to the next step from the device). A
+request whose pending token reaches max_tokens is not scheduled again. After the step,
+`update(batch, output)` applies its StepOutput (step_output.py): rejected drafts, prompt
+log-probabilities, newly full blocks to the prefix cache. The runner and the sampler write nothing onto
+requests; the core then appends the sampled tokens to the output.
 
 A request for a LoRA adapter holds a device slot while it runs. A step never needs more distinct
 adapters than there are slots: a waiting request whose adapter finds no free slot is passed over
@@ -60,6 +64,7 @@ class ScheduledBatch:
     num_tokens: int = 0
     swap_out: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (device, cpu) blocks
     swap_in: list[tuple[list[int], list[int]]] = field(default_factory=list)  # (cpu, device) blocks
+    committed: list[Request] | None = None  # sampled() as it was when `Scheduler.commit` counted the batch
 
     @property
     def empty(self) -> bool:
@@ -67,7 +72,9 @@ class ScheduledBatch:
 
     def sampled(self) -> list[Request]:
         """Requests whose chunk reaches their last token (and their drafts), so this step samples their
-        next token(s)."""
+        next token(s); once committed, those it had then (commit advances num_computed)."""
+        if self.committed is not None:
+            return self.committed
         return [r for r, n in self.entries if r.num_computed + n >= r.num_tokens]
 
 
@@ -111,6 +118,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def may_speculate(self) -> bool:
+        """Whether the next schedule may give drafts (it reads every decoding request's output)."""
+        return self.speculative_tokens > 0 and len(self.running) <= self.speculative_max_seqs
+
     def take_failed(self) -> list[tuple[Request, str]]:
         """The waiting requests the last schedule() found unservable (their adapter failed to load), with
         why; the caller ends them (finish)."""
@@ -129,6 +140,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.ends_with_pending:  # its last token is in flight: it ends when that lands
+                i += 1
+                continue
             n = min(req.num_tokens - req.num_computed, budget)
             req.spec_ids = drafts.get(id(req), [])[:budget - n]
             if req.spec_ids and not self.kv.grow(req, n + len(req.spec_ids)):
@@ -157,17 +171,35 @@ class Scheduler:
             self.kv.free_swap(cpu_ids)
         batch.swap_in = []
 
-    def update(self, batch: ScheduledBatch, output: StepOutput) -> None:
-        """Records that the batch ran, from the runner's output alone: advances each request by its
-        tokens less the drafts the model did not keep, records prompt log-probabilities, and caches
-        newly full blocks. (The core appends the sampled tokens to the requests' output after this.)"""
-        self.release_swap_ins(batch)  # copied back now: the swap space may reuse them
-        rejected = {id(r): k for r, k in zip(batch.sampled(), output.num_rejected, strict=True)}
-        for req, step in output.prompt_logprobs:
-            req.prompt_logprobs.append(step)
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Counts a laid-out batch as computed before its results exist: each request advances by its
+        tokens (drafts included; `update` takes back the rejected ones) and each sampled one holds a
+        pending token until `update`, so the next step can be scheduled while this one runs."""
+        batch.committed = batch.sampled()
         for req, n in batch.entries:
+            req.num_computed += n
+        for req in batch.committed:
+            req.num_pending += 1
+
+    def update(self, batch: ScheduledBatch, output: StepOutput) -> None:
+        """Records a committed batch's results, from the runner's output alone: takes back the drafts the
+        model did not keep, records prompt log-probabilities, and caches newly full blocks. A request that
+        ended meanwhile is skipped; one preempted meanwhile keeps its token. (The core appends the sampled
+        tokens to the requests' output after this.)"""
+        self.release_swap_ins(batch)  # copied back now: the swap space may reuse them
+        sampled = batch.sampled()
+        rejected = {id(r): k for r, k in zip(sampled, output.num_rejected, strict=True)}
+        for req in sampled:
+            if not req.finished:
+                req.num_pending -= 1
+        for req, step in output.prompt_logprobs:
+            if not req.finished:
+                req.prompt_logprobs.append(step)
+        for req, _ in batch.entries:
+            if req.status is not Status.RUNNING:  # ended, or preempted after this step was scheduled
+                continue
             k = rejected.get(id(req), 0)
-            req.num_computed += n - k
+            req.num_computed -= k
             kept = req.spec_ids[:len(req.spec_ids) - k]  # join the output after this
             req.spec_ids = []
             self.kv.cache_full_blocks(req, kept)
@@ -181,6 +213,8 @@ class Scheduler:
         for req in list(self.waiting.in_admission_order()):
             if budget <= 0:
                 break
+            if req.num_pending:
+                continue  # preempted while its token was in flight: admitted once it lands
             if self._awaits_prefix(req):
                 continue  # a running request is computing its next block: it takes it from the cache
             while len(self.running) >= self.max_num_seqs and (freed := self._make_room(req, batch)) is not None:
@@ -209,7 +243,7 @@ class Scheduler:
         """Drafts by request (id) for this step: while few enough run, and only if every decoding
         request has some. A batch takes as many steps as its slowest request, so drafts beside a
         request that has none cost their rows and save no step."""
-        if not self.speculative_tokens or len(self.running) > self.speculative_max_seqs:
+        if not self.may_speculate():
             return {}
         drafts = {}
         for req in self.running:
