@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from loraplex.engine.attention.base import is_decode
+from loraplex.engine.host_copy import upload
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex
 from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
 from loraplex.engine.lora.merged import MergedAdapter
@@ -144,24 +145,20 @@ class ModelRunner:
             self._swap(batch)
         lay = self._layout(batch, previous)
         dev = self.device
-        fill = self._pending_inputs(lay, previous)
+        pending = (lay.from_previous, previous.tokens) if lay.from_previous else None
         if self._static_eligible(lay):
             lora = self.lora_slots if self.lora_slots is not None and max(lay.token_slots) >= 0 else None
             logits = self.static.run(lay.ids, lay.positions, lay.seqs, lay.token_slots, lay.logits_rows, lora,
-                                     fill=fill)
+                                     pending=pending)
         else:
             meta = self.model.attention.build_metadata(lay.seqs, self.block_size, dev, self.model.dtype)
-            ids = torch.tensor(lay.ids, dtype=torch.long, device=dev)
-            if fill is not None:
-                ids[fill[0]] = fill[1]
-            logits = self.model.forward(
-                ids,
-                torch.tensor(lay.positions, dtype=torch.long, device=dev),
-                meta,
-                self.kv_caches,
-                torch.tensor(lay.logits_rows + lay.prompt_rows, dtype=torch.long, device=dev),
-                lora=self._step_lora(lay.token_slots),
-            )  # [sampled + prompt rows, vocab]
+            ids, positions, rows, fill_rows, fill_from = upload(
+                dev, torch.long, lay.ids, lay.positions, lay.logits_rows + lay.prompt_rows,
+                [row for row, _ in lay.from_previous], [i for _, i in lay.from_previous])
+            if pending is not None:
+                ids[fill_rows] = previous.tokens[fill_from]
+            logits = self.model.forward(ids, positions, meta, self.kv_caches, rows,
+                                        lora=self._step_lora(lay.token_slots))  # [sampled + prompt rows, vocab]
         out = StepOutput()
         if lay.prompt_rows:
             found = token_logprobs(logits[len(lay.logits_rows):], [t for _, t in lay.prompt_targets],
@@ -174,16 +171,6 @@ class ModelRunner:
             out.tokens, out.logprobs, out.num_rejected = sample_steps(logits, lay.sampled)
             return LaunchedStep(lay.sampled, None, out)
         return LaunchedStep(lay.sampled, draw(logits, lay.sampled, lay.output_positions), out)
-
-    def _pending_inputs(self, lay: StepLayout, previous: LaunchedStep | None
-                        ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(rows [k] long, tokens [k] long) on the device: the pending tokens the layout left placeholders
-        for, taken from the previous step's sampled tokens (one small copy of their indices)."""
-        if not lay.from_previous:
-            return None
-        index = torch.tensor([[row for row, _ in lay.from_previous], [i for _, i in lay.from_previous]],
-                             dtype=torch.long).to(self.device, non_blocking=True)  # [2, k]: rows, token indices
-        return index[0], previous.tokens[index[1]]
 
     @staticmethod
     def _layout(batch: ScheduledBatch, previous: LaunchedStep | None = None) -> StepLayout:

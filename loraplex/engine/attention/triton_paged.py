@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.attention.base import AttentionBackend, StepSeq, is_decode, slots_of, write_kv
+from loraplex.engine.host_copy import upload
 
 HEAD_DIM_MAX = 256
 
@@ -68,16 +69,12 @@ def build_paged_metadata(seqs: list[StepSeq], block_size: int, device: torch.dev
         "tile_seq": tile_seq, "tile_start": tile_start,
         **{name: [p[i] for p in prefill]
            for i, name in enumerate(("seq_rows", "seq_new", "seq_computed", "seq_table"))},
+        "slots": slots,
     }
-    flat = torch.tensor([x for v in parts.values() for x in v], dtype=torch.int32)
-    if device.type == "cuda":
-        flat = flat.pin_memory().to(device, non_blocking=True)
-    views, at = {}, 0
-    for name, values in parts.items():
-        views[name] = flat[at:at + len(values)] if values else None
-        at += len(values)
+    views = {name: view if len(view) else None
+             for name, view in zip(parts, upload(device, torch.int32, *parts.values()), strict=True)}
     return PagedMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long).to(device, non_blocking=True),
+        slot_mapping=views.pop("slots").long(),  # (int32 in the copy, as in static decode's: 2**31 slots would be TBs)
         block_tables=views.pop("tables").view(len(tables), max_blocks),
         decode_all=not prefill,
         max_len=max(lens, default=0),
