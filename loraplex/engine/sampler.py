@@ -26,6 +26,7 @@ from loraplex.engine import sampling_ops as ops
 from loraplex.engine.api import SamplingParams
 from loraplex.engine.guided.guide import Guide
 from loraplex.engine.guided.masks import apply_masks
+from loraplex.engine.host_copy import upload
 from loraplex.engine.kernels.cpu.argmax import argmax_available, argmax_rows
 from loraplex.engine.sched.request import Request
 
@@ -287,10 +288,12 @@ def _draw(logits: torch.Tensor, reqs: list[Request], positions: list[int]) -> to
     device, vocab = logits.device, logits.shape[1]
     sps = [r.sampling for r in reqs]
     top_k = [min(sp.top_k, vocab) for sp in sps]
-    params = torch.tensor([[sp.temperature, k, sp.top_p, sp.min_p] for sp, k in zip(sps, top_k, strict=True)],
-                          dtype=torch.float32, device=device)  # [reqs, 4]
-    counters = torch.tensor([[request_key(r), p] for r, p in zip(reqs, positions, strict=True)], dtype=torch.long,
-                            device=device)  # [reqs, 2]: key, position
+    (params,) = upload(device, torch.float32, [x for sp, k in zip(sps, top_k, strict=True)
+                                               for x in (sp.temperature, k, sp.top_p, sp.min_p)])
+    params = params.view(-1, 4)  # [reqs, 4]
+    (counters,) = upload(device, torch.long,
+                         [x for r, p in zip(reqs, positions, strict=True) for x in (request_key(r), p)])
+    counters = counters.view(-1, 2)  # [reqs, 2]: key, position
     x = logits.float() / params[:, 0:1]  # [reqs, vocab]
     x = ops.filter_logits(x, params[:, 1].long() if any(top_k) else None,
                           params[:, 2] if any(sp.top_p < 1 for sp in sps) else None,
