@@ -246,6 +246,8 @@ class EngineStats:
     prefix_hit_tokens: int = 0  # of which served from it
     adapters_loaded: int = 0  # adapters resident in device slots
     adapter_slots: int = 0  # device slots for adapters (max_loras of each resident model)
+    running_adapters: tuple[str, ...] = ()  # adapter ids of the requests running now, each once, sorted
+    waiting_adapters: tuple[str, ...] = ()  # and of those waiting
     adapter_slot_bytes: int = 0  # memory of the slot buffers (at lora_dtype) and the folded adapter copies now
     adapter_loads: int = 0
     adapter_disk_loads: int = 0  # of adapter_loads, those that read the adapter from disk (not the CPU tier)
@@ -297,12 +299,15 @@ class WorkerStatus:
 
 
 def add_stats(total: dict, values: dict) -> None:
-    """Adds EngineStats fields `values` into `total` in place; per-class dicts add key by key."""
+    """Adds EngineStats fields `values` into `total` in place; per-class dicts add key by key, and
+    adapter-id tuples merge as a sorted union (an adapter running on two engines is one adapter)."""
     for key, value in values.items():
         if isinstance(value, dict):
             merged = total.setdefault(key, {})
             for k, v in value.items():
                 merged[k] = merged.get(k, 0) + v
+        elif isinstance(value, (tuple, list)):
+            total[key] = tuple(sorted({*total.get(key, ()), *value}))
         else:
             total[key] = total.get(key, 0) + value
 

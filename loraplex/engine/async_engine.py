@@ -152,6 +152,7 @@ class AsyncEngine:
             total["memory_budget_bytes"] = self.pool.budget
         entries = list(self.pool.models.values())
         total["waiting"] += sum(len(e.pending) for e in entries)
+        add_stats(total, {"waiting_adapters": [r.adapter for e in entries for r in list(e.pending) if r.adapter]})
         total.update(models_resident=len(cores), model_loads=sum(sum(e.loads.values()) for e in entries),
                      model_evictions=sum(e.evictions for e in entries))
         return EngineStats(**total)

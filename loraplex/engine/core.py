@@ -67,6 +67,11 @@ def _check_device(loaded: LoadedModel, want: torch.device) -> None:
                          f"load them there (load_model(..., device))")
 
 
+def _adapters_of(requests) -> tuple[str, ...]:
+    """The adapters `requests` ask for, each once and sorted (the gateway's LoRA gauge lists them)."""
+    return tuple(sorted({r.adapter for r in requests if r.adapter}))
+
+
 class EngineCore:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         if config.num_threads:
@@ -358,9 +363,9 @@ class EngineCore:
     def stats(self) -> EngineStats:
         sched, counters, kv = self.scheduler, self.scheduler.counters, self.kv.stats
         running = dict.fromkeys(PRIORITY_CLASSES, 0)
-        for r in list(sched.running):
+        running_requests, waiting = list(sched.running), list(sched.waiting)
+        for r in running_requests:
             running[r.priority] += 1
-        waiting = list(sched.waiting)
         swap = self.kv.swap_pool
         lora, merge = self.lora, self.runner.lora_merge
         return EngineStats(
@@ -376,6 +381,7 @@ class EngineCore:
             prefix_cached_blocks=self.pool.num_cached, prefix_query_tokens=kv.prefix_query_tokens,
             prefix_hit_tokens=kv.prefix_hit_tokens,
             adapters_loaded=len(lora.loaded()) if lora else 0, adapter_slots=self.config.max_loras,
+            running_adapters=_adapters_of(running_requests), waiting_adapters=_adapters_of(waiting),
             adapter_loads=lora.stats.loads if lora else 0,
             adapter_disk_loads=lora.stats.disk_loads if lora else 0,
             adapter_load_seconds=lora.stats.load_seconds if lora else 0.0,

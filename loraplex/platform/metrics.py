@@ -2,20 +2,25 @@
 
 Engine figures (running, waiting, KV blocks) are read from `engine.stats()` at scrape time, and
 the ledger's and budget counters' figures (queue depth, spool size, rebuilds) from those objects.
-Labels name tenants, models, endpoints and priority classes, never a key (no prefix, no id); the
-operator reads them behind the admin token (ops.py).
+Labels name tenants, models, endpoints and priority classes, never a key (no prefix, no id), and
+adapters only by engine id (`adapter-<row>-<time>`, no tenant or adapter name); the operator reads
+them behind the admin token (ops.py). The gauges a Gateway API inference extension endpoint picker
+reads are in docs/serving.md ("Behind a Kubernetes inference gateway").
 """
 
 from __future__ import annotations
 
+import time
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from loraplex.engine.api import PRIORITY_CLASSES, EngineClient
+from loraplex.engine.api import PRIORITY_CLASSES, EngineClient, EngineStats
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _COMPLEXITY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+LORA_INFO_MAX_ADAPTERS = 64  # adapter ids per label of loraplex_lora_requests_info
 KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")
 
 
@@ -24,6 +29,23 @@ def endpoint_label(path: str) -> str:
     if path in KNOWN_ENDPOINTS:
         return path
     return "/admin/api" if path.startswith("/admin/api/") else "other"
+
+
+def adapter_list_label(adapter_ids: tuple[str, ...]) -> str:
+    """Adapter ids comma-separated, as vLLM's LoRA gauge lists them, the first LORA_INFO_MAX_ADAPTERS
+    only: a tenant can register, and queue requests for, any number of adapters."""
+    return ",".join(adapter_ids[:LORA_INFO_MAX_ADAPTERS])
+
+
+def lora_requests_info(stats: EngineStats) -> GaugeMetricFamily:
+    """vLLM's `lora_requests_info` shape: the adapters running and waiting and the slot count as
+    labels, the sampling time as the value (an endpoint picker reads the newest sample's labels)."""
+    metric = GaugeMetricFamily("loraplex_lora_requests_info", "Adapters of the requests running and waiting "
+                               "(engine ids), and the adapter slots; the value is when it was sampled",
+                               labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
+    metric.add_metric([adapter_list_label(stats.running_adapters), adapter_list_label(stats.waiting_adapters),
+                       str(stats.adapter_slots)], time.time())
+    return metric
 
 
 class EngineCollector:
@@ -53,6 +75,7 @@ class EngineCollector:
                                   value=s.prefix_hit_tokens)
         yield GaugeMetricFamily("loraplex_adapters_loaded", "Adapters resident in device slots",
                                 value=s.adapters_loaded)
+        yield lora_requests_info(s)
         yield CounterMetricFamily("loraplex_adapter_loads", "Adapter loads into device slots", value=s.adapter_loads)
         yield CounterMetricFamily("loraplex_adapter_disk_loads", "Adapter loads into device slots that read the "
                                   "adapter from disk (the rest came from the CPU tier)", value=s.adapter_disk_loads)
