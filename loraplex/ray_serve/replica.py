@@ -1,0 +1,105 @@
+"""EngineReplica: the Serve deployment class. Each replica runs one engine, built in the replica by the factory
+it is given, and serves the calls RayEngineClient makes through the deployment's handle.
+
+- Affinity: each generation is tagged with a multiplexed model id (its adapter, or its base model and tenant),
+  and the replica declares the ids it holds through `serve.multiplexed`, so Serve's router sends later requests
+  with the same id to a replica that has it (the adapter in a slot, the tenant's prefixes in its cache).
+- Adapters are registered on first use from the shared adapter store: each request for an adapter carries
+  where its files are, and a replica that does not have it yet reads it then (off the event loop).
+- `status()` answers the client's broadcast poll: the engine's stats and models, the adapters registered here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from ray import serve
+
+from loraplex.engine.api import EngineClient, EngineStats, GenerateEvent, GenerateRequest, ModelInfo
+
+AFFINITY_KEYS_PER_REPLICA = 64  # multiplexed ids a replica reports as held (least recently used dropped first)
+
+
+@dataclass(frozen=True)
+class AdapterSource:
+    """Where a replica reads an adapter it has not registered yet."""
+
+    adapter_id: str
+    path: str
+    base_model: str
+
+
+@dataclass(frozen=True)
+class ReplicaStatus:
+    """One replica as its status() call found it."""
+
+    replica: str
+    models: tuple[ModelInfo, ...]
+    stats: EngineStats
+    adapters: tuple[str, ...]  # registered on this replica
+    requests: int  # generations it has started since it began
+
+
+class EngineReplica:
+    def __init__(self, engine_factory: Callable[[], EngineClient]):
+        self.engine = engine_factory()
+        self.replica = serve.get_replica_context().replica_id.unique_id
+        self._adapters: dict[str, str] = {}  # adapter id -> base model, registered in this engine
+        self._registering: dict[str, asyncio.Lock] = {}
+        self._requests = 0
+
+    @serve.multiplexed(max_num_models_per_replica=AFFINITY_KEYS_PER_REPLICA)
+    async def _hold(self, key: str) -> str:
+        """Declares `key` held by this replica (Serve's router prefers replicas that hold a request's id)."""
+        return key
+
+    async def _hold_request_key(self) -> None:
+        key = serve.get_multiplexed_model_id()
+        if key:
+            await self._hold(key)
+
+    async def generate(self, request: GenerateRequest, adapter: AdapterSource | None) -> AsyncIterator[GenerateEvent]:
+        """The request's events; cancelling the stream (the client's abort, a lost gateway) aborts it here."""
+        await self._take(adapter)
+        self._requests += 1
+        async for event in self.engine.generate(request):
+            yield event
+
+    async def prepare(self, request: GenerateRequest, adapter: AdapterSource | None) -> GenerateRequest:
+        """Validates and tokenizes (its adapter registered first: the engine checks it is there)."""
+        await self._take(adapter)
+        return await self.engine.prepare(request)
+
+    async def _take(self, adapter: AdapterSource | None) -> None:
+        """Registers the request's adapter if it has one, else declares its multiplexed id held."""
+        if adapter is not None:
+            await self.register(adapter)
+        else:
+            await self._hold_request_key()
+
+    async def register(self, adapter: AdapterSource) -> None:
+        """Validates and registers the adapter here unless it already is (raises EngineError); declares the
+        call's multiplexed id held."""
+        await self._hold_request_key()
+        if adapter.adapter_id in self._adapters:
+            return
+        lock = self._registering.setdefault(adapter.adapter_id, asyncio.Lock())
+        async with lock:
+            if adapter.adapter_id not in self._adapters:
+                await asyncio.to_thread(self.engine.add_adapter, adapter.adapter_id, adapter.path, adapter.base_model)
+                self._adapters[adapter.adapter_id] = adapter.base_model
+        self._registering.pop(adapter.adapter_id, None)
+
+    async def remove_adapter(self, adapter_id: str) -> bool:
+        """Drops the adapter once its running requests here are done; False when it was not registered here."""
+        base_model = self._adapters.pop(adapter_id, None)
+        if base_model is None:
+            return False
+        await self.engine.remove_adapter(adapter_id, base_model)
+        return True
+
+    def status(self) -> ReplicaStatus:
+        return ReplicaStatus(self.replica, tuple(self.engine.models()), self.engine.stats(),
+                             tuple(sorted(self._adapters)), self._requests)

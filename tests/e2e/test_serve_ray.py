@@ -1,0 +1,141 @@
+"""`loraplex serve --ray auto --replicas 2` on Postgres + Redis: the gateway starts a real local Ray cluster and runs
+two engine replicas as a Serve deployment; driven with the `openai` client, the API answers as with an engine of its
+own, an adapter's requests stay on one replica, deleting it reaches every replica, a killed replica's requests are
+served by the other, and bad options fail in one line."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+import ray
+
+from tests.e2e.server import admin_request, postgres_redis_env, start
+
+ADMIN = "e2e-ray-admin-token"
+MODEL = "synthetic:tiny"
+
+
+@pytest.fixture(scope="module")
+def gateway(tmp_path_factory):
+    with postgres_redis_env(tmp_path_factory.mktemp("data"), ADMIN) as env:
+        env = {**env, "RAY_USAGE_STATS_ENABLED": "0"}
+        server = start(env, "--ray", "auto", "--replicas", "2", "--replica-cpus", "0.5", timeout_s=300)
+        try:
+            yield server
+        finally:
+            server.stop()
+
+
+def admin(server, method: str, path: str, **kwargs) -> httpx.Response:
+    return admin_request(server, ADMIN, method, path, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tenant(gateway):
+    name = f"ray-{secrets.token_hex(3)}"
+    admin(gateway, "POST", "/tenants", json={"name": name})
+    key = admin(gateway, "POST", f"/tenants/{name}/keys", json={}).json()["key"]
+    return name, openai.OpenAI(api_key=key, base_url=f"{gateway.base_url}/v1", max_retries=0, timeout=60)
+
+
+def ask(client: openai.OpenAI, model: str, content: str = "hello ray") -> openai.types.chat.ChatCompletion:
+    return client.chat.completions.create(model=model, messages=[{"role": "user", "content": content}],
+                                          max_tokens=10, temperature=0, extra_body={"ignore_eos": True})
+
+
+def replicas(server, want: int = 2, timeout_s: float = 30, until=lambda listed: True) -> list[dict]:
+    """The replicas the admin API lists, once `want` answer and `until` holds (the status is polled each second)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        listed = admin(server, "GET", "/engine/workers").json()
+        if (len(listed) == want and until(listed)) or time.monotonic() > deadline:
+            return listed
+        time.sleep(0.3)
+
+
+def test_chat_streaming_usage_and_replicas(gateway, tenant):
+    _, client = tenant
+    assert MODEL in {m.id for m in client.models.list()}
+    whole = ask(client, MODEL)
+    assert whole.usage.completion_tokens == 10 and whole.choices[0].finish_reason == "length"
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "hello ray"}], max_tokens=10, temperature=0,
+        extra_body={"ignore_eos": True}, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == 10
+    listed = replicas(gateway, until=lambda ws: sum(w["requests"] for w in ws) >= 2)
+    assert len(listed) == 2 and all(w["url"].startswith("ray-serve:") and w["models"] == [MODEL] for w in listed)
+    assert sum(w["requests"] for w in listed) >= 2
+    stats = admin(gateway, "GET", "/engine/stats").json()
+    assert stats["generated_tokens"] >= 20 and stats["kv_blocks_total"] > 0  # summed over both replicas
+    assert httpx.get(f"{gateway.base_url}/ready").status_code == 200
+    with httpx.Client(base_url=gateway.base_url) as browser:  # the admin overview lists them too
+        assert browser.post("/admin/login", data={"token": ADMIN, "next": "/admin"}).status_code == 303
+        page = browser.get("/admin").text
+    assert all(f'data-worker="{w["url"]}"' in page for w in listed)
+
+
+def test_an_adapter_stays_on_one_replica_and_its_deletion_reaches_every_one(gateway, tenant, tmp_path):
+    from tests.conftest import _loaded
+    from tests.lora_factory import make_peft_dir
+
+    name, client = tenant
+    path = make_peft_dir(tmp_path / "tuned", _loaded(MODEL).config, rank=8, alpha=16, targets="all", seed=5)
+    made = admin(gateway, "POST", f"/tenants/{name}/adapters",
+                 json={"name": "tuned", "base_model": MODEL, "path": str(path)})
+    assert made.status_code == 201, made.text
+    answers = {ask(client, "tuned").choices[0].message.content for _ in range(4)}
+    assert len(answers) == 1 and answers != {ask(client, MODEL).choices[0].message.content}
+    listed = replicas(gateway, until=lambda ws: sum(w["adapters"] for w in ws) >= 1)
+    assert sorted(w["adapters"] for w in listed) == [0, 1]  # registered on one replica, for all its requests
+    assert admin(gateway, "DELETE", f"/tenants/{name}/adapters/tuned").status_code == 204
+    listed = replicas(gateway, until=lambda ws: sum(w["adapters"] for w in ws) == 0)
+    assert [w["adapters"] for w in listed] == [0, 0]
+    with pytest.raises(openai.NotFoundError):
+        ask(client, "tuned")
+
+
+def test_a_killed_replica_is_replaced_and_requests_go_on(gateway, tenant):
+    _, client = tenant
+    ray.init(address="auto", namespace="serve", logging_level="ERROR", log_to_driver=False)
+    try:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if "EngineReplica" in a["name"] and a["namespace"] == "serve"]
+        assert len(names) == 2, names
+        ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
+        for i in range(4):  # served by the other replica (a request caught on the dead one is sent again)
+            assert ask(client, MODEL, f"after the kill {i}").usage.completion_tokens == 10
+        assert httpx.get(f"{gateway.base_url}/ready").status_code == 200
+        killed = f"ray-serve:{names[0].rsplit('#', 1)[-1]}"  # (SERVE_REPLICA::<app>#<deployment>#<replica id>)
+        listed = replicas(gateway, timeout_s=120, until=lambda ws: all(w["url"] != killed for w in ws))
+        assert len(listed) == 2  # Serve started a replacement
+    finally:
+        ray.shutdown()
+
+
+def loraplex(*args: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "loraplex.cli.main", *args], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, **env})
+
+
+def test_bad_ray_options_fail_in_one_line(tmp_path):
+    env = {"LORAPLEX_DATA_DIR": str(tmp_path)}
+    cases = [
+        (("serve", "--replicas", "2"), "--replicas: these size the Ray Serve replicas; give --ray too"),
+        (("serve", "--ray", "--worker", "http://127.0.0.1:9"), "--worker and --ray are two ways to scale out"),
+        (("serve", "--ray", "--min-replicas", "3", "--max-replicas", "2"), "--min-replicas 3 is above --max-"),
+        (("serve", "--ray", "--replicas", "2", "--max-replicas", "4"), "--replicas is a fixed count"),
+        (("serve", "--ray", "--replicas", "0"), "--replicas must be in 1..1024"),
+    ]
+    for args, message in cases:
+        out = loraplex(*args, env=env)
+        assert out.returncode == 2, out.stderr
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("loraplex: error:") and message in lines[0], out.stderr

@@ -1,0 +1,58 @@
+"""The Ray Serve deployment's pure parts: the replica plan from the CLI's counts, and the affinity key and rendezvous
+ranking that keep an adapter's (or a tenant's) requests on few replicas. The deployment itself runs on a real local
+Ray cluster in tests/e2e/test_serve_ray.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from loraplex.engine.api import GenerateRequest, SamplingParams
+from loraplex.ray_serve.client import affinity_key
+from loraplex.ray_serve.deploy import ReplicaPlan
+from loraplex.ray_serve.router import rendezvous_score
+
+
+def test_a_fixed_count_or_an_autoscaling_range():
+    fixed = ReplicaPlan(replicas=3, num_gpus=1.0).deployment_options()
+    assert fixed["num_replicas"] == 3 and "autoscaling_config" not in fixed
+    assert fixed["ray_actor_options"] == {"num_cpus": 1.0, "num_gpus": 1.0}
+    assert fixed["max_ongoing_requests"] >= 64  # the engine batches them: Serve's default of 5 would starve it
+    scaled = ReplicaPlan(min_replicas=1, max_replicas=4).deployment_options()["autoscaling_config"]
+    assert scaled["min_replicas"] == 1 and scaled["max_replicas"] == 4 and scaled["target_ongoing_requests"] > 0
+    assert ReplicaPlan().deployment_options()["num_replicas"] == 1 and not ReplicaPlan().given
+
+
+@pytest.mark.parametrize(("counts", "message"), [
+    ({"replicas": 2, "min_replicas": 1}, "--replicas is a fixed count"),
+    ({"min_replicas": 5, "max_replicas": 2}, "--min-replicas 5 is above --max-replicas 2"),
+    ({"replicas": 0}, "--replicas must be in 1..1024"),
+    ({"max_replicas": 10**9}, "--max-replicas must be in 1..1024"),
+])
+def test_wrong_counts_are_refused_in_one_line(counts, message):
+    with pytest.raises(ValueError, match=message):
+        ReplicaPlan(**counts)
+
+
+def _request(adapter: str | None = None, salt: str | None = None) -> GenerateRequest:
+    return GenerateRequest("r", "base", prompt_token_ids=(1, 2), sampling=SamplingParams(max_tokens=1),
+                           adapter=adapter, cache_salt=salt)
+
+
+def test_affinity_keys_name_the_adapter_or_a_digest_of_the_tenants_salt():
+    assert affinity_key(_request(adapter="adapter-7-1")) == "adapter:adapter-7-1"
+    tenant_a, tenant_b = affinity_key(_request(salt="salt-a")), affinity_key(_request(salt="salt-b"))
+    assert tenant_a.startswith("base:base:") and tenant_a != tenant_b and "salt-a" not in tenant_a
+    assert affinity_key(_request(salt="salt-a")) == tenant_a
+
+
+def test_rendezvous_ranking_is_stable_and_spreads_keys():
+    replicas = [f"replica{i}" for i in range(4)]
+    first = {key: max(replicas, key=lambda r: rendezvous_score(key, r)) for key in (f"adapter:{i}" for i in range(200))}
+    again = {key: max(replicas, key=lambda r: rendezvous_score(key, r)) for key in first}
+    assert again == first  # every gateway agrees
+    counts = [list(first.values()).count(r) for r in replicas]
+    assert min(counts) > 25  # about 50 each
+    # a replica leaving moves only its own keys
+    rest = replicas[1:]
+    moved = [k for k, r in first.items() if r != "replica0" and max(rest, key=lambda x: rendezvous_score(k, x)) != r]
+    assert moved == []
