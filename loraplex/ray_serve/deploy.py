@@ -32,6 +32,7 @@ class ReplicaPlan:
     num_gpus: float = 0.0
     max_ongoing_requests: int = 256  # per replica: the engine batches them; Serve queues the rest
     target_ongoing_requests: int = 64  # autoscaling adds a replica past this many in flight per replica
+    affinity: bool = True  # route with AffinityRouter (router.py); False: Serve's default router (benchmarks)
 
     def __post_init__(self) -> None:
         if self.replicas is not None and (self.min_replicas is not None or self.max_replicas is not None):
@@ -52,9 +53,10 @@ class ReplicaPlan:
         from ray.serve.config import RequestRouterConfig
 
         options: dict = {"name": DEPLOYMENT_NAME, "max_ongoing_requests": self.max_ongoing_requests,
-                         "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus},
-                         "request_router_config": RequestRouterConfig(
-                             request_router_class="loraplex.ray_serve.router:AffinityRouter")}
+                         "ray_actor_options": {"num_cpus": self.num_cpus, "num_gpus": self.num_gpus}}
+        if self.affinity:
+            options["request_router_config"] = RequestRouterConfig(
+                request_router_class="loraplex.ray_serve.router:AffinityRouter")
         if self.min_replicas is not None or self.max_replicas is not None:
             low = self.min_replicas or 1
             options["autoscaling_config"] = {"min_replicas": low, "max_replicas": self.max_replicas or low,
