@@ -66,7 +66,7 @@ async def overview(request: Request, platform: PlatformDep) -> Template:
         names = await load_directory(session)
     async with platform.db.connect() as conn:
         prices = [p.as_json() for p in await list_prices(conn)]
-    return page(request, "overview.html.j2", stats=platform.engine.stats(), workers=platform.engine.worker_status(),
+    return page(request, "overview.html.j2", stats=platform.engine.stats(), replicas=platform.engine.replicas(),
                 tenant_count=tenant_count,
                 models=[(m, m.name in served) for m in models], prices=prices, usage=await _usage(platform, names))
 

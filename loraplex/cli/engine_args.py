@@ -1,7 +1,7 @@
-"""The engine options `serve` and `worker` share, and the engine they build.
+"""The engine options of `serve`, and the engine they build (in this process, or in each Ray Serve replica).
 
-Every option defaults to None here, so `serve --worker` can tell which were given (they belong to
-the workers then); `build_engine` fills in the defaults.
+Every option defaults to None here, so that only those given reach the replicas' EngineConfig;
+`build_engine` fills in the defaults.
 """
 
 from __future__ import annotations
@@ -63,10 +63,6 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--attention-backend", help=ATTENTION_BACKEND_HELP)
     g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), help=CUDA_GRAPHS_HELP)
     g.add_argument("--async-scheduling", choices=("auto", "on", "off"), help=ASYNC_SCHEDULING_HELP)
-
-
-def given_engine_options(args: argparse.Namespace) -> list[str]:
-    return ["--" + name.replace("_", "-") for name in ENGINE_OPTIONS if getattr(args, name, None) is not None]
 
 
 def build_engine(args: argparse.Namespace):

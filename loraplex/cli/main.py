@@ -17,7 +17,6 @@ from loraplex.cli import (
     prices,
     serve,
     tenants,
-    worker,
 )
 
 
@@ -27,7 +26,6 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_parser(sub)
     bench_cmd.add_parser(sub)
     serve.add_parser(sub)
-    worker.add_parser(sub)
     db.add_parser(sub)
     tenants.add_parser(sub)
     keys.add_parser(sub)

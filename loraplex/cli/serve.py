@@ -1,7 +1,6 @@
 """`loraplex serve`: migrate, load the model (or several, multiplexed), serve the API with uvicorn.
-With `--worker URL`s it loads no model: requests go to those engine workers (`loraplex worker`),
-placed by adapter affinity (loraplex/fleet). With `--ray` the engine runs as Ray Serve replicas
-(cli/serve_ray.py, loraplex/ray_serve).
+With `--ray` it loads no model here: the engine runs as Ray Serve replicas (cli/serve_ray.py,
+loraplex/ray_serve).
 
 `--demo` (what `make serve` passes) makes a key for the `demo` tenant and prints it: limited (rate,
 tokens per minute, a daily budget, standard priority at most) and expiring after a week; the demo
@@ -20,15 +19,13 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 from datetime import timedelta
 
-from loraplex.cli.engine_args import add_engine_args, build_engine, given_engine_options
+from loraplex.cli.engine_args import add_engine_args, build_engine
 from loraplex.cli.listen import add_listen_args, check_port, run_server, start_logging
 from loraplex.cli.serve_ray import add_ray_args, ray_options_given, replica_plan
 from loraplex.cli.storage import run_db
-from loraplex.fleet.placement import POLICIES
 from loraplex.platform.db.database import session_factory
 from loraplex.platform.db.migrate import upgrade
 from loraplex.platform.db.tables import utcnow
@@ -46,14 +43,6 @@ log = logging.getLogger("loraplex.serve")
 def add_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI-compatible API (embedded SQLite by default)")
     add_engine_args(p)
-    fleet = p.add_argument_group("fleet (instead of an engine in this process)")
-    fleet.add_argument("--worker", action="append", metavar="URL",
-                       help="an engine worker (`loraplex worker`) to send requests to; repeat it for several. The "
-                            "workers serve the models, so no engine option may be given with it. Calls carry "
-                            "LORAPLEX_WORKER_TOKEN when it is set")
-    fleet.add_argument("--placement", choices=POLICIES, default="affinity",
-                       help="how requests are spread over the workers: affinity (default) keeps each adapter's "
-                            "requests on its own worker within a load bound; least_loaded ignores adapters")
     add_ray_args(p)
     add_listen_args(p, default_port=8000)
     p.add_argument("--demo", action="store_true",
@@ -91,11 +80,6 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.drain_timeout <= MAX_DRAIN_S:
         raise ValueError(f"--drain-timeout (or LORAPLEX_DRAIN_TIMEOUT) must be in 0..{MAX_DRAIN_S} seconds, "
                          f"got {args.drain_timeout}")
-    if args.worker and given_engine_options(args):
-        raise ValueError(f"{', '.join(given_engine_options(args))}: with --worker the workers run the engine; "
-                         "give engine options to `loraplex worker`")
-    if args.worker and args.ray:
-        raise ValueError("--worker and --ray are two ways to scale out: give one")
     if not args.ray and ray_options_given(args):
         raise ValueError(f"{', '.join(ray_options_given(args))}: these size the Ray Serve replicas; give --ray too")
     if args.ray:
@@ -107,18 +91,6 @@ def run(args: argparse.Namespace) -> int:
         client, plugins = ray_engine(args)
         run_db(upgrade, settings)
         return _serve(args, settings, client, plugins)
-    if args.worker:
-        from loraplex.fleet.fleet import EngineFleet
-        from loraplex.fleet.lifecycle import FleetLifecycle
-        from loraplex.fleet.remote import RemoteWorker
-        from loraplex.fleet.wire import WORKER_TOKEN_ENV
-
-        fleet = EngineFleet([RemoteWorker(url, os.environ.get(WORKER_TOKEN_ENV)) for url in args.worker],
-                            policy=args.placement)
-        fleet.connect()  # fails in one line when no worker answers
-        logging.getLogger("httpx").setLevel(logging.WARNING)  # (not a line per health poll)
-        run_db(upgrade, settings)
-        return _serve(args, settings, fleet, [FleetLifecycle(fleet)])
     run_db(upgrade, settings)
     engine = build_engine(args)
     try:

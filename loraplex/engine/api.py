@@ -285,17 +285,15 @@ ENGINE_COUNTERS = ("num_steps", "generated_tokens", "prompt_tokens_computed", "p
 
 
 @dataclass(frozen=True)
-class WorkerStatus:
-    """One engine worker behind a client that drives several (a fleet), as that client last saw it."""
+class ReplicaInfo:
+    """One engine replica behind a client that drives several (Ray Serve), as that client last polled it."""
 
-    url: str
-    up: bool  # answered its last health poll
+    replica: str  # its id
     models: tuple[str, ...]
-    in_flight: int  # requests this client has on it now
-    requests: int  # requests this client has sent it since start
-    adapters: int  # adapters this client has registered on it
-    running: int  # at its last poll
+    adapters: tuple[str, ...]  # registered on it
+    running: int
     waiting: int
+    requests: int  # generations it has started, from every gateway
 
 
 def add_stats(total: dict, values: dict) -> None:
@@ -346,6 +344,6 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
-    def worker_status(self) -> list[WorkerStatus]:
-        """The engine workers this client drives; empty for an engine in this process."""
+    def replicas(self) -> list[ReplicaInfo]:
+        """The engine replicas this client drives; empty for an engine in this process."""
         ...

@@ -27,8 +27,8 @@ from loraplex.engine.api import (
     GenerateRequest,
     InvalidRequestError,
     ModelInfo,
+    ReplicaInfo,
     Usage,
-    WorkerStatus,
     add_stats,
 )
 from loraplex.engine.config import EngineConfig
@@ -157,7 +157,7 @@ class AsyncEngine:
                      model_evictions=sum(e.evictions for e in entries))
         return EngineStats(**total)
 
-    def worker_status(self) -> list[WorkerStatus]:
+    def replicas(self) -> list[ReplicaInfo]:
         return []  # (the engine runs here)
 
     # --- models (blocking calls: they read weights; from async code run them in a thread) ---------

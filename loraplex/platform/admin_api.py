@@ -15,7 +15,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 
-from loraplex.engine.api import EngineError, WorkerStatus
+from loraplex.engine.api import EngineError, ReplicaInfo
 from loraplex.platform import admin_schemas as a
 from loraplex.platform.adapter_store_api import adapter_path, adapter_store_handlers
 from loraplex.platform.billing_schemas import TenantPatch
@@ -187,15 +187,15 @@ async def engine_stats(platform: PlatformDep) -> a.EngineStatsOut:
                             s.gpu_memory_utilization, s.peak_step_bytes)
 
 
-@get("/engine/workers")
-async def engine_workers(platform: PlatformDep) -> list[WorkerStatus]:
-    """The engine workers behind this instance (`serve --worker`), as its last health poll saw them;
+@get("/engine/replicas")
+async def engine_replicas(platform: PlatformDep) -> list[ReplicaInfo]:
+    """The engine replicas behind this gateway (`serve --ray`), as its last status poll found them;
     empty when the engine runs in this process."""
-    return platform.engine.worker_status()
+    return platform.engine.replicas()
 
 
 admin_router = Router(
     path="/admin/api", guards=[admin_guard], tags=["admin"],
     route_handlers=[create_tenant, list_tenants, get_tenant, update_tenant, disable_tenant, enable_tenant, create_key,
                     list_keys, revoke_key, list_models, register_model, set_auto_route, list_adapters,
-                    register_adapter, delete_adapter, engine_stats, engine_workers, *adapter_store_handlers])
+                    register_adapter, delete_adapter, engine_stats, engine_replicas, *adapter_store_handlers])

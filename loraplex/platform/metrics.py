@@ -108,27 +108,30 @@ class EngineCollector:
                                   value=s.spec_draft_tokens)
         yield CounterMetricFamily("loraplex_spec_accepted_tokens", "Speculative decoding: draft tokens the model "
                                   "agreed with (over the drafts: the acceptance rate)", value=s.spec_accepted_tokens)
-        yield from _workers(self._engine.worker_status())
+        yield from _replicas(self._engine.replicas())
 
 
-_WORKER_FAMILIES = (  # (field of WorkerStatus, family, name, help); none with an engine in this process
-    ("up", GaugeMetricFamily, "loraplex_worker_up", "1 while the engine worker answers its health poll"),
-    ("in_flight", GaugeMetricFamily, "loraplex_worker_in_flight", "Requests this instance has on the worker"),
-    ("requests", CounterMetricFamily, "loraplex_worker_requests", "Requests this instance sent the worker"),
-    ("adapters", GaugeMetricFamily, "loraplex_worker_adapters", "Adapters this instance registered on the worker"),
-    ("running", GaugeMetricFamily, "loraplex_worker_running", "Requests the worker runs (its last poll)"),
-    ("waiting", GaugeMetricFamily, "loraplex_worker_waiting", "Requests queued on the worker (its last poll)"),
+_REPLICA_FAMILIES = (  # (field of ReplicaInfo, family, name, help); none with an engine in this process
+    ("running", GaugeMetricFamily, "loraplex_replica_running", "Requests the engine replica runs (its last poll)"),
+    ("waiting", GaugeMetricFamily, "loraplex_replica_waiting", "Requests queued on the replica (its last poll)"),
+    ("requests", CounterMetricFamily, "loraplex_replica_requests", "Generations the replica started, from every "
+                                                                   "gateway"),
 )
 
 
-def _workers(status: list):
-    if not status:
+def _replicas(replicas: list):
+    """Per engine replica (Ray Serve) gauges, labelled by replica id, and its adapter count."""
+    if not replicas:
         return
-    for field, family, name, documentation in _WORKER_FAMILIES:
-        metric = family(name, documentation, labels=["worker"])
-        for w in status:
-            metric.add_metric([w.url], float(getattr(w, field)))
+    for field, family, name, documentation in _REPLICA_FAMILIES:
+        metric = family(name, documentation, labels=["replica"])
+        for r in replicas:
+            metric.add_metric([r.replica], float(getattr(r, field)))
         yield metric
+    adapters = GaugeMetricFamily("loraplex_replica_adapters", "Adapters registered on the replica", labels=["replica"])
+    for r in replicas:
+        adapters.add_metric([r.replica], float(len(r.adapters)))
+    yield adapters
 
 
 class BillingCollector:

@@ -8,7 +8,7 @@
   which the platform bills as what the client received.
 - Adapters are registered with the client (validated on one replica); replicas read them on first use.
   Removal refuses new requests at once, then reaches every replica by broadcast.
-- models(), stats() and worker_status() read the last poll (a broadcast of status() every `poll_s`): the
+- models(), stats() and replicas() read the last poll (a broadcast of status() every `poll_s`): the
   platform calls them synchronously. With no replica answering, models() is empty and /ready says no.
 """
 
@@ -28,8 +28,8 @@ from loraplex.engine.api import (
     GenerateRequest,
     ModelInfo,
     ModelNotFoundError,
+    ReplicaInfo,
     Usage,
-    WorkerStatus,
     add_stats,
 )
 from loraplex.ray_serve.replica import AdapterSource, ReplicaStatus
@@ -125,11 +125,10 @@ class RayEngineClient:
             total[key] = max(getattr(r.stats, key) for r in self._replicas)
         return EngineStats(**total)
 
-    def worker_status(self) -> list[WorkerStatus]:
+    def replicas(self) -> list[ReplicaInfo]:
         """The replicas, as the last poll found them."""
-        return [WorkerStatus(f"ray-serve:{r.replica}", True, tuple(m.name for m in r.models),
-                             r.stats.running + r.stats.waiting, r.requests, len(r.adapters), r.stats.running,
-                             r.stats.waiting) for r in self._replicas]
+        return [ReplicaInfo(r.replica, tuple(m.name for m in r.models), r.adapters, r.stats.running, r.stats.waiting,
+                            r.requests) for r in self._replicas]
 
     # --- generation ----------------------------------------------------------------------------------
 

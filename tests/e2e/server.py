@@ -94,16 +94,9 @@ class Server:
 
 def start(env: dict, *args: str, timeout_s: float = 120) -> Server:
     """`python -m loraplex.cli.main serve --model synthetic:tiny --port <free>` with `env` added;
-    returns once /ready answers 200 (or fails with the process's output). With `--worker` in `args`,
-    no model is named: the workers serve it."""
-    model = () if "--worker" in args else ("--model", "synthetic:tiny", "--device", "cpu", "--kv-cache-mb", "16")
+    returns once /ready answers 200 (or fails with the process's output)."""
+    model = ("--model", "synthetic:tiny", "--device", "cpu", "--kv-cache-mb", "16")
     return _launch(["serve", *model, *args], "/ready", env, timeout_s)
-
-
-def start_worker(env: dict, *args: str, timeout_s: float = 120) -> Server:
-    """`loraplex worker --model synthetic:tiny --port <free>`; returns once its health answers."""
-    return _launch(["worker", "--model", "synthetic:tiny", "--device", "cpu", "--kv-cache-mb", "16", *args],
-                   "/engine/health", env, timeout_s)
 
 
 def _launch(command: list[str], ready_path: str, env: dict, timeout_s: float) -> Server:
@@ -119,14 +112,13 @@ def _launch(command: list[str], ready_path: str, env: dict, timeout_s: float) ->
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=lambda: [lines.put(line.rstrip("\n")) for line in proc.stdout], daemon=True).start()
     deadline = time.monotonic() + timeout_s
-    headers = {"authorization": f"Bearer {env['LORAPLEX_WORKER_TOKEN']}"} if env.get("LORAPLEX_WORKER_TOKEN") else {}
     while time.monotonic() < deadline:
         while not lines.empty():
             server.stdout.append(lines.get())
         if proc.poll() is not None:
             raise RuntimeError("server exited:\n" + "\n".join(server.stdout))
         try:
-            if httpx.get(f"{server.base_url}{ready_path}", timeout=2, headers=headers).status_code == 200:
+            if httpx.get(f"{server.base_url}{ready_path}", timeout=2).status_code == 200:
                 time.sleep(0.1)
                 while not lines.empty():
                     server.stdout.append(lines.get())

@@ -54,7 +54,7 @@ def replicas(server, want: int = 2, timeout_s: float = 30, until=lambda listed: 
     """The replicas the admin API lists, once `want` answer and `until` holds (the status is polled each second)."""
     deadline = time.monotonic() + timeout_s
     while True:
-        listed = admin(server, "GET", "/engine/workers").json()
+        listed = admin(server, "GET", "/engine/replicas").json()
         if (len(listed) == want and until(listed)) or time.monotonic() > deadline:
             return listed
         time.sleep(0.3)
@@ -71,7 +71,7 @@ def test_chat_streaming_usage_and_replicas(gateway, tenant):
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 10
     listed = replicas(gateway, until=lambda ws: sum(w["requests"] for w in ws) >= 2)
-    assert len(listed) == 2 and all(w["url"].startswith("ray-serve:") and w["models"] == [MODEL] for w in listed)
+    assert len(listed) == 2 and all(w["models"] == [MODEL] and w["adapters"] == [] for w in listed)
     assert sum(w["requests"] for w in listed) >= 2
     stats = admin(gateway, "GET", "/engine/stats").json()
     assert stats["generated_tokens"] >= 20 and stats["kv_blocks_total"] > 0  # summed over both replicas
@@ -79,7 +79,9 @@ def test_chat_streaming_usage_and_replicas(gateway, tenant):
     with httpx.Client(base_url=gateway.base_url) as browser:  # the admin overview lists them too
         assert browser.post("/admin/login", data={"token": ADMIN, "next": "/admin"}).status_code == 303
         page = browser.get("/admin").text
-    assert all(f'data-worker="{w["url"]}"' in page for w in listed)
+    assert all(f'data-replica="{w["replica"]}"' in page for w in listed)
+    metrics = httpx.get(f"{gateway.base_url}/metrics", headers={"authorization": f"Bearer {ADMIN}"}).text
+    assert all(f'loraplex_replica_running{{replica="{w["replica"]}"}}' in metrics for w in listed)
 
 
 def test_an_adapter_stays_on_one_replica_and_its_deletion_reaches_every_one(gateway, tenant, tmp_path):
@@ -93,11 +95,11 @@ def test_an_adapter_stays_on_one_replica_and_its_deletion_reaches_every_one(gate
     assert made.status_code == 201, made.text
     answers = {ask(client, "tuned").choices[0].message.content for _ in range(4)}
     assert len(answers) == 1 and answers != {ask(client, MODEL).choices[0].message.content}
-    listed = replicas(gateway, until=lambda ws: sum(w["adapters"] for w in ws) >= 1)
-    assert sorted(w["adapters"] for w in listed) == [0, 1]  # registered on one replica, for all its requests
+    listed = replicas(gateway, until=lambda ws: sum(len(w["adapters"]) for w in ws) >= 1)
+    assert sorted(len(w["adapters"]) for w in listed) == [0, 1]  # registered on one replica, for all its requests
     assert admin(gateway, "DELETE", f"/tenants/{name}/adapters/tuned").status_code == 204
-    listed = replicas(gateway, until=lambda ws: sum(w["adapters"] for w in ws) == 0)
-    assert [w["adapters"] for w in listed] == [0, 0]
+    listed = replicas(gateway, until=lambda ws: sum(len(w["adapters"]) for w in ws) == 0)
+    assert [w["adapters"] for w in listed] == [[], []]
     with pytest.raises(openai.NotFoundError):
         ask(client, "tuned")
 
@@ -113,8 +115,8 @@ def test_a_killed_replica_is_replaced_and_requests_go_on(gateway, tenant):
         for i in range(4):  # served by the other replica (a request caught on the dead one is sent again)
             assert ask(client, MODEL, f"after the kill {i}").usage.completion_tokens == 10
         assert httpx.get(f"{gateway.base_url}/ready").status_code == 200
-        killed = f"ray-serve:{names[0].rsplit('#', 1)[-1]}"  # (SERVE_REPLICA::<app>#<deployment>#<replica id>)
-        listed = replicas(gateway, timeout_s=120, until=lambda ws: all(w["url"] != killed for w in ws))
+        killed = names[0].rsplit("#", 1)[-1]  # (SERVE_REPLICA::<app>#<deployment>#<replica id>)
+        listed = replicas(gateway, timeout_s=120, until=lambda ws: all(w["replica"] != killed for w in ws))
         assert len(listed) == 2  # Serve started a replacement
     finally:
         ray.shutdown()
@@ -129,7 +131,6 @@ def test_bad_ray_options_fail_in_one_line(tmp_path):
     env = {"LORAPLEX_DATA_DIR": str(tmp_path)}
     cases = [
         (("serve", "--replicas", "2"), "--replicas: these size the Ray Serve replicas; give --ray too"),
-        (("serve", "--ray", "--worker", "http://127.0.0.1:9"), "--worker and --ray are two ways to scale out"),
         (("serve", "--ray", "--min-replicas", "3", "--max-replicas", "2"), "--min-replicas 3 is above --max-"),
         (("serve", "--ray", "--replicas", "2", "--max-replicas", "4"), "--replicas is a fixed count"),
         (("serve", "--ray", "--replicas", "0"), "--replicas must be in 1..1024"),

@@ -120,8 +120,8 @@ class RecordingEngine:
     def stats(self):
         return self.inner.stats()
 
-    def worker_status(self):
-        return self.inner.worker_status()
+    def replicas(self):
+        return self.inner.replicas()
 
 
 def tiny_engine() -> RecordingEngine:

@@ -286,5 +286,5 @@ def test_the_overview_and_engine_stats_report_the_prefix_cache_and_speculation(u
     page = ui.get("/admin").text
     assert re.search(r'id="stat-spec">\d+%</span><span class="label">of [\d,]+ speculative drafts kept', page)
     assert re.search(r'id="stat-prefix">\d+%</span>', page)
-    # an engine in this process: no workers to list
-    assert ui.get("/admin/api/engine/workers", headers=ADMIN).json() == [] and 'id="workers"' not in page
+    # an engine in this process: no replicas to list
+    assert ui.get("/admin/api/engine/replicas", headers=ADMIN).json() == [] and 'id="replicas"' not in page

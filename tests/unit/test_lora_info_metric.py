@@ -83,7 +83,7 @@ def test_many_adapters_queued_name_only_the_first_64(adapter_dir):
 
 
 def test_engines_stats_merge_adapters_as_a_union_and_numbers_as_sums():
-    """What AsyncEngine (over its models) and the fleet (over its workers) do with several engines' stats."""
+    """What AsyncEngine (over its models) and the Ray Serve client (over its replicas) do with engines' stats."""
     total: dict = {}
     for running, adapters in ((1, ("b", "a")), (2, ("c", "a"))):
         add_stats(total, {"running": running, "running_adapters": adapters, "waiting_adapters": ()})

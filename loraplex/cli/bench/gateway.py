@@ -80,7 +80,7 @@ class FixedEngine:
     async def remove_adapter(self, adapter_id: str, base_model: str | None = None) -> None:
         return None
 
-    def worker_status(self) -> list:
+    def replicas(self) -> list:
         return []
 
     def stats(self) -> EngineStats:
