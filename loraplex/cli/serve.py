@@ -24,7 +24,7 @@ from datetime import timedelta
 
 from loraplex.cli.engine_args import add_engine_args, build_engine
 from loraplex.cli.listen import add_listen_args, check_port, run_server, start_logging
-from loraplex.cli.serve_ray import add_ray_args, ray_options_given, replica_plan
+from loraplex.cli.serve_ray import add_ray_args, check_ray_options, ray_options_given
 from loraplex.cli.storage import run_db
 from loraplex.platform.db.database import session_factory
 from loraplex.platform.db.migrate import upgrade
@@ -83,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.ray and ray_options_given(args):
         raise ValueError(f"{', '.join(ray_options_given(args))}: these size the Ray Serve replicas; give --ray too")
     if args.ray:
-        replica_plan(args)  # (wrong counts fail here, before the port or a cluster is taken)
+        check_ray_options(args)
     check_port(args.host, args.port)
     if args.ray:
         from loraplex.cli.serve_ray import ray_engine

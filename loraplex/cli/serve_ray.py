@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import sys
 
 from litestar.config.app import AppConfig
 from litestar.plugins import InitPluginProtocol
@@ -19,8 +20,9 @@ def add_ray_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("Ray Serve (engine replicas instead of an engine in this process)")
     g.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
                    help="run the engine as Ray Serve replicas: auto (the default when given alone) starts a local "
-                        "Ray cluster, an address (ray://host:10001, or host:6379) joins one. Without a replica count "
-                        "the gateway joins the replicas another gateway deployed, if they run")
+                        "Ray cluster; the head's address (host:6379) joins one, from a machine that is a node of it "
+                        "(`ray start --address=host:6379` first). Without a replica count the gateway joins the "
+                        "replicas another gateway deployed, if they run")
     g.add_argument("--replicas", type=int, help="a fixed number of engine replicas (default 1)")
     g.add_argument("--min-replicas", type=int, help="autoscaling on ongoing requests: the fewest replicas")
     g.add_argument("--max-replicas", type=int, help="autoscaling on ongoing requests: the most replicas")
@@ -43,6 +45,14 @@ def replica_plan(args: argparse.Namespace, num_gpus: float = 0.0):
                        num_cpus=args.replica_cpus, num_gpus=num_gpus)
 
 
+def check_ray_options(args: argparse.Namespace) -> None:
+    """Fails in one line on wrong counts or a Ray Client address, before a port or a cluster is taken."""
+    replica_plan(args)
+    if args.ray.startswith("ray://"):
+        raise ValueError("--ray takes the head's address (host:6379) from a node of the cluster: Ray Client "
+                         "(ray://) cannot stream responses from Serve")
+
+
 def ray_engine(args: argparse.Namespace):
     """The gateway's engine client over the replicas (deployed or joined), and the plugin tying its status
     polling to the app's life. Fails in one line when Ray is missing or the options are wrong."""
@@ -52,11 +62,13 @@ def ray_engine(args: argparse.Namespace):
         raise ValueError("--ray needs Ray Serve: pip install 'loraplex[ray]'") from None
     from loraplex.ray_serve.deploy import connect_cluster, deploy
 
-    replica_plan(args)  # (checks the counts before a cluster starts)
+    check_ray_options(args)  # (before a cluster starts)
     connect_cluster(args.ray)
     gpus = args.replica_gpus if args.replica_gpus is not None else (1.0 if ray.cluster_resources().get("GPU") else 0.0)
     engine_args = argparse.Namespace(**{name: getattr(args, name, None) for name in ENGINE_OPTIONS})
     client = deploy(args.ray, replica_plan(args, gpus), functools.partial(build_engine, engine_args))
+    print(f"loraplex: {len(client.replicas())} engine replicas on the Ray cluster at "
+          f"{ray.get_runtime_context().gcs_address}", file=sys.stderr, flush=True)
     return client, [ClientLifecycle(client)]
 
 

@@ -1,9 +1,12 @@
 """Starts or joins a Ray cluster and runs the engine replicas' Serve application (`loraplex serve --ray`).
 
-- `auto` starts a local Ray cluster in this process; an address (`ray://...` or `host:port`) joins one.
+- `auto` starts a local Ray cluster in this process; an address (`host:6379`, the head's GCS) joins one from a
+  node of that cluster (`ray start --address` first). Not `ray://`: Ray Client has no streaming handles.
+- Serve's own HTTP proxy stays off (the gateway is the ingress; the proxy would take port 8000).
 - A fixed replica count, or Serve's autoscaling between a minimum and a maximum on ongoing requests.
 - A gateway given no replica count joins the application another gateway deployed, if one runs: several
-  gateway instances share one deployment.
+  gateway instances share one deployment. One given counts deploys again, and Serve replaces the running
+  replicas (it versions a deployment run from Python itself; Ray 2.60 took the `version` option away).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class ReplicaPlan:
     num_gpus: float = 0.0
     max_ongoing_requests: int = 256  # per replica: the engine batches them; Serve queues the rest
     target_ongoing_requests: int = 64  # autoscaling adds a replica past this many in flight per replica
+    upscale_delay_s: float = 30.0  # ... once that has lasted this long (Serve's default)
     affinity: bool = True  # route with AffinityRouter (router.py); False: Serve's default router (benchmarks)
 
     def __post_init__(self) -> None:
@@ -60,7 +64,8 @@ class ReplicaPlan:
         if self.min_replicas is not None or self.max_replicas is not None:
             low = self.min_replicas or 1
             options["autoscaling_config"] = {"min_replicas": low, "max_replicas": self.max_replicas or low,
-                                             "target_ongoing_requests": self.target_ongoing_requests}
+                                             "target_ongoing_requests": self.target_ongoing_requests,
+                                             "upscale_delay_s": self.upscale_delay_s}
         else:
             options["num_replicas"] = self.replicas or 1
         return options
@@ -78,13 +83,14 @@ def connect_cluster(address: str) -> None:
 
 
 def deploy(address: str, plan: ReplicaPlan, engine_factory: Callable[[], EngineClient]) -> RayEngineClient:
-    """The client of the engine replicas' application on the cluster: deployed now (updated in place if it
-    runs), or joined when another gateway deployed it and this one gives no replica count."""
+    """The client of the engine replicas' application on the cluster: deployed now (replacing it if it runs),
+    or joined when another gateway deployed it and this one gives no replica count."""
     from ray import serve
 
     from loraplex.ray_serve.replica import EngineReplica
 
     connect_cluster(address)
+    serve.start(proxy_location="Disabled")
     if not plan.given and _running(serve):
         log.info("joining the running Serve application %r", APP_NAME)
         handle = serve.get_deployment_handle(DEPLOYMENT_NAME, app_name=APP_NAME)

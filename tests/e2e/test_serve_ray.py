@@ -105,7 +105,9 @@ def test_an_adapter_stays_on_one_replica_and_its_deletion_reaches_every_one(gate
 
 
 def test_a_killed_replica_is_replaced_and_requests_go_on(gateway, tenant):
+    """The test joins the gateway's local cluster (the newest on this machine) and kills one replica's actor."""
     _, client = tenant
+    assert any("2 engine replicas on the Ray cluster at" in line for line in gateway.stdout), gateway.stdout
     ray.init(address="auto", namespace="serve", logging_level="ERROR", log_to_driver=False)
     try:
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -134,6 +136,7 @@ def test_bad_ray_options_fail_in_one_line(tmp_path):
         (("serve", "--ray", "--min-replicas", "3", "--max-replicas", "2"), "--min-replicas 3 is above --max-"),
         (("serve", "--ray", "--replicas", "2", "--max-replicas", "4"), "--replicas is a fixed count"),
         (("serve", "--ray", "--replicas", "0"), "--replicas must be in 1..1024"),
+        (("serve", "--ray", "ray://head:10001"), "Ray Client (ray://) cannot stream responses from Serve"),
     ]
     for args, message in cases:
         out = loraplex(*args, env=env)

@@ -7,6 +7,7 @@ import asyncio
 import secrets
 import threading
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 
 from litestar.testing import TestClient
@@ -170,3 +171,31 @@ def assert_counters_match_ledger(client: TestClient, tenant: str, tenant_id: int
         assert b["counter_used_tokens"] == b["used_tokens"], b
     assert rollup_tokens(platform_of(client).settings, tenant_id) == tokens(rows)
     return rows
+
+
+PROMPT = 11  # "hello world" with the byte-level tokenizer
+# 32 client threads and two apps on a small machine: a Redis round trip can wait on a busy event
+# loop longer than the default 0.5 s, which would turn budgeted requests into 503s.
+SLOW_OK = {"redis_timeout_s": 5.0}
+
+
+def flood_two_instances(a: TestClient, b: TestClient, requests: int = 200, fit: int = 50) -> None:
+    """`requests` concurrent 8-token completions, alternating between two serving instances, against a
+    budget that `fit` of them fill: the rest are 429 insufficient_quota, the ledger holds exactly the
+    answered ones, never over the budget, and both instances' counters agree with it."""
+    limit = fit * (PROMPT + 8)
+    tenant, tenant_id, key = new_tenant(a, "burst")
+    set_budget(a, tenant, limit)
+    with ThreadPoolExecutor(max_workers=32) as pool:
+        answers = list(pool.map(lambda i: complete((a, b)[i % 2], key, max_tokens=8), range(requests)))
+    statuses = [r.status_code for r in answers]
+    assert set(statuses) == {200, 429}, statuses
+    assert all(r.json()["error"]["code"] == "insufficient_quota" for r in answers if r.status_code == 429)
+    ok = [r.headers["x-request-id"] for r in answers if r.status_code == 200]
+    assert len(ok) >= fit  # the first reservations fit whatever their order
+    flush(a, b)
+    rows = ledger_rows(platform_of(a).settings, tenant_id)
+    assert tokens(rows) <= limit
+    assert sorted(r.request_id for r in rows) == sorted(ok) and len(set(ok)) == len(ok)
+    for client in (a, b):
+        assert_counters_match_ledger(client, tenant, tenant_id)
