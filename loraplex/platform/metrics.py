@@ -21,7 +21,8 @@ _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30,
 _COMPLEXITY_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
 LORA_INFO_MAX_ADAPTERS = 64  # adapter ids per label of loraplex_lora_requests_info
-KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")
+KNOWN_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics",
+                   "/metrics/endpoint-picker")
 
 
 def endpoint_label(path: str) -> str:
@@ -48,15 +49,39 @@ def lora_requests_info(stats: EngineStats) -> GaugeMetricFamily:
     return metric
 
 
+def picker_metrics(stats: EngineStats) -> bytes:
+    """The exposition of the gauges an inference gateway's endpoint picker reads, and nothing else: no series
+    here names a tenant (ops.py serves it without the admin token when LORAPLEX_PICKER_METRICS is on)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(_PickerCollector(stats))
+    return generate_latest(registry)
+
+
+class _PickerCollector:
+    def __init__(self, stats: EngineStats):
+        self._stats = stats
+
+    def collect(self):
+        yield from picker_families(self._stats)
+
+
+def picker_families(s: EngineStats):
+    """Queued and running requests, KV use (0..1) and the LoRA info gauge: what an endpoint picker reads."""
+    yield GaugeMetricFamily("loraplex_engine_requests_running", "Requests the engine is running", value=s.running)
+    yield GaugeMetricFamily("loraplex_engine_requests_waiting", "Requests queued in the engine (all classes)",
+                            value=s.waiting)
+    yield GaugeMetricFamily("loraplex_kv_cache_usage_ratio", "Fraction of KV blocks in use",
+                            value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+    yield lora_requests_info(s)
+
+
 class EngineCollector:
     def __init__(self, engine: EngineClient):
         self._engine = engine
 
     def collect(self):
         s = self._engine.stats()
-        yield GaugeMetricFamily("loraplex_engine_requests_running", "Requests the engine is running", value=s.running)
-        yield GaugeMetricFamily("loraplex_engine_requests_waiting", "Requests queued in the engine (all classes)",
-                                value=s.waiting)
+        yield from picker_families(s)
         yield _by_class(GaugeMetricFamily, "loraplex_engine_queue_depth", "Requests waiting in the engine by class",
                         s.waiting_by_class)
         yield _by_class(GaugeMetricFamily, "loraplex_engine_running_by_class", "Requests running by class",
@@ -67,15 +92,12 @@ class EngineCollector:
                                 value=s.swapped_requests)
         yield GaugeMetricFamily("loraplex_kv_blocks_used", "KV cache blocks in use", value=s.kv_blocks_used)
         yield GaugeMetricFamily("loraplex_kv_blocks_total", "KV cache blocks in the pool", value=s.kv_blocks_total)
-        yield GaugeMetricFamily("loraplex_kv_cache_usage_ratio", "Fraction of KV blocks in use",
-                                value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
         yield GaugeMetricFamily("loraplex_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
                                 value=s.prefix_cache_hit_rate)
         yield CounterMetricFamily("loraplex_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
                                   value=s.prefix_hit_tokens)
         yield GaugeMetricFamily("loraplex_adapters_loaded", "Adapters resident in device slots",
                                 value=s.adapters_loaded)
-        yield lora_requests_info(s)
         yield CounterMetricFamily("loraplex_adapter_loads", "Adapter loads into device slots", value=s.adapter_loads)
         yield CounterMetricFamily("loraplex_adapter_disk_loads", "Adapter loads into device slots that read the "
                                   "adapter from disk (the rest came from the CPU tier)", value=s.adapter_disk_loads)

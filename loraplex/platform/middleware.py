@@ -17,7 +17,8 @@ from litestar.types import ASGIApp, Message, Receive, Scope, Send
 from loraplex.platform.errors import PlatformError
 from loraplex.platform.metrics import Metrics, endpoint_label
 
-OPS_PATHS = frozenset(("/health", "/ready", "/metrics"))  # answered while draining, and never waited for
+# answered while draining, and never waited for
+OPS_PATHS = frozenset(("/health", "/ready", "/metrics", "/metrics/endpoint-picker"))
 
 SCOPE_KEY = "loraplex.request_id"
 

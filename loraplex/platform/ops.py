@@ -4,7 +4,8 @@
 (the admin API's check, throttled per address the same way), 401 in the OpenAI error format without
 it, 403 while no admin token is configured. A Prometheus scrape job sends the token with its
 `authorization` (credentials_file) setting. Labels name tenants, models and priority classes,
-never a key.
+never a key. /metrics/endpoint-picker (with LORAPLEX_PICKER_METRICS on) serves without a token only the
+gauges an inference gateway's endpoint picker reads, which name no tenant.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from sqlalchemy import text
 
 from loraplex.platform.admin_api import check_admin_token
 from loraplex.platform.errors import PlatformError
+from loraplex.platform.metrics import picker_metrics
 from loraplex.platform.state import PlatformDep
 
 
@@ -62,4 +64,14 @@ async def metrics(platform: PlatformDep) -> Response:
     return Response(platform.metrics.render(), media_type=MediaType.TEXT, headers={"content-type": CONTENT_TYPE_LATEST})
 
 
-ops_handlers = [health, ready, metrics]
+@get("/metrics/endpoint-picker", include_in_schema=False)
+async def endpoint_picker_metrics(platform: PlatformDep) -> Response:
+    """The four gauges an inference gateway's endpoint picker reads (its scrape sends no credentials), when
+    LORAPLEX_PICKER_METRICS is on; they name no tenant. 404 when off."""
+    if not platform.settings.picker_metrics:
+        raise PlatformError(404, "/metrics/endpoint-picker is off: set LORAPLEX_PICKER_METRICS=1.", code="not_found")
+    return Response(picker_metrics(platform.engine.stats()), media_type=MediaType.TEXT,
+                    headers={"content-type": CONTENT_TYPE_LATEST})
+
+
+ops_handlers = [health, ready, metrics, endpoint_picker_metrics]

@@ -51,6 +51,9 @@ class Settings:
     redis_url: str | None = None
     redis_prefix: str = "loraplex:"
     admin_token: str | None = None
+    # GET /metrics/endpoint-picker without the admin token: the four gauges a Kubernetes inference gateway's
+    # endpoint picker scrapes (queue, running, KV use, adapters by engine id; no tenant). Off: 404.
+    picker_metrics: bool = False
     # Wrong admin tokens from one address before it is refused for the rest of the window (0: no limit).
     admin_auth_max_failures: int = 10
     admin_auth_window_s: float = 300.0
@@ -111,6 +114,7 @@ class Settings:
             redis_url=env.get("LORAPLEX_REDIS_URL") or None,
             redis_prefix=env.get("LORAPLEX_REDIS_PREFIX") or "loraplex:",
             admin_token=env.get("LORAPLEX_ADMIN_TOKEN") or None,
+            picker_metrics=_flag(env, "LORAPLEX_PICKER_METRICS", False),
             admin_auth_max_failures=_integer(env, "LORAPLEX_ADMIN_AUTH_MAX_FAILURES", 10, 0),
             admin_auth_window_s=_number(env, "LORAPLEX_ADMIN_AUTH_WINDOW", 300.0, 1.0),
             auth_max_failures=_integer(env, "LORAPLEX_AUTH_MAX_FAILURES", 100, 0),
