@@ -84,24 +84,32 @@ def test_chat_streaming_usage_and_replicas(gateway, tenant):
     assert all(f'loraplex_replica_running{{replica="{w["replica"]}"}}' in metrics for w in listed)
 
 
-def test_an_adapter_stays_on_one_replica_and_its_deletion_reaches_every_one(gateway, tenant, tmp_path):
+def test_each_adapter_stays_on_one_replica_and_deletions_reach_every_one(gateway, tenant, tmp_path):
+    """Six adapters, three requests each, one at a time (under the load bound): each is registered on one replica
+    only (how rendezvous ranking spreads keys over replicas: tests/unit/test_ray_serve_plan.py)."""
     from tests.conftest import _loaded
     from tests.lora_factory import make_peft_dir
 
     name, client = tenant
-    path = make_peft_dir(tmp_path / "tuned", _loaded(MODEL).config, rank=8, alpha=16, targets="all", seed=5)
-    made = admin(gateway, "POST", f"/tenants/{name}/adapters",
-                 json={"name": "tuned", "base_model": MODEL, "path": str(path)})
-    assert made.status_code == 201, made.text
-    answers = {ask(client, "tuned").choices[0].message.content for _ in range(4)}
-    assert len(answers) == 1 and answers != {ask(client, MODEL).choices[0].message.content}
-    listed = replicas(gateway, until=lambda ws: sum(len(w["adapters"]) for w in ws) >= 1)
-    assert sorted(len(w["adapters"]) for w in listed) == [0, 1]  # registered on one replica, for all its requests
-    assert admin(gateway, "DELETE", f"/tenants/{name}/adapters/tuned").status_code == 204
+    names = [f"tuned{i}" for i in range(6)]
+    for i, adapter in enumerate(names):
+        path = make_peft_dir(tmp_path / adapter, _loaded(MODEL).config, rank=8, alpha=16, targets="all", seed=5 + i)
+        made = admin(gateway, "POST", f"/tenants/{name}/adapters",
+                     json={"name": adapter, "base_model": MODEL, "path": str(path)})
+        assert made.status_code == 201, made.text
+    base = ask(client, MODEL).choices[0].message.content
+    for adapter in names:
+        answers = {ask(client, adapter).choices[0].message.content for _ in range(3)}
+        assert len(answers) == 1 and answers != {base}
+    listed = replicas(gateway, until=lambda ws: sum(len(w["adapters"]) for w in ws) >= 6)
+    held = [a for w in listed for a in w["adapters"]]
+    assert len(held) == len(set(held)) == 6  # each on exactly one replica, for all its requests
+    for adapter in names:
+        assert admin(gateway, "DELETE", f"/tenants/{name}/adapters/{adapter}").status_code == 204
     listed = replicas(gateway, until=lambda ws: sum(len(w["adapters"]) for w in ws) == 0)
     assert [w["adapters"] for w in listed] == [[], []]
     with pytest.raises(openai.NotFoundError):
-        ask(client, "tuned")
+        ask(client, names[0])
 
 
 def test_a_killed_replica_is_replaced_and_requests_go_on(gateway, tenant):
