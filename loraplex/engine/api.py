@@ -42,6 +42,12 @@ class ModelNotFoundError(EngineError):
     code = "model_not_found"
 
 
+class EngineUnavailableError(EngineError):
+    """The engine could not take the request now (a remote replica failed or cannot be reached): retry later."""
+
+    code = "engine_unavailable"
+
+
 # What `add_adapter` reads: a PEFT LoRA directory with exactly these two files. Pickled weights are
 # never read (unpickling runs code), so a directory that holds only those is refused.
 PEFT_CONFIG_FILE = "adapter_config.json"

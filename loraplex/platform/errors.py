@@ -15,7 +15,13 @@ from litestar.exceptions import HTTPException, ValidationException
 from sqlalchemy.exc import DataError, DBAPIError, OperationalError
 
 from loraplex.billing.db_errors import sqlstate
-from loraplex.engine.api import ContextLengthExceededError, EngineError, InvalidRequestError, ModelNotFoundError
+from loraplex.engine.api import (
+    ContextLengthExceededError,
+    EngineError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    ModelNotFoundError,
+)
 
 log = logging.getLogger("loraplex.platform")
 _MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
@@ -81,6 +87,10 @@ def from_engine_error(exc: EngineError) -> PlatformError:
         return not_found(exc.message, exc.param or "model", code="model_not_found")
     if isinstance(exc, InvalidRequestError):
         return invalid(exc.message, exc.param, code=exc.code)
+    if isinstance(exc, EngineUnavailableError):
+        log.warning("engine unavailable: %s", exc.message)
+        return PlatformError(503, "The engine is unavailable; try again shortly.", code=exc.code,
+                             headers={"retry-after": "1"})
     log.error("engine error: %s", exc.message)
     return PlatformError(500, "The engine failed to process the request.", code=exc.code)
 

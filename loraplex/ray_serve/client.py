@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from loraplex.engine.api import (
     EngineError,
     EngineStats,
+    EngineUnavailableError,
     GenerateEvent,
     GenerateRequest,
     ModelInfo,
@@ -40,7 +41,7 @@ RETRIES = 2  # resends of a request that failed before its first event
 STATUS_TIMEOUT_S = 10.0
 
 
-class ReplicaUnavailableError(EngineError):
+class ReplicaUnavailableError(EngineUnavailableError):
     code = "replica_unavailable"
 
 
@@ -68,6 +69,16 @@ def affinity_key(request: GenerateRequest) -> str:
         return f"adapter:{request.adapter}"
     salt = hashlib.sha256((request.cache_salt or "").encode()).hexdigest()[:16]
     return f"base:{request.model}:{salt}"
+
+
+async def _prepare_once(handle, request: GenerateRequest, source: AdapterSource | None) -> GenerateRequest:
+    """One prepare call: the engine's own errors as it raised them, a replica's failure as ReplicaUnavailableError."""
+    try:
+        return await handle.prepare.remote(request, source)
+    except EngineError as exc:
+        raise engine_error(exc) from None
+    except Exception as exc:
+        raise ReplicaUnavailableError(f"engine replica failed: {type(exc).__name__}: {exc}") from exc
 
 
 class RayEngineClient:
@@ -143,13 +154,15 @@ class RayEngineClient:
 
     async def prepare(self, request: GenerateRequest) -> GenerateRequest:
         """On a replica the request's affinity picks (the one its generation will likely find), which
-        registers its adapter first."""
+        registers its adapter first; sent again, at most RETRIES times, when its replica fails."""
         source = self._source(request)
-        try:
-            return await self._handle.options(multiplexed_model_id=affinity_key(request)).prepare.remote(
-                request, source)
-        except EngineError as exc:
-            raise engine_error(exc) from None
+        handle = self._handle.options(multiplexed_model_id=affinity_key(request))
+        for _ in range(RETRIES):
+            try:
+                return await _prepare_once(handle, request, source)
+            except ReplicaUnavailableError as exc:
+                log.warning("prepare of %s failed (%s); sending it again", request.request_id, exc.message)
+        return await _prepare_once(handle, request, source)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         """Raises ModelNotFoundError now, for an adapter not registered; else the stream of events."""

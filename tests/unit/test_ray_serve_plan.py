@@ -56,3 +56,14 @@ def test_rendezvous_ranking_is_stable_and_spreads_keys():
     rest = replicas[1:]
     moved = [k for k, r in first.items() if r != "replica0" and max(rest, key=lambda x: rendezvous_score(k, x)) != r]
     assert moved == []
+
+
+def test_a_replica_that_cannot_answer_is_a_503_to_retry():
+    """ReplicaUnavailableError (a replica failed or cannot be reached, after the client's retries) is an
+    EngineUnavailableError, which the API answers 503 with retry-after, not a 500."""
+    from loraplex.platform.errors import from_engine_error
+    from loraplex.ray_serve.client import ReplicaUnavailableError
+
+    answer = from_engine_error(ReplicaUnavailableError("engine replica failed: ActorDiedError"))
+    assert answer.status == 503 and answer.code == "replica_unavailable" and answer.headers["retry-after"] == "1"
+    assert "ActorDiedError" not in answer.message  # (the cause is logged, not shown to the tenant)
