@@ -176,12 +176,13 @@ class RayEngineClient:
             for attempt in range(RETRIES + 1):
                 flight.stream = handle.generate.remote(request, source)
                 try:
-                    async for event in flight.stream:
+                    async for events in flight.stream:  # (lists: replica.coalesced)
                         flight.started = True
-                        flight.received += len(event.token_ids)
-                        yield event
-                        if event.finished:
-                            return
+                        for event in events:
+                            flight.received += len(event.token_ids)
+                            yield event
+                            if event.finished:
+                                return
                     raise ReplicaUnavailableError("the replica's stream ended before the request finished")
                 except EngineError as exc:
                     raise engine_error(exc) from None

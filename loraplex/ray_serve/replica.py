@@ -6,12 +6,16 @@ it is given, and serves the calls RayEngineClient makes through the deployment's
   with the same id to a replica that has it (the adapter in a slot, the tenant's prefixes in its cache).
 - Adapters are registered on first use from the shared adapter store: each request for an adapter carries
   where its files are, and a replica that does not have it yet reads it then (off the event loop).
+- Events travel in lists: each item of the stream carries every event that arrived while the one before was
+  being sent (`coalesced`), so a stream item's fixed cost is paid per batch, not per token, once the engine
+  outpaces the stream; the first event goes alone, at once.
 - `status()` answers the client's broadcast poll: the engine's stats and models, the adapters registered here.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -20,6 +24,43 @@ from ray import serve
 from loraplex.engine.api import EngineClient, EngineStats, GenerateEvent, GenerateRequest, ModelInfo
 
 AFFINITY_KEYS_PER_REPLICA = 64  # multiplexed ids a replica reports as held (least recently used dropped first)
+
+
+async def coalesced(events: AsyncIterator[GenerateEvent]) -> AsyncIterator[list[GenerateEvent]]:
+    """`events` regrouped: each list holds every event that arrived since the last list was taken (at least one).
+    A background task reads `events`; an error there is raised here after the events before it; closing this
+    generator (a cancelled stream) cancels the reading, which aborts the request in the engine."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump() -> None:
+        try:
+            async for event in events:
+                queue.put_nowait(event)
+        except Exception as exc:  # handed to the reader, after the events before it
+            queue.put_nowait(exc)
+        finally:
+            queue.put_nowait(end)
+
+    task = asyncio.get_running_loop().create_task(pump())
+    try:
+        while True:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            done = batch[-1] is end
+            failed = [e for e in batch if isinstance(e, Exception)]
+            batch = [e for e in batch if e is not end and not isinstance(e, Exception)]
+            if batch:
+                yield batch
+            if failed:
+                raise failed[0]
+            if done:
+                return
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
 
 
 @dataclass(frozen=True)
@@ -60,12 +101,14 @@ class EngineReplica:
         if key:
             await self._hold(key)
 
-    async def generate(self, request: GenerateRequest, adapter: AdapterSource | None) -> AsyncIterator[GenerateEvent]:
-        """The request's events; cancelling the stream (the client's abort, a lost gateway) aborts it here."""
+    async def generate(self, request: GenerateRequest,
+                       adapter: AdapterSource | None) -> AsyncIterator[list[GenerateEvent]]:
+        """The request's events, in lists (`coalesced`); cancelling the stream (the client's abort, a lost gateway)
+        aborts it here."""
         await self._take(adapter)
         self._requests += 1
-        async for event in self.engine.generate(request):
-            yield event
+        async for events in coalesced(self.engine.generate(request)):
+            yield events
 
     async def prepare(self, request: GenerateRequest, adapter: AdapterSource | None) -> GenerateRequest:
         """Validates and tokenizes (its adapter registered first: the engine checks it is there)."""

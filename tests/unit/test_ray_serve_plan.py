@@ -4,6 +4,8 @@ Ray cluster in tests/e2e/test_serve_ray.py."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from loraplex.engine.api import GenerateRequest, SamplingParams
@@ -67,3 +69,49 @@ def test_a_replica_that_cannot_answer_is_a_503_to_retry():
     answer = from_engine_error(ReplicaUnavailableError("engine replica failed: ActorDiedError"))
     assert answer.status == 503 and answer.code == "replica_unavailable" and answer.headers["retry-after"] == "1"
     assert "ActorDiedError" not in answer.message  # (the cause is logged, not shown to the tenant)
+
+
+def _events(n: int, fail: bool = False, closed: list | None = None):
+    async def gen():
+        try:
+            for i in range(n):
+                yield i
+                await asyncio.sleep(0)
+            if fail:
+                raise RuntimeError("engine failed")
+        finally:
+            if closed is not None:
+                closed.append(True)
+    return gen()
+
+
+def test_a_replica_sends_the_events_that_piled_up_as_one_item_and_loses_none():
+    from loraplex.ray_serve.replica import coalesced
+
+    async def read(source, pause: float) -> list[list[int]]:
+        out = []
+        async for batch in coalesced(source):
+            out.append(batch)
+            await asyncio.sleep(pause)  # a slow stream: events pile up meanwhile
+        return out
+
+    slow = asyncio.run(read(_events(50), 0.01))
+    assert [e for b in slow for e in b] == list(range(50)) and len(slow) < 50 and slow[0] == [0]
+    fast = asyncio.run(read(_events(5), 0))
+    assert [e for b in fast for e in b] == list(range(5))
+    with pytest.raises(RuntimeError, match="engine failed"):
+        asyncio.run(read(_events(3, fail=True), 0))
+
+
+def test_closing_the_stream_closes_the_engine_side():
+    from loraplex.ray_serve.replica import coalesced
+
+    closed: list = []
+
+    async def take_one():
+        stream = coalesced(_events(10**6, closed=closed))
+        first = await anext(stream)
+        await stream.aclose()  # what a cancelled Serve stream does
+        return first
+
+    assert asyncio.run(take_one()) == [0] and closed == [True]
