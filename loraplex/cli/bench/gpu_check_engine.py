@@ -287,10 +287,11 @@ def adapter_load(ctx: CheckContext) -> Outcome:
     fresh = write_adapter(ctx.work_dir / f"fresh-{preset}", loaded.config, rank=PERF_RANK, seed=900)
     core.add_adapter("fresh", str(fresh), files_version(fresh))  # nothing read until a request asks
     load_run(core, loaded.name, "warm", before, after, max_tokens)  # warm-up: "warm" in a slot, shapes compiled
-    control = load_run(core, loaded.name, "warm", before, after, max_tokens)
     loads_before = core.lora.stats.disk_loads
     load = load_run(core, loaded.name, "fresh", before, after, max_tokens)
     width = load["first_token"] - load["arrival"]
+    # the control runs at least as many steps after its arrival as the read's window took
+    control = load_run(core, loaded.name, "warm", before, max(after, width), max_tokens)
     windows = {"load": load["times"][load["arrival"]:load["first_token"]],
                "without": control["times"][control["arrival"]:control["arrival"] + width]}
     p99 = {k: round(percentile(w, 99), 3) for k, w in windows.items()}
