@@ -113,7 +113,7 @@ def test_async_scheduling_gives_the_tokens_of_the_plain_engine(pool):
 
 def test_async_scheduling_with_adapters_and_static_decode(adapter_dirs):
     """Pending tokens fed into the static decode buffers (cuda_graphs on: eager on the CPU), with adapters."""
-    arrivals = workload(adapters=True)
+    arrivals = workload(adapters=True)[:5]  # (r1, r2 and r4 on adapters; the Triton interpreter is slow)
     extra = {"attention_backend": "triton_paged", "cuda_graphs": "on"}
     _, want, _ = run(arrivals, "off", adapter_dirs)
     core, got, overlapped = run(arrivals, "on", adapter_dirs, **extra)
