@@ -302,6 +302,10 @@ class ReplicaInfo:
     requests: int  # generations it has started, from every gateway
 
 
+# EngineStats fields that engines on several devices do not add up: a setting and a peak; their maximum stands
+DEVICE_MAXIMA = ("gpu_memory_utilization", "peak_step_bytes")
+
+
 def add_stats(total: dict, values: dict) -> None:
     """Adds EngineStats fields `values` into `total` in place; per-class dicts add key by key, and
     adapter-id tuples merge as a sorted union (an adapter running on two engines is one adapter)."""

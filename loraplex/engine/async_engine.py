@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from loraplex.engine.api import (
+    DEVICE_MAXIMA,
     PRIORITY_CLASSES,
     EngineStats,
     GenerateEvent,
@@ -146,7 +147,7 @@ class AsyncEngine:
             add_stats(total, stats)
         add_stats(total, self.pool.retired)  # (totals since start survive a model's eviction)
         # settings and peaks, not sums: the utilization asked, the largest step; several models share the pool's budget
-        for key in ("gpu_memory_utilization", "peak_step_bytes", "memory_budget_bytes"):
+        for key in (*DEVICE_MAXIMA, "memory_budget_bytes"):
             total[key] = max((stats[key] for stats in per_core), default=0)
         if len(self.pool.models) > 1:
             total["memory_budget_bytes"] = self.pool.budget

@@ -69,7 +69,9 @@ class StepLayout:
     prompt_rows: list[int] = field(default_factory=list)  # rows whose logits predict a prompt token
     prompt_targets: list[tuple] = field(default_factory=list)  # (request, the prompt token those logits predict)
     output_positions: list[int] = field(default_factory=list)  # each sampled request's next output index
-    from_previous: list[tuple[int, int]] = field(default_factory=list)  # (row, previous step's token index)
+    # rows whose token the previous step sampled (still in flight), and that token's index in its tokens
+    pending_rows: list[int] = field(default_factory=list)
+    pending_from: list[int] = field(default_factory=list)
 
 
 class LaunchedStep:
@@ -145,18 +147,18 @@ class ModelRunner:
             self._swap(batch)
         lay = self._layout(batch, previous)
         dev = self.device
-        pending = (lay.from_previous, previous.tokens) if lay.from_previous else None
         if self._static_eligible(lay):
             lora = self.lora_slots if self.lora_slots is not None and max(lay.token_slots) >= 0 else None
+            pending = (lay.pending_rows, lay.pending_from, previous.tokens) if lay.pending_rows else None
             logits = self.static.run(lay.ids, lay.positions, lay.seqs, lay.token_slots, lay.logits_rows, lora,
                                      pending=pending)
         else:
             meta = self.model.attention.build_metadata(lay.seqs, self.block_size, dev, self.model.dtype)
-            ids, positions, rows, fill_rows, fill_from = upload(
-                dev, torch.long, lay.ids, lay.positions, lay.logits_rows + lay.prompt_rows,
-                [row for row, _ in lay.from_previous], [i for _, i in lay.from_previous])
-            if pending is not None:
-                ids[fill_rows] = previous.tokens[fill_from]
+            ids, positions, rows, pending_rows, pending_from = upload(
+                dev, torch.long, lay.ids, lay.positions, lay.logits_rows + lay.prompt_rows, lay.pending_rows,
+                lay.pending_from)
+            if lay.pending_rows:
+                ids[pending_rows] = previous.tokens[pending_from]
             logits = self.model.forward(ids, positions, meta, self.kv_caches, rows,
                                         lora=self._step_lora(lay.token_slots))  # [sampled + prompt rows, vocab]
         out = StepOutput()
@@ -191,7 +193,8 @@ class ModelRunner:
                 if previous is None or end - req.num_known != 1 or id(req) not in previous.rows:
                     raise RuntimeError(f"request {req.request_id} has {req.num_pending} tokens in flight, "
                                        f"not one from the step before")
-                lay.from_previous.append((len(ids), previous.rows[id(req)]))
+                lay.pending_rows.append(len(ids))
+                lay.pending_from.append(previous.rows[id(req)])
                 ids.append(0)
             ids.extend(req.spec_ids)
             lay.positions.extend(range(start, start + n))

@@ -29,7 +29,7 @@ STATIC_BACKEND = "triton_paged"  # the only backend whose decode kernels the sta
 # int32 regions of the staging / device buffers, each [max bucket] long, in this order; the first four are
 # also needed as int64 (torch indexing) and are widened on the device by one copy inside the step.
 _LONG_REGIONS = ("ids", "positions", "slots", "logits")
-_INT_REGIONS = ("lens", "row_table", "lora", "fill_rows", "fill_from")  # (the fill ones: pending tokens' rows)
+_INT_REGIONS = ("lens", "row_table", "lora", "pending_rows", "pending_from")  # (the last two: asynchronous scheduling)
 
 
 def static_decode_mode(setting: str, device: torch.device, backend: str) -> str | None:
@@ -182,7 +182,8 @@ class StaticDecodeRunner:
         return next((b for b in self.buckets if b >= rows), None)
 
     def _stage(self, ids: list[int], positions: list[int], seqs: list[tuple[int, int, list[int]]],
-               token_slots: list[int], logits_rows: list[int], bucket: int, fill: list[tuple[int, int]]) -> None:
+               token_slots: list[int], logits_rows: list[int], bucket: int, pending_rows: list[int],
+               pending_from: list[int]) -> None:
         """Writes the step into the staging buffer and copies it to the device in one copy."""
         if self._copied is not None:
             self._copied.synchronize()  # (the previous step's copy has long finished: its tokens were read)
@@ -199,7 +200,7 @@ class StaticDecodeRunner:
             npv[tables_at + s * w:tables_at + s * w + len(used)] = used
         for region, values in (("ids", ids), ("positions", positions), ("slots", slots), ("lens", lens),
                                ("row_table", row_table), ("lora", token_slots),
-                               ("fill_rows", [row for row, _ in fill]), ("fill_from", [i for _, i in fill])):
+                               ("pending_rows", pending_rows), ("pending_from", pending_from)):
             at = self._offset(region)
             npv[at:at + len(values)] = values
         at = self._offset("logits")
@@ -225,18 +226,18 @@ class StaticDecodeRunner:
 
     def run(self, ids: list[int], positions: list[int], seqs: list[tuple[int, int, list[int]]],
             token_slots: list[int], logits_rows: list[int], lora_slots,
-            pending: tuple[list[tuple[int, int]], torch.Tensor] | None = None) -> torch.Tensor:
+            pending: tuple[list[int], list[int], torch.Tensor] | None = None) -> torch.Tensor:
         """One all-decode step (rows <= max bucket); returns the logits of `logits_rows` [len, vocab] fp32, a view
         of the static output valid until the next step. lora_slots: the LoraSlots when a row has an adapter.
-        pending: ([(row, index)], tokens [n] on the device): rows whose token is tokens[index], written over their
+        pending: (rows, indices, tokens [n] on the device): rows whose token is tokens[index], written over their
         placeholders after the copy (the previous step's tokens, still in flight: asynchronous scheduling); the
         indices travel in the same copy."""
         bucket = self.bucket_for(len(ids))
-        fill = pending[0] if pending is not None else []
-        self._stage(ids, positions, seqs, token_slots, logits_rows, bucket, fill)
-        if fill:
-            rows, index = self._region("fill_rows", len(fill)).long(), self._region("fill_from", len(fill)).long()
-            self._region("ids", bucket)[rows] = pending[1][index].to(torch.int32)
+        rows, index, tokens = pending if pending is not None else ([], [], None)
+        self._stage(ids, positions, seqs, token_slots, logits_rows, bucket, rows, index)
+        if rows:
+            at_rows, at_index = (self._region(r, len(rows)).long() for r in ("pending_rows", "pending_from"))
+            self._region("ids", bucket)[at_rows] = tokens[at_index].to(torch.int32)
         if self.graphs:
             self._replay(bucket, lora_slots)
         else:

@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from loraplex.engine.api import (
+    DEVICE_MAXIMA,
     EngineError,
     EngineStats,
     EngineUnavailableError,
@@ -63,12 +64,20 @@ class _Flight:
     aborted: bool = False
 
 
+def adapter_key(adapter_id: str) -> str:
+    return f"adapter:{adapter_id}"
+
+
 def affinity_key(request: GenerateRequest) -> str:
     """The multiplexed model id that routes a request: its adapter, else its model and tenant's cache salt."""
     if request.adapter is not None:
-        return f"adapter:{request.adapter}"
+        return adapter_key(request.adapter)
     salt = hashlib.sha256((request.cache_salt or "").encode()).hexdigest()[:16]
     return f"base:{request.model}:{salt}"
+
+
+def replica_failed(exc: Exception) -> ReplicaUnavailableError:
+    return ReplicaUnavailableError(f"engine replica failed: {type(exc).__name__}: {exc}")
 
 
 async def _prepare_once(handle, request: GenerateRequest, source: AdapterSource | None) -> GenerateRequest:
@@ -78,7 +87,7 @@ async def _prepare_once(handle, request: GenerateRequest, source: AdapterSource 
     except EngineError as exc:
         raise engine_error(exc) from None
     except Exception as exc:
-        raise ReplicaUnavailableError(f"engine replica failed: {type(exc).__name__}: {exc}") from exc
+        raise replica_failed(exc) from exc
 
 
 class RayEngineClient:
@@ -132,7 +141,7 @@ class RayEngineClient:
             add_stats(total, vars(replica.stats))
         if not total:
             return EngineStats(running=0, waiting=0, kv_blocks_total=0, kv_blocks_used=0, kv_blocks_free=0)
-        for key in ("gpu_memory_utilization", "peak_step_bytes"):  # a setting and a peak per device, not sums
+        for key in DEVICE_MAXIMA:
             total[key] = max(getattr(r.stats, key) for r in self._replicas)
         return EngineStats(**total)
 
@@ -190,7 +199,7 @@ class RayEngineClient:
                     raise
                 except Exception as exc:
                     if flight.started or flight.aborted or attempt == RETRIES:
-                        raise ReplicaUnavailableError(f"engine replica failed: {type(exc).__name__}: {exc}") from exc
+                        raise replica_failed(exc) from exc
                     log.warning("request %s failed before its first token (%s); sending it again",
                                 request.request_id, type(exc).__name__)
         finally:
@@ -213,7 +222,7 @@ class RayEngineClient:
         the event loop, as the platform does."""
         source = AdapterSource(adapter_id, path, base_model or self.models()[0].name)
         try:
-            self._handle.options(multiplexed_model_id=f"adapter:{adapter_id}").register.remote(source).result()
+            self._handle.options(multiplexed_model_id=adapter_key(adapter_id)).register.remote(source).result()
         except EngineError as exc:
             raise engine_error(exc) from None
         self._adapters[adapter_id] = source

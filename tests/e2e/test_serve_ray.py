@@ -5,10 +5,7 @@ served by the other, and bad options fail in one line."""
 
 from __future__ import annotations
 
-import os
 import secrets
-import subprocess
-import sys
 import time
 
 import httpx
@@ -17,6 +14,7 @@ import pytest
 import ray
 
 from tests.e2e.server import admin_request, postgres_redis_env, start
+from tests.e2e.test_cli_platform import loraplex
 
 ADMIN = "e2e-ray-admin-token"
 MODEL = "synthetic:tiny"
@@ -132,11 +130,6 @@ def test_a_killed_replica_is_replaced_and_requests_go_on(gateway, tenant):
         ray.shutdown()
 
 
-def loraplex(*args: str, env: dict) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "loraplex.cli.main", *args], capture_output=True, text=True,
-                          timeout=120, env={**os.environ, **env})
-
-
 def test_bad_ray_options_fail_in_one_line(tmp_path):
     env = {"LORAPLEX_DATA_DIR": str(tmp_path)}
     cases = [
@@ -147,7 +140,7 @@ def test_bad_ray_options_fail_in_one_line(tmp_path):
         (("serve", "--ray", "ray://head:10001"), "Ray Client (ray://) cannot stream responses from Serve"),
     ]
     for args, message in cases:
-        out = loraplex(*args, env=env)
+        out = loraplex(env, *args)
         assert out.returncode == 2, out.stderr
         lines = out.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("loraplex: error:") and message in lines[0], out.stderr

@@ -116,8 +116,7 @@ class Request:
         request never speculates: verifying draws its random numbers differently, and whether a step
         speculates depends on the batch, so its tokens would depend on what shares its batch."""
         sp = self.sampling
-        return ((sp.temperature == 0 or sp.seed is None) and sp.presence_penalty == 0 and sp.frequency_penalty == 0
-                and self.guide is None and not self.needs_prompt_logits)
+        return (sp.temperature == 0 or sp.seed is None) and not self.needs_host_tokens and not self.needs_prompt_logits
 
     @property
     def finished(self) -> bool:
