@@ -64,6 +64,21 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--rounds", {"type": int, "default": 3,
                       "help": "rounds, each with both engines taking turns step by step at every batch size"}),
     ]),
+    "kv": ("kv", "KV cache dtypes (--kv-cache-dtype) vs an fp32 cache: tokens/s at each batch, agreement of greedy "
+                 "tokens, perplexity, block bytes", [
+        ("--model", {"default": DEFAULT_MODEL}),
+        ("--new-tokens", {"type": int, "default": 64}),
+        ("--batches", {"default": "1,32", "help": "batch sizes, comma-separated"}),
+        ("--kv-cache-dtypes", {"default": "float32,int8,bfloat16,fp8",
+                               "help": "cache dtypes, comma-separated (float32, the base, always runs)"}),
+        ("--kv-cache-mb", {"type": int, "default": 1024, "help": "each engine's KV cache"}),
+        ("--decode-contexts", {"default": "256,512",
+                               "help": "context lengths of the decode-step figures at the largest batch, "
+                                       "comma-separated ('' for none)"}),
+        ("--decode-reps", {"type": int, "default": 20, "help": "decode steps per engine and context, in turns"}),
+        ("--rounds", {"type": int, "default": 3,
+                      "help": "rounds, each with the engines taking turns step by step at every batch size"}),
+    ]),
     "gateway": ("gateway", "latency the platform adds (auth, limits, routing, usage) and its max rps", [
         ("--database-url", {"default": "postgresql://postgres@localhost:5432/postgres",
                             "help": "Postgres server for a scratch database (dropped after); 'sqlite' for embedded"}),

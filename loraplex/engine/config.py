@@ -9,6 +9,9 @@ from pathlib import Path
 import torch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The KV cache's element types by name (kv_cache_dtype; "auto": the model's dtype). The 8-bit ones carry a
+# scale per (token, kv head) in each cache row (engine/kv/kv_dtype.py).
+KV_CACHE_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # engine/attention's backends; "auto": triton_paged on CUDA, cpu_c on the CPU with the C kernels, else torch_sdpa
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_c", "triton_paged")
 
@@ -75,6 +78,11 @@ class EngineConfig:
     # with the CPU kernels, packs the projections and LM head in bf16 (kernels/cpu/linear_bf16.c), halving
     # what a decode step reads; activations and sums stay fp32.
     weight_dtype: str = "auto"
+    # The KV cache's element type: "auto" is the model's dtype; float32, bfloat16 or float16 store K/V rounded
+    # to it; int8 and fp8 (e4m3) store each token's K/V per kv head as 8-bit values and an fp32 scale
+    # (absmax / 127, absmax / 448), about a quarter of an fp32 cache: more blocks in the same memory and a
+    # quarter of what a decode step reads of it. Attention dequantizes as it reads, in fp32.
+    kv_cache_dtype: str = "auto"
     # CPU fused decode steps: once one adapter has held every token of this many decode steps in a row,
     # it is merged into a copy of the projection weights and such steps run without LoRA work
     # (lora/merged.py; one copy, about the size of the projections). 0: never.
@@ -106,6 +114,9 @@ class EngineConfig:
             if getattr(self, name) != "auto" and getattr(self, name) not in _DTYPES:
                 raise ValueError(f"engine config: {name} must be auto or one of {sorted(_DTYPES)}, "
                                  f"got {getattr(self, name)!r}")
+        if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"engine config: kv_cache_dtype must be auto or one of {', '.join(KV_CACHE_DTYPES)}, "
+                             f"got {self.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"engine config: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")
@@ -165,6 +176,11 @@ class EngineConfig:
     def weight_torch_dtype(self) -> torch.dtype:
         """The base weights' element type (weight_dtype; "auto": the model's)."""
         return self.torch_dtype if self.weight_dtype == "auto" else _DTYPES[self.weight_dtype]
+
+    @property
+    def kv_torch_dtype(self) -> torch.dtype:
+        """The KV cache's element type (kv_cache_dtype; "auto": the model's)."""
+        return self.torch_dtype if self.kv_cache_dtype == "auto" else KV_CACHE_DTYPES[self.kv_cache_dtype]
 
     @property
     def lora_torch_dtype(self) -> torch.dtype:

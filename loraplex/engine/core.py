@@ -90,7 +90,8 @@ class EngineCore:
         self.tokenizer = loaded.tokenizer
         self.token_bytes = self.tokenizer.token_bytes()
         device, dtype = loaded.weights["embed"].device, loaded.weights["embed"].dtype
-        attention = attention_backend(config.attention_backend, device, dtype, loaded.config.head_dim)
+        attention = attention_backend(config.attention_backend, device, dtype, loaded.config.head_dim,
+                                      config.kv_torch_dtype)
         model = build_model(loaded, wdtype, attention)
         self.weight_bytes = model.weight_bytes() + model.packed_bytes()  # (what stats() reports)
         mcfg = loaded.config
@@ -109,7 +110,7 @@ class EngineCore:
         self.pool = BlockPool(num_blocks, bs)
         swap_pool = None
         if config.preemption_mode == "swap":
-            swap_blocks = max(1, config.swap_space_bytes // (bs * mcfg.kv_bytes_per_token(model.dtype)))
+            swap_blocks = max(1, config.swap_space_bytes // (bs * mcfg.kv_bytes_per_token(config.kv_torch_dtype)))
             swap_pool = BlockPool(swap_blocks, bs)
         # (a request's adapter stays registered while it is in the engine: remove_adapter waits for it)
         self.kv = KVManager(self.pool, model=config.model, swap_pool=swap_pool,
@@ -119,7 +120,8 @@ class EngineCore:
             self.kv, config.max_num_seqs, config.max_num_batched_tokens,
             priority_weights=config.priority_weights, aging_s=config.priority_aging_s,
             speculative_tokens=config.speculative_tokens, speculative_max_seqs=config.speculative_max_seqs)
-        self.runner = ModelRunner(model, num_blocks, bs, swap_pool.num_blocks if swap_pool else 0, static)
+        self.runner = ModelRunner(model, num_blocks, bs, swap_pool.num_blocks if swap_pool else 0, static,
+                                  kv_dtype=config.kv_torch_dtype)
         self.async_scheduling = config.async_scheduling_on
         self._in_flight: tuple[ScheduledBatch, LaunchedStep] | None = None  # launched, results not applied
         self.requests: dict[str, Request] = {}

@@ -54,8 +54,9 @@ class DeviceMemory:
 
 
 def block_bytes(config: EngineConfig, model: LlamaConfig) -> int:
-    """Bytes of one KV block (every layer's K and V of block_size tokens) at the engine's dtype."""
-    return config.block_size * model.kv_bytes_per_token(config.torch_dtype)
+    """Bytes of one KV block (every layer's K and V of block_size tokens) at the KV cache's dtype (8-bit: with
+    their scales)."""
+    return config.block_size * model.kv_bytes_per_token(config.kv_torch_dtype)
 
 
 def blocks_for_bytes(kv_bytes: int, per_block: int) -> int:
@@ -136,7 +137,8 @@ def dummy_step(model: LlamaModel, config: EngineConfig, max_model_len: int, toke
         blocks = -(-m // bs)
         seqs.append((0, m, list(range(first, first + blocks))))
         first += blocks
-    storage = allocate_kv_storage(cfg.num_layers, first, bs, cfg.num_kv_heads, cfg.head_dim, model.dtype, dev)
+    storage = allocate_kv_storage(cfg.num_layers, first, bs, cfg.num_kv_heads, cfg.head_dim, config.kv_torch_dtype,
+                                  dev)
     meta = model.attention.build_metadata(seqs, bs, dev, model.dtype)
     ids = torch.zeros(n, dtype=torch.long, device=dev)  # [tokens]
     positions = torch.cat([torch.arange(m, dtype=torch.long) for m in lens]).to(dev)  # [tokens]

@@ -160,7 +160,7 @@ class ModelPool:
                block_size: int) -> tuple[int, int, int]:
         """(weights + KV pool on the device, adapter memory once it has adapters, weights in host memory)."""
         weight_bytes = model.num_params() * dtype.itemsize
-        kv_bytes = blocks * block_size * model.kv_bytes_per_token(dtype)
+        kv_bytes = blocks * block_size * model.kv_bytes_per_token(cfg.kv_torch_dtype)
         return (int(weight_bytes * weight_copies(self.device, dtype, cfg.weight_torch_dtype)) + kv_bytes,
                 adapter_device_bytes(cfg, model, self.device), weight_bytes)
 

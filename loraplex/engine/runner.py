@@ -23,6 +23,7 @@ from loraplex.engine.attention.base import is_decode
 from loraplex.engine.host_copy import upload
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex
 from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
+from loraplex.engine.kv.kv_dtype import raw
 from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.llama import LlamaModel
@@ -95,9 +96,10 @@ class LaunchedStep:
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, num_swap_blocks: int = 0,
-                 static_decode: StaticDecodeSpec | None = None):
+                 static_decode: StaticDecodeSpec | None = None, kv_dtype: torch.dtype | None = None):
         """static_decode: run all-decode steps over static buffers (one more KV block, never handed out by the
-        block pool, takes the padded rows' K/V); None: every step dynamic."""
+        block pool, takes the padded rows' K/V); None: every step dynamic. kv_dtype: the KV cache's element
+        type (kv/kv_dtype.py; None: the model's dtype)."""
         cfg = model.config
         self.model = model
         self.device = model.device
@@ -106,9 +108,11 @@ class ModelRunner:
         self.lora_merge: MergedAdapter | None = None  # set with lora_slots where merging is on
         self._last_lora_index: tuple[tuple[int, ...], LoraBatchIndex] | None = None  # (token slots, index)
         shape = (cfg.num_layers, block_size, cfg.num_kv_heads, cfg.head_dim)
-        # [layers, 2, blocks, block_size, kv_heads, head_dim]: one op moves a block in every layer
+        kv_dtype = kv_dtype or model.dtype
+        # [layers, 2, blocks, block_size, kv_heads, row width]: one op moves a block (8-bit: and its scales) in
+        # every layer
         extra = 1 if static_decode is not None else 0  # block num_blocks: the static step's scratch block
-        self.kv_storage = allocate_kv_storage(shape[0], num_blocks + extra, *shape[1:], model.dtype, model.device)
+        self.kv_storage = allocate_kv_storage(shape[0], num_blocks + extra, *shape[1:], kv_dtype, model.device)
         self.kv_caches = layer_views(self.kv_storage)
         self.static: StaticDecodeRunner | None = None
         if static_decode is not None:
@@ -118,19 +122,20 @@ class ModelRunner:
                 self.static.capture()  # every bucket's base-model graph, now that the KV cache exists
         self.swap_storage = None
         if num_swap_blocks:
-            self.swap_storage = allocate_kv_storage(shape[0], num_swap_blocks, *shape[1:], model.dtype,
+            self.swap_storage = allocate_kv_storage(shape[0], num_swap_blocks, *shape[1:], kv_dtype,
                                                     torch.device("cpu"))
             if self.device.type == "cuda":
                 self.swap_storage = self.swap_storage.pin_memory()
 
     def _swap(self, batch: ScheduledBatch) -> None:
         """Copies preempted requests' KV out to the CPU swap space, and resumed ones' back in."""
+        kv, swap = raw(self.kv_storage), raw(self.swap_storage)  # (bytes for 8-bit caches: fp8 has no index_put)
         for device_ids, cpu_ids in batch.swap_out:
             src = torch.tensor(device_ids, device=self.device)
-            self.swap_storage[:, :, torch.tensor(cpu_ids)] = self.kv_storage[:, :, src].to("cpu")
+            swap[:, :, torch.tensor(cpu_ids)] = kv[:, :, src].to("cpu")
         for cpu_ids, device_ids in batch.swap_in:
             dst = torch.tensor(device_ids, device=self.device)
-            self.kv_storage[:, :, dst] = self.swap_storage[:, :, torch.tensor(cpu_ids)].to(self.device)
+            kv[:, :, dst] = swap[:, :, torch.tensor(cpu_ids)].to(self.device)
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> StepOutput:

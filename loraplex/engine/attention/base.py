@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from loraplex.engine.kv import kv_dtype
+
 # A sequence with a context and at most this many new tokens is attended as decode rows, one per
 # token: cheaper than a prefill tile for the few tokens of a decode with drafts or a short tail.
 MAX_DECODE_QUERIES = 8
@@ -28,12 +30,12 @@ def is_decode(computed: int, new: int) -> bool:
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Stores this step's K/V at their flat slots (block * block_size + offset) before any row attends.
+    """Stores this step's K/V at their flat slots (block * block_size + offset) before any row attends, in the
+    caches' dtype (8-bit: quantized with their scales, kv/kv_dtype.py).
 
-    k, v: [tokens, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, head_dim]."""
-    n_kv, head_dim = k.shape[1], k.shape[2]
-    k_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, k)
-    v_cache.view(-1, n_kv, head_dim).index_copy_(0, slot_mapping, v)
+    k, v: [tokens, kv_heads, head_dim]; caches: [num_blocks, block_size, kv_heads, row width]."""
+    kv_dtype.write_rows(k, k_cache, slot_mapping)
+    kv_dtype.write_rows(v, v_cache, slot_mapping)
 
 
 def slots_of(computed: int, new: int, blocks: list[int], block_size: int) -> list[int]:
@@ -48,6 +50,11 @@ class AttentionBackend(ABC):
     dtypes: tuple[torch.dtype, ...]
     # the fused CPU decode step (kernels/cpu/decode_step.c) does this backend's attention itself
     fused_decode_step: bool = False
+
+    def unsupported_kv(self, kv: torch.dtype, head_dim: int) -> str | None:
+        """Why this backend cannot read a KV cache of dtype `kv` with `head_dim`; None if it can (every backend
+        reads every kv_dtype.KV_CODES type, dequantizing 8-bit rows as it loads them)."""
+        return kv_dtype.unsupported(kv, head_dim)
 
     def unsupported(self, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
         """Why this backend cannot serve a model on `device` in `dtype` with `head_dim`; None if it can."""
@@ -66,4 +73,5 @@ class AttentionBackend(ABC):
         """Writes this step's K/V into the cache and attends every query row to its context.
 
         q: [tokens, heads, head_dim]; k, v: [tokens, kv_heads, head_dim];
-        caches: [num_blocks, block_size, kv_heads, head_dim]. Returns [tokens, heads * head_dim]."""
+        caches: [num_blocks, block_size, kv_heads, row width] of the KV cache's dtype (kv/kv_dtype.py).
+        Returns [tokens, heads * head_dim]."""

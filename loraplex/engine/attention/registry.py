@@ -18,14 +18,16 @@ def auto_backend(device: torch.device, dtype: torch.dtype, head_dim: int) -> str
     return preferred if BACKENDS[preferred].unsupported(device, dtype, head_dim) is None else "torch_sdpa"
 
 
-def attention_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> AttentionBackend:
-    """The backend `name` (or `auto`'s choice) for a model; ValueError, in one line, when it cannot serve it."""
+def attention_backend(name: str, device: torch.device, dtype: torch.dtype, head_dim: int,
+                      kv_dtype: torch.dtype | None = None) -> AttentionBackend:
+    """The backend `name` (or `auto`'s choice) for a model with a KV cache of `kv_dtype` (None: the model's
+    dtype); ValueError, in one line, when it cannot serve them."""
     if name == "auto":
         name = auto_backend(device, dtype, head_dim)
     backend = BACKENDS.get(name)
     if backend is None:
         raise ValueError(f"unknown attention backend {name!r} (have: auto, {', '.join(BACKENDS)})")
-    why = backend.unsupported(device, dtype, head_dim)
+    why = backend.unsupported(device, dtype, head_dim) or backend.unsupported_kv(kv_dtype or dtype, head_dim)
     if why is not None:
         raise ValueError(f"attention backend {name} cannot serve this model: {why}")
     return backend

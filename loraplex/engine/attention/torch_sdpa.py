@@ -1,6 +1,9 @@
 """The `torch_sdpa` backend: torch's scaled_dot_product_attention over K/V gathered from the cache.
 
-Runs on any device and dtype, and is the reference the other backends are held to. Decode rows
+Runs on any device and dtype, and is the reference the other backends are held to. K/V are read in the
+cache's dtype and widened (8-bit rows: dequantized) to the model's after the gather; a first chunk, which
+takes its K/V from the step rather than the cache, rounds them as the cache does, so a prompt attends the
+same values whether it is computed at once, in chunks, after a prefix-cache hit or again after preemption. Decode rows
 are attended together in one padded SDPA call over their gathered blocks; prefill chunks one
 sequence at a time, since their query lengths differ widely and padding them to a common length
 would waste most of the work. Every row's K/V is written before any row attends, so a draft row
@@ -16,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from loraplex.engine.attention.base import AttentionBackend, StepSeq, is_decode, slots_of, write_kv
+from loraplex.engine.kv.kv_dtype import dequantize, quantize, raw
 
 
 @dataclass
@@ -105,6 +109,11 @@ def build_metadata(seqs: list[StepSeq], block_size: int, device: torch.device | 
     )
 
 
+def gather(cache: torch.Tensor, index: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """cache[index] along dim 0 (a cache's [..., row width] rows) as q's dtype [..., head_dim]."""
+    return dequantize(torch.index_select(raw(cache), 0, index).view(cache.dtype), q.shape[-1], q.dtype)
+
+
 class TorchSdpaBackend(AttentionBackend):
     name = "torch_sdpa"
     dtypes = (torch.float32, torch.bfloat16, torch.float16)
@@ -121,7 +130,10 @@ class TorchSdpaBackend(AttentionBackend):
         if meta.decode_rows is not None:
             out[meta.decode_rows] = self.decode(q[meta.decode_rows], k_cache, v_cache, meta)
         gqa = n_heads != k.shape[1]
-        k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [slots, kv_heads, head_dim]
+        if k_cache.dtype != q.dtype and any(p.gather is None for p in meta.prefills):
+            # a first chunk attends its own K/V as the cache holds them, as every later step will
+            k, v = (dequantize(quantize(t, k_cache.dtype), head_dim, q.dtype) for t in (k, v))
+        k_flat = k_cache.view(-1, *k_cache.shape[2:])  # [slots, kv_heads, row width]
         v_flat = v_cache.view(-1, *v_cache.shape[2:])
         for p in meta.prefills:
             # [1, heads, chunk, head_dim]: 4-D, so the fused SDPA kernels (flash, memory-efficient) may take it
@@ -131,8 +143,8 @@ class TorchSdpaBackend(AttentionBackend):
                 vs = v[p.start:p.end].transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=gqa)
             else:
-                ks = torch.index_select(k_flat, 0, p.gather).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, hd]
-                vs = torch.index_select(v_flat, 0, p.gather).transpose(0, 1).unsqueeze(0)
+                ks = gather(k_flat, p.gather, q).transpose(0, 1).unsqueeze(0)  # [1, kv_heads, ctx, head_dim]
+                vs = gather(v_flat, p.gather, q).transpose(0, 1).unsqueeze(0)
                 o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=p.mask, enable_gqa=gqa)
             out[p.start:p.end] = o[0].transpose(0, 1)
         return out.view(n_tok, n_heads * head_dim)
@@ -140,12 +152,12 @@ class TorchSdpaBackend(AttentionBackend):
     def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         """Decode rows' attention: q [decodes, heads, head_dim] -> [decodes, heads, head_dim]."""
-        n, n_kv, head_dim = q.shape[0], k_cache.shape[2], k_cache.shape[3]
+        n, n_kv, head_dim = q.shape[0], k_cache.shape[2], q.shape[2]
         qd = q.unsqueeze(2)  # [decodes, heads, 1, head_dim]
         # [decodes, max_blocks, block_size, kv_heads, head_dim] -> [decodes, kv_heads, context, head_dim]
         # index_select copies whole rows, several times faster than advanced indexing on CPU
         blocks = meta.decode_blocks.view(-1)
-        kd = torch.index_select(k_cache, 0, blocks).view(n, -1, n_kv, head_dim).transpose(1, 2)
-        vd = torch.index_select(v_cache, 0, blocks).view(n, -1, n_kv, head_dim).transpose(1, 2)
+        kd = gather(k_cache, blocks, q).view(n, -1, n_kv, head_dim).transpose(1, 2)
+        vd = gather(v_cache, blocks, q).view(n, -1, n_kv, head_dim).transpose(1, 2)
         o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, enable_gqa=q.shape[1] != n_kv)
         return o.squeeze(2)

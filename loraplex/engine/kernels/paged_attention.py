@@ -28,6 +28,7 @@ import triton.language as tl
 from loraplex.engine.kernels.launch import on_device
 from loraplex.engine.kernels.lora_ops import FLOAT_DTYPES
 from loraplex.engine.kernels.sgmv import check_triton_device, dot_config, pow2_block
+from loraplex.engine.kv.kv_dtype import KV_CODES, raw, row_width
 
 PREFILL_BLOCK_M = 32  # query rows (of one sequence) per prefill tile
 DECODE_BLOCK_N = 64  # keys per decode inner step, 16-bit caches (raised to the block size, up to 128)
@@ -44,9 +45,24 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k0, hi, q_pos, kv_off, stride_slot, stride_bt,
-                 qk_scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+def _fp8_as_f16(b):
+    """fp8 e4m3 bytes (uint8) as fp32 values 2^-8 times theirs: the bits moved into an fp16 (exact)."""
+    h = ((b.to(tl.uint16) & 0x80) << 8) | ((b.to(tl.uint16) & 0x7F) << 7)
+    return h.to(tl.float16, bitcast=True).to(tl.float32)
+
+
+@triton.jit
+def _row_scales(s_ptr, kv_off, slot, stride_slot, mask_n, KV_QUANT: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """[BLOCK_N] fp32 scales of 8-bit rows (s_ptr: the cache as fp32 words; the scale follows HEAD_DIM bytes),
+    times 256 for fp8 (undoing _fp8_as_f16's 2^-8)."""
+    sc = tl.load(s_ptr + (kv_off + slot * stride_slot + HEAD_DIM) // 4, mask=mask_n, other=0.0)
+    return sc * 256.0 if KV_QUANT == 2 else sc
+
+
+@triton.jit
+def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_ptr, k0, hi, q_pos, kv_off, stride_slot,
+                 stride_bt, qk_scale, CAUSAL: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+                 KV_QUANT: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                  HEAD_DIM: tl.constexpr):
     """One online-softmax step over keys k0 .. k0+BLOCK_N-1 (those < hi), read through the block table.
 
@@ -56,6 +72,9 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k0, hi, q_pos, kv_off, 
         when CAUSAL) of kv head at kv_off sits at slot bt[p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE.
         s = (q . k_p) * qk_scale;  m' = max(m_i, max_p s);  l' = l_i 2^(m_i - m') + sum_p 2^(s - m');
         acc' = acc 2^(m_i - m') + sum_p 2^(s - m') v_p.  Returns (acc', m', l').
+        k_p, v_p are the cache's values in q's dtype: KV_QUANT 0 float rows as they are; 1 (int8) and 2 (fp8
+        e4m3, uint8 bytes) 8-bit rows of HEAD_DIM values and an fp32 scale (kv/kv_dtype.py), whose scales are
+        read through ks_ptr / vs_ptr (the caches as fp32 words) and applied to the scores and the weights.
     """
     offs_n = k0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < hi
@@ -67,9 +86,14 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k0, hi, q_pos, kv_off, 
                  mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [BLOCK_D, BLOCK_N] = K^T tile
     v = tl.load(v_ptr + kv_off + slot[:, None] * stride_slot + offs_d[None, :],
                 mask=mask_n[:, None] & mask_d[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
-    if UPCAST:
+    if KV_QUANT == 1:
         kt, v = kt.to(tl.float32), v.to(tl.float32)
+    elif KV_QUANT == 2:
+        kt, v = _fp8_as_f16(kt), _fp8_as_f16(v)
+    kt, v = kt.to(q.dtype), v.to(q.dtype)  # (q is fp32 when UPCAST; 8-bit values are exact in any float type)
     s = tl.dot(q, kt, input_precision=PRECISION) * qk_scale  # [M, BLOCK_N]
+    if KV_QUANT:
+        s = s * _row_scales(ks_ptr, kv_off, slot, stride_slot, mask_n, KV_QUANT, HEAD_DIM)[None, :]
     allowed = mask_n[None, :]
     if CAUSAL:
         allowed = allowed & (offs_n[None, :] <= q_pos[:, None])
@@ -78,17 +102,20 @@ def _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_ptr, k0, hi, q_pos, kv_off, 
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])  # [M, BLOCK_N]
     l_new = l_i * alpha + tl.sum(p, 1)
+    if KV_QUANT:
+        p = p * _row_scales(vs_ptr, kv_off, slot, stride_slot, mask_n, KV_QUANT, HEAD_DIM)[None, :]
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_new
 
 
 @triton.jit
-def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
+def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr,
                          rows_ptr, lens_ptr, row_table_ptr, bt_ptr, qk_scale, num_heads,
                          stride_qm, stride_qh, stride_om, stride_oh, stride_slot, stride_kh, stride_bt0, stride_bt1,
                          GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, NUM_SPLITS: tl.constexpr,
-                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, HEAD_DIM: tl.constexpr):
+                         PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_QUANT: tl.constexpr,
+                         BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                         HEAD_DIM: tl.constexpr):
     """Decode rows: all GROUP query heads of one kv head of one row, over one split of its context.
 
     Semantics:
@@ -125,9 +152,10 @@ def _paged_decode_kernel(q_ptr, k_ptr, v_ptr, out_ptr, part_m_ptr, part_l_ptr, p
     bt_row = bt_ptr + table * stride_bt0
     kv_off = g.to(tl.int64) * stride_kh
     for k0 in range(lo, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k0, hi, offs_i, kv_off, stride_slot,
-                                     stride_bt1, qk_scale, CAUSAL=False, PRECISION=PRECISION, UPCAST=UPCAST,
-                                     BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, k0, hi, offs_i, kv_off,
+                                     stride_slot, stride_bt1, qk_scale, CAUSAL=False, PRECISION=PRECISION,
+                                     UPCAST=UPCAST, KV_QUANT=KV_QUANT, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
+                                     BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
     if NUM_SPLITS == 1:
         o = acc / l_i[:, None]
         tl.store(out_ptr + row * stride_om + heads[:, None] * stride_oh + offs_d[None, :],
@@ -167,12 +195,12 @@ def _split_reduce_kernel(out_ptr, part_m_ptr, part_l_ptr, part_acc_ptr, rows_ptr
 
 
 @triton.jit
-def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tile_seq_ptr, tile_start_ptr, seq_rows_ptr, seq_new_ptr,
-                          seq_computed_ptr, seq_table_ptr, bt_ptr, qk_scale,
+def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, ks_ptr, vs_ptr, out_ptr, tile_seq_ptr, tile_start_ptr, seq_rows_ptr,
+                          seq_new_ptr, seq_computed_ptr, seq_table_ptr, bt_ptr, qk_scale,
                           stride_qm, stride_qh, stride_om, stride_oh, stride_slot, stride_kh, stride_bt0, stride_bt1,
                           GROUP: tl.constexpr, HEADS_PER_PROG: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-                          PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+                          PRECISION: tl.constexpr, UPCAST: tl.constexpr, KV_QUANT: tl.constexpr,
+                          BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                           HEAD_DIM: tl.constexpr):
     """Prefill chunks: BLOCK_M queries of one chunk x HEADS_PER_PROG heads of one kv head, causal.
 
@@ -210,9 +238,10 @@ def _paged_prefill_kernel(q_ptr, k_ptr, v_ptr, out_ptr, tile_seq_ptr, tile_start
     bt_row = bt_ptr + table * stride_bt0
     kv_off = g.to(tl.int64) * stride_kh
     for k0 in range(0, hi, BLOCK_N):
-        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, bt_row, k0, hi, q_pos, kv_off, stride_slot,
-                                     stride_bt1, qk_scale, CAUSAL=True, PRECISION=PRECISION, UPCAST=UPCAST,
-                                     BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N, BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
+        acc, m_i, l_i = _attend_tile(acc, m_i, l_i, q, k_ptr, v_ptr, ks_ptr, vs_ptr, bt_row, k0, hi, q_pos, kv_off,
+                                     stride_slot, stride_bt1, qk_scale, CAUSAL=True, PRECISION=PRECISION,
+                                     UPCAST=UPCAST, KV_QUANT=KV_QUANT, BLOCK_SIZE=BLOCK_SIZE, BLOCK_N=BLOCK_N,
+                                     BLOCK_D=BLOCK_D, HEAD_DIM=HEAD_DIM)
     o = acc / l_i[:, None]
     tl.store(out_ptr + (row0 + j)[:, None] * stride_om + heads[:, None] * stride_oh + offs_d[None, :],
              o.to(out_ptr.dtype.element_ty), mask=mask_q)
@@ -225,9 +254,11 @@ def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     """Refuses tensors the kernels cannot read (ValueError); returns (group, block_size)."""
     if q.dtype not in FLOAT_DTYPES:
         raise ValueError(f"q must be fp32/bf16/fp16, got {q.dtype}")
-    for name, t in (("out", out), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if t.dtype != q.dtype:
-            raise ValueError(f"{name} dtype {t.dtype} != q dtype {q.dtype}")
+    if out.dtype != q.dtype:
+        raise ValueError(f"out dtype {out.dtype} != q dtype {q.dtype}")
+    if k_cache.dtype not in KV_CODES or v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"k_cache and v_cache must be one KV cache dtype ({', '.join(map(str, KV_CODES))}), got "
+                         f"{k_cache.dtype} and {v_cache.dtype}")
     for name, t in (("out", out), ("k_cache", k_cache), ("v_cache", v_cache), ("block_tables", block_tables)):
         if t.device != q.device:
             raise ValueError(f"{name} is on {t.device}, q on {q.device}")
@@ -236,14 +267,15 @@ def _check_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     if q.stride(2) != 1 or out.stride(2) != 1:
         raise ValueError("q and out need a contiguous last (head_dim) dimension")
     if k_cache.dim() != 4 or v_cache.shape != k_cache.shape:
-        raise ValueError(f"k_cache and v_cache must be one [num_blocks, block_size, kv_heads, head_dim] shape, "
+        raise ValueError(f"k_cache and v_cache must be one [num_blocks, block_size, kv_heads, row width] shape, "
                          f"got {tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
-    _, block_size, kv_heads, head_dim = k_cache.shape
-    heads = q.shape[1]
-    if q.shape[2] != head_dim or head_dim > MAX_HEAD_DIM:
-        raise ValueError(f"head_dim {q.shape[2]} of q vs {head_dim} of the cache (at most {MAX_HEAD_DIM})")
+    _, block_size, kv_heads, width = k_cache.shape
+    heads, head_dim = q.shape[1], q.shape[2]
+    if width != row_width(head_dim, k_cache.dtype) or head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"head_dim {head_dim} of q vs rows of {width} in the {k_cache.dtype} cache (at most "
+                         f"{MAX_HEAD_DIM})")
     if kv_heads == 0 or heads % kv_heads:
         raise ValueError(f"heads {heads} is not a multiple of kv_heads {kv_heads}")
     if block_size < 1 or block_size & (block_size - 1):
@@ -283,6 +315,16 @@ def _dot_args(q: torch.Tensor) -> dict:
     precision, upcast = dot_config(q.dtype)
     return {"PRECISION": precision, "UPCAST": upcast, "BLOCK_D": pow2_block(q.shape[2], 16, MAX_HEAD_DIM),
             "HEAD_DIM": q.shape[2]}
+
+
+def _cache_args(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[tuple[torch.Tensor, ...], int]:
+    """(k, v, their scale words, KV_QUANT) as the kernels take a cache: 8-bit ones as bytes (fp8 as uint8) and
+    again as fp32 words, where each row's scale is read (unused for float caches)."""
+    quant = {torch.int8: 1, torch.float8_e4m3fn: 2}.get(k_cache.dtype, 0)
+    if not quant:
+        return (k_cache, v_cache, k_cache, v_cache), 0
+    k, v = (raw(c) if quant == 2 else c for c in (k_cache, v_cache))
+    return (k, v, raw(k_cache).view(torch.float32), raw(v_cache).view(torch.float32)), quant
 
 
 @functools.cache
@@ -333,7 +375,8 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
 
     Semantics:
         q, out [tokens, heads, head_dim] (fp32/bf16/fp16, any row/head strides, contiguous head_dim);
-        k_cache, v_cache [num_blocks, block_size, kv_heads, head_dim] contiguous, q's dtype;
+        k_cache, v_cache [num_blocks, block_size, kv_heads, row width] contiguous, of one KV cache dtype
+        (kv/kv_dtype.py: fp32/bf16/fp16 rows, or int8/fp8 rows with their scales; read as fp32 values);
         rows, lens, row_table [R] int32; block_tables [S, max_blocks] int32. With row = rows[r],
         blocks = block_tables[row_table[r]], group = heads // kv_heads, K[p] = k_cache[blocks[p // block_size],
         p % block_size] (V alike), for every r and head h:
@@ -362,13 +405,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         part_acc = torch.empty(n_rows, heads, splits, head_dim, dtype=torch.float32, device=q.device)
     dot = _dot_args(q)
     block_n, num_warps = _decode_config(block_size, dot["BLOCK_D"], q.element_size())
+    caches, quant = _cache_args(k_cache, v_cache)
     with on_device(q):
         _paged_decode_kernel[(n_rows, kv_heads, splits)](
-            q, k_cache, v_cache, out, part_m, part_l, part_acc, rows, lens, row_table, block_tables,
+            q, *caches, out, part_m, part_l, part_acc, rows, lens, row_table, block_tables,
             scale * LOG2E, heads, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), block_tables.stride(1),
-            GROUP=group, GROUP_PAD=pow2_block(group, 16, 1 << 30), NUM_SPLITS=splits, BLOCK_SIZE=block_size,
-            BLOCK_N=block_n, num_warps=num_warps, **dot)
+            GROUP=group, GROUP_PAD=pow2_block(group, 16, 1 << 30), NUM_SPLITS=splits, KV_QUANT=quant,
+            BLOCK_SIZE=block_size, BLOCK_N=block_n, num_warps=num_warps, **dot)
         if splits > 1:
             _split_reduce_kernel[(n_rows, heads)](
                 out, part_m, part_l, part_acc, rows, heads, out.stride(0), out.stride(1),
@@ -411,10 +455,11 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     dot = _dot_args(q)
     per_prog, block_n, num_warps = _prefill_config(group, dot["BLOCK_D"], q.element_size())
     n_chunks = math.ceil(group / per_prog)
+    caches, quant = _cache_args(k_cache, v_cache)
     with on_device(q):
         _paged_prefill_kernel[(n_tiles, k_cache.shape[2] * n_chunks)](
-            q, k_cache, v_cache, out, tile_seq, tile_start, seq_rows, seq_new, seq_computed, seq_table,
+            q, *caches, out, tile_seq, tile_start, seq_rows, seq_new, seq_computed, seq_table,
             block_tables, scale * LOG2E, q.stride(0), q.stride(1), out.stride(0), out.stride(1),
             k_cache.stride(1), k_cache.stride(2), block_tables.stride(0), block_tables.stride(1),
-            GROUP=group, HEADS_PER_PROG=per_prog, NUM_CHUNKS=n_chunks, BLOCK_SIZE=block_size,
+            GROUP=group, HEADS_PER_PROG=per_prog, NUM_CHUNKS=n_chunks, KV_QUANT=quant, BLOCK_SIZE=block_size,
             BLOCK_M=PREFILL_BLOCK_M, BLOCK_N=block_n, num_warps=num_warps, **dot)

@@ -13,6 +13,8 @@ from collections import OrderedDict
 
 import torch
 
+from loraplex.engine.kv.kv_dtype import row_width
+
 
 class BlockPool:
     """Admission asks `can_allocate` first and then `allocate`, so a request never holds half of
@@ -112,13 +114,15 @@ def allocate_kv_storage(
     dtype: torch.dtype,
     device: torch.device,
 ) -> torch.Tensor:
-    """One zero-filled tensor [layers, 2 (k, v), num_blocks, block_size, n_kv_heads, head_dim]:
-    a block's K and V in every layer can be copied (swapped) with one indexing op."""
-    return torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim), dtype=dtype, device=device)
+    """One zero-filled tensor [layers, 2 (k, v), num_blocks, block_size, n_kv_heads, row width] of the KV cache's
+    dtype (row width: head_dim, plus an 8-bit row's scale, kv_dtype.py): a block's K and V in every layer (and
+    their scales) can be copied (swapped) with one indexing op."""
+    return torch.zeros((num_layers, 2, num_blocks, block_size, num_kv_heads, row_width(head_dim, dtype)),
+                       dtype=dtype, device=device)
 
 
 def layer_views(storage: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer (k, v), each [num_blocks, block_size, n_kv_heads, head_dim]."""
+    """Per layer (k, v), each [num_blocks, block_size, n_kv_heads, row width]."""
     return [(storage[i, 0], storage[i, 1]) for i in range(storage.shape[0])]
 
 

@@ -29,6 +29,7 @@ import torch
 
 from loraplex.engine.attention.base import AttentionBackend
 from loraplex.engine.attention.registry import attention_backend
+from loraplex.engine.kv.kv_dtype import row_width
 from loraplex.engine.models.layer_ops import ops_for
 
 
@@ -95,7 +96,8 @@ class LlamaConfig:
         return sum(math.prod(s) for s in self.weight_shapes().values())
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        return 2 * self.num_layers * self.kv_size * torch.tensor([], dtype=dtype).element_size()
+        """Bytes of one token's K and V in every layer, in a KV cache of `dtype` (8-bit rows with their scales)."""
+        return 2 * self.num_layers * self.num_kv_heads * row_width(self.head_dim, dtype) * dtype.itemsize
 
 
 def rope_inv_freq(config: LlamaConfig) -> torch.Tensor:

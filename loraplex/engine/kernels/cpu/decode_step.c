@@ -6,7 +6,7 @@
  *     h += delta; x = rms_norm(h) * in_norm                       lp_add_rms_norm_f32
  *     qkv = x @ Wqkv^T (+ bias) (+ LoRA qkv)                      lp_linear_packed_side_f32, lp_lora_f32_packed
  *     rotate q and k heads of qkv at positions[b]                 lp_rope_f32
- *     k_cache[slot[b]] = k, v_cache[slot[b]] = v                  (this file)
+ *     k_cache[slot[b]] = k, v_cache[slot[b]] = v                  lp_kv_store (rows of M_KV_TYPE)
  *     a = decode attention of q over each sequence's context      lp_decode_attention_f32
  *     o = a @ Wo^T (+ LoRA o); h += o; x = rms_norm(h) * post_norm
  *     gu = x @ Wgu^T (+ LoRA); act = silu(gate) * up; delta = act @ Wdown^T (+ LoRA down)
@@ -35,10 +35,11 @@
 #include <string.h>
 
 #include "kernels.h"
+#include "kv_types.h"
 
 /* Model table: MODEL_FIELDS header fields, then LAYER_FIELDS per layer. */
 enum { M_LAYERS, M_HIDDEN, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_INTER, M_VOCAB, M_BLOCK_SIZE, M_CACHE_SLOTS,
-       M_EPS_BITS, M_ROPE_COS, M_ROPE_SIN, M_MAX_POS, M_NORM, M_LM_HEAD, M_WTYPE, MODEL_FIELDS };
+       M_EPS_BITS, M_ROPE_COS, M_ROPE_SIN, M_MAX_POS, M_NORM, M_LM_HEAD, M_WTYPE, M_KV_TYPE, MODEL_FIELDS };
 enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, LAYER_FIELDS };
 /* The LoRA table's layout is in kernels.h (LP_R_*). */
 enum { LORA_MODULES = LP_LORA_MODULES, LORA_WIDTHS = LP_LORA_WIDTHS, LORA_HEADER = LP_LORA_HEADER };
@@ -244,6 +245,7 @@ static int check_step(const int64_t *model, const int64_t *step) {
     }
     for (int64_t i = 0; i < step[S_N_LOGITS]; i++)
         if (rows[i] < 0 || rows[i] >= B) return -2;
+    if (!lp_kv_valid(model[M_KV_TYPE])) return -1; /* (the cache's element type, kv_types.h) */
     return 0;
 }
 
@@ -253,6 +255,7 @@ int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
     const int64_t B = step[S_BATCH], H = model[M_HIDDEN], nh = model[M_HEADS], kvh = model[M_KV_HEADS];
     const int64_t D = model[M_HEAD_DIM], I = model[M_INTER];
     const int64_t q_size = nh * D, kv_size = kvh * D, qkv_out = q_size + 2 * kv_size;
+    const int64_t kv_type = model[M_KV_TYPE], slot_bytes = kvh * lp_kv_row_bytes((int)kv_type, D);
     const float eps = bits_to_float(model[M_EPS_BITS]), scale = bits_to_float(step[S_SCALE_BITS]);
     const float *cos_t = PTR(const float *, model[M_ROPE_COS]), *sin_t = PTR(const float *, model[M_ROPE_SIN]);
     const int64_t *pos = PTR(const int64_t *, step[S_POSITIONS]), *slot = PTR(const int64_t *, step[S_SLOTS]);
@@ -274,13 +277,13 @@ int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
                        PTR(const float *, w[L_QKV_BIAS]), qkv)))
             return rc;
         lp_rope_f32(qkv, B, qkv_out, nh + kvh, D, pos, cos_t, sin_t);
-        float *k_cache = PTR(float *, w[L_K_CACHE]), *v_cache = PTR(float *, w[L_V_CACHE]);
-        for (int64_t b = 0; b < B; b++) { /* k, v: [slots, kv_heads * head_dim] */
-            memcpy(k_cache + slot[b] * kv_size, qkv + b * qkv_out + q_size, sizeof(float) * kv_size);
-            memcpy(v_cache + slot[b] * kv_size, qkv + b * qkv_out + q_size + kv_size, sizeof(float) * kv_size);
+        char *k_cache = PTR(char *, w[L_K_CACHE]), *v_cache = PTR(char *, w[L_V_CACHE]);
+        for (int64_t b = 0; b < B; b++) { /* k, v: [slots, kv_heads] rows of M_KV_TYPE, slot_bytes a slot */
+            lp_kv_store(k_cache + slot[b] * slot_bytes, qkv + b * qkv_out + q_size, kvh, D, kv_type);
+            lp_kv_store(v_cache + slot[b] * slot_bytes, qkv + b * qkv_out + q_size + kv_size, kvh, D, kv_type);
         }
-        if ((rc = lp_decode_attention_f32(qkv, qkv_out, k_cache, v_cache, tables, step[S_MAX_BLOCKS], lens, B,
-                                          nh, kvh, D, model[M_BLOCK_SIZE], scale, attn)))
+        if ((rc = lp_decode_attention_f32(qkv, qkv_out, k_cache, v_cache, kv_type, tables, step[S_MAX_BLOCKS], lens,
+                                          B, nh, kvh, D, model[M_BLOCK_SIZE], scale, attn)))
             return rc;
         if ((rc = gemm(&lo, l, MOD_O, attn, B, PTR(const void *, w[L_O]), H, 0, delta))) return rc;
         lp_add_rms_norm_f32(h, delta, PTR(const float *, w[L_POST_NORM]), B, H, eps, x);

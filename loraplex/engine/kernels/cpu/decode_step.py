@@ -18,6 +18,7 @@ import torch
 
 from loraplex.engine.kernels.cpu.build import WEIGHT_CODES, functions, require
 from loraplex.engine.kernels.cpu.linear import PackedWeight
+from loraplex.engine.kv.kv_dtype import KV_CODES, row_width
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 LORA_MODULES = ("qkv", "o", "gate_up", "down")  # decode_step.c's order
@@ -56,7 +57,7 @@ def _double_bits(v: float) -> int:
 
 class StepLayer(NamedTuple):
     """One layer of the model table: its weights (any object with the LAYER_WEIGHTS fields: a
-    LayerWeights) and its K and V cache, each [blocks, block_size, kv_heads, head_dim]."""
+    LayerWeights) and its K and V cache, each [blocks, block_size, kv_heads, row width] (kv/kv_dtype.py)."""
 
     weights: Any
     k_cache: torch.Tensor
@@ -71,8 +72,9 @@ class StepLayer(NamedTuple):
 class DecodeStepModel:
     """The model table: dimensions, then per layer (StepLayer.pointers) input norm, qkv, qkv bias or
     None, o, post norm, gate_up, down, K cache, V cache. Projections are PackedWeights, all fp32 or all
-    bf16 with the LM head; caches [blocks, block_size, kv_heads, head_dim] fp32, contiguous; rope tables
-    [max_pos, head_dim]."""
+    bf16 with the LM head; caches [blocks, block_size, kv_heads, row width] contiguous, all of one
+    kv/kv_dtype.py type (the table's last header field, M_KV_TYPE: the step writes and reads that type); rope
+    tables [max_pos, head_dim]."""
 
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
                  rope_cos: torch.Tensor, rope_sin: torch.Tensor, norm: torch.Tensor, lm_head: PackedWeight,
@@ -86,7 +88,9 @@ class DecodeStepModel:
                 raise ValueError(f"{name} has width {t.shape[1]}, expected head_dim {head_dim}")
         require("norm", norm, 1)
         qkv_out = (heads + 2 * kv_heads) * head_dim
-        cache_shape = tuple(layers[0].k_cache.shape)
+        cache_shape, kv_dtype = tuple(layers[0].k_cache.shape), layers[0].k_cache.dtype
+        if kv_dtype not in KV_CODES:
+            raise ValueError(f"a KV cache of {kv_dtype} (have: {', '.join(map(str, KV_CODES))})")
         wtype = lm_head.data.dtype  # (pack() made it float32 or bfloat16)
         projections = {"qkv": (qkv_out, hidden), "o": (hidden, heads * head_dim),
                        "gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}  # [out, in]
@@ -106,8 +110,8 @@ class DecodeStepModel:
                     if t.shape[0] != width:
                         raise ValueError(f"{name} has {t.shape[0]} entries, expected {width}")
             for name, t in (("k_cache", layer.k_cache), ("v_cache", layer.v_cache)):
-                require(name, t, 4)
-                if tuple(t.shape) != cache_shape or t.shape[2:] != (kv_heads, head_dim):
+                require(name, t, 4, kv_dtype)
+                if tuple(t.shape) != cache_shape or t.shape[2:] != (kv_heads, row_width(head_dim, kv_dtype)):
                     raise ValueError(f"{name} has shape {tuple(t.shape)}, expected {cache_shape}")
         if lm_head.in_features != hidden or norm.shape[0] != hidden:
             raise ValueError("the LM head and final norm must take the hidden size")
@@ -115,7 +119,8 @@ class DecodeStepModel:
         self._keep = (rope_cos, rope_sin, norm, lm_head, list(layers))
         fields = [len(layers), hidden, heads, kv_heads, head_dim, intermediate, lm_head.out_features,
                   cache_shape[1], cache_shape[0] * cache_shape[1], _double_bits(eps), _ptr(rope_cos),
-                  _ptr(rope_sin), rope_cos.shape[0], _ptr(norm), _ptr(lm_head), WEIGHT_CODES[wtype]]
+                  _ptr(rope_sin), rope_cos.shape[0], _ptr(norm), _ptr(lm_head), WEIGHT_CODES[wtype],
+                  KV_CODES[kv_dtype]]
         for layer in layers:
             fields += layer.pointers()
         self.table = torch.tensor(fields, dtype=torch.int64)

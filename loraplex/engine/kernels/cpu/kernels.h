@@ -102,9 +102,11 @@ void lp_add_rms_norm_f32(float *h, const float *delta, const float *w, int64_t T
 void lp_rope_f32(float *x, int64_t T, int64_t stride, int64_t n_heads, int64_t D, const int64_t *pos,
                  const float *cos_t, const float *sin_t);
 void lp_silu_mul_f32(const float *gu, int64_t T, int64_t I, float *out);
-int lp_decode_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v,
+/* decode_attention.c: K/V rows of kv_type (kv_types.h, LP_KV_*) */
+int lp_decode_attention_f32(const float *q, int64_t q_stride, const void *k, const void *v, int64_t kv_type,
                             const int64_t *tables, int64_t max_blocks, const int64_t *lens, int64_t B,
                             int64_t H, int64_t KVH, int64_t D, int64_t bs, float scale, float *out);
+void lp_kv_store(void *dst, const float *x, int64_t KVH, int64_t D, int64_t kv_type);
 int lp_lora_f32_packed(const int64_t *p);  /* lora.c, fp32 slot buffers */
 int lp_lora_bf16_packed(const int64_t *p); /* lora_bf16.c */
 int lp_lora_f16_packed(const int64_t *p);  /* lora_f16.c */

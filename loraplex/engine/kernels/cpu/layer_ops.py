@@ -1,4 +1,5 @@
-"""Fused per-layer CPU ops through layer_ops.c (see its Semantics). fp32, contiguous CPU tensors.
+"""Fused per-layer CPU ops through layer_ops.c and decode_attention.c (see their Semantics). fp32, contiguous
+CPU tensors (the KV cache in any kv/kv_dtype.py type).
 
 These sit on a decode step's hot path, so the checks here are the cheap ones that keep a wrong
 call from reading out of bounds: dtype, device, layout and matching sizes.
@@ -12,6 +13,7 @@ import functools
 import torch
 
 from loraplex.engine.kernels.cpu.build import functions, require
+from loraplex.engine.kv.kv_dtype import KV_CODES, row_width
 
 _P, _I64, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -22,8 +24,9 @@ def _fns() -> dict | None:
         "lp_add_rms_norm_f32": (None, [_P, _P, _P, _I64, _I64, _F, _P]),
         "lp_rope_f32": (None, [_P, _I64, _I64, _I64, _I64, _P, _P, _P]),
         "lp_silu_mul_f32": (None, [_P, _I64, _I64, _P]),
-        "lp_decode_attention_f32": (ctypes.c_int, [_P, _I64, _P, _P, _P, _I64, _P, _I64, _I64, _I64, _I64, _I64,
-                                                   _F, _P]),
+        "lp_kv_store": (None, [_P, _P, _I64, _I64, _I64]),
+        "lp_decode_attention_f32": (ctypes.c_int, [_P, _I64, _P, _P, _I64, _P, _I64, _P, _I64, _I64, _I64, _I64,
+                                                   _I64, _F, _P]),
     })
 
 
@@ -82,28 +85,44 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      lens: torch.Tensor, max_len: int, scale: float) -> torch.Tensor:
     """Attention of one query token per sequence over its paged context (no K/V gather).
 
-    q: [B, H, D] (rows may be strided, heads dense); k_cache, v_cache: [blocks, block_size, KVH, D];
+    q: [B, H, D] (rows may be strided, heads dense); k_cache, v_cache: [blocks, block_size, KVH, row width]
+    of one kv/kv_dtype.py type (8-bit rows are dequantized as they are read);
     tables: [B, max_blocks] int64 block ids; lens: [B] int64 context lengths, each <= max_len
     (the caller's host-side maximum, so no device read is needed). Returns [B, H, D].
     """
     fns = _fns()
     if q.dim() != 3 or q.stride(2) != 1 or q.stride(1) != q.shape[2] or q.dtype != torch.float32:
         raise ValueError(f"q must be [B, H, D] fp32 with dense heads, got {tuple(q.shape)} strides {q.stride()}")
-    require("k_cache", k_cache, 4)
-    require("v_cache", v_cache, 4)
+    if k_cache.dtype not in KV_CODES:
+        raise ValueError(f"decode attention: a KV cache of {k_cache.dtype} (have: {', '.join(map(str, KV_CODES))})")
+    require("k_cache", k_cache, 4, k_cache.dtype)
+    require("v_cache", v_cache, 4, k_cache.dtype)
     require("tables", tables, 2, torch.int64)
     require("lens", lens, 1, torch.int64)
     b, h, d = q.shape
-    n_blocks, bs, kvh, dk = k_cache.shape
-    if v_cache.shape != k_cache.shape or dk != d or h % kvh or tables.shape[0] != b or lens.shape[0] != b:
+    n_blocks, bs, kvh, width = k_cache.shape
+    if v_cache.shape != k_cache.shape or width != row_width(d, k_cache.dtype) or h % kvh or tables.shape[0] != b \
+            or lens.shape[0] != b:
         raise ValueError(f"decode attention: q {tuple(q.shape)}, cache {tuple(k_cache.shape)}, "
                          f"tables {tuple(tables.shape)}, lens {tuple(lens.shape)} do not match")
     if max_len > tables.shape[1] * bs:
         raise ValueError(f"decode attention: context {max_len} exceeds {tables.shape[1]} blocks of {bs}")
     out = torch.empty(b, h, d, dtype=torch.float32)
     rc = fns["lp_decode_attention_f32"](q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(),
-                                        tables.data_ptr(), tables.shape[1], lens.data_ptr(), b, h, kvh, d, bs,
-                                        scale, out.data_ptr())
-    if rc:  # (it returns 0 today; a future failure code must not pass silently)
+                                        KV_CODES[k_cache.dtype], tables.data_ptr(), tables.shape[1], lens.data_ptr(),
+                                        b, h, kvh, d, bs, scale, out.data_ptr())
+    if rc:  # (-1, an unknown type, is checked above; a future failure code must not pass silently)
         raise RuntimeError(f"decode attention failed with code {rc}")
+    return out
+
+
+def kv_rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Cache rows of x [kv_heads, head_dim] fp32 in `dtype`, as the fused decode step writes them (lp_kv_store):
+    [kv_heads, row width], the same bytes as kv/kv_dtype.py's quantize."""
+    fns = _fns()
+    require("x", x, 2)
+    if dtype not in KV_CODES:
+        raise ValueError(f"kv rows: a KV cache of {dtype} (have: {', '.join(map(str, KV_CODES))})")
+    out = torch.empty(x.shape[0], row_width(x.shape[1], dtype), dtype=dtype)
+    fns["lp_kv_store"](out.data_ptr(), x.data_ptr(), x.shape[0], x.shape[1], KV_CODES[dtype])
     return out
