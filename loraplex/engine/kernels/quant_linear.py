@@ -39,6 +39,10 @@ class QuantizedLinearWeight:
         return self.data.shape[0], self.data.shape[1]
 
     @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    @property
     def nbytes(self) -> int:
         """Resident bytes: the quantized values and their scales."""
         return self.data.numel() * self.data.element_size() + self.scales.numel() * self.scales.element_size()

@@ -15,7 +15,9 @@ Internal weight names (what loaders produce):
     layers.{i}.gate_up         [2 * intermediate, hidden]
     layers.{i}.down            [hidden, intermediate]
     norm                       [hidden]
-    lm_head                    [vocab, hidden] (absent when tie_word_embeddings)
+    lm_head                    [vocab, hidden] (absent when tie_word_embeddings, unless quantized: quant.py)
+Matrices may be BlockWeights (engine/quant.py: a GGUF's own blocks, or quantized at load); norms and biases
+are always float tensors.
 Q and K rows are in Hugging Face order (rotate-half RoPE), not GGUF's interleaved order.
 """
 
@@ -29,7 +31,8 @@ import torch
 
 from loraplex.engine.attention.base import AttentionBackend
 from loraplex.engine.attention.registry import attention_backend
-from loraplex.engine.models.layer_ops import ops_for
+from loraplex.engine.models.layer_ops import embed_rows, ops_for
+from loraplex.engine.quant import BlockWeight
 
 
 @dataclass(frozen=True)
@@ -140,7 +143,8 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 class LlamaModel:
     """The decoder as plain tensors; `forward` is one step over a flat token batch."""
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], packed_dtype: torch.dtype | None = None,
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor | BlockWeight],
+                 packed_dtype: torch.dtype | None = None,
                  attention: AttentionBackend | str = "auto"):
         """packed_dtype: the element type the CPU kernels pack the projections and LM head in (default:
         the weights' dtype); a narrower one expects weights already rounded to it (load_model's
@@ -155,9 +159,9 @@ class LlamaModel:
                     f"model weights: {name} has shape {tuple(weights[name].shape)}, expected {shape}")
         self.config = config
         self.w = weights
-        self.dtype = weights["embed"].dtype
-        self.device = weights["embed"].device
-        self.lm_head = weights["embed"] if config.tie_word_embeddings else weights["lm_head"]  # [vocab, hidden]
+        self.dtype = weights["norm"].dtype
+        self.device = weights["norm"].device
+        self.lm_head = weights.get("lm_head", weights["embed"])  # [vocab, hidden] (a tied model's own if quantized)
         inv_freq = rope_inv_freq(config)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
         angles = torch.outer(pos, inv_freq)  # [max_pos, head_dim / 2]
@@ -184,13 +188,13 @@ class LlamaModel:
                             down=prep(w[p + "down"]))
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.w.values())
+        return sum(t.nbytes for t in self.w.values())
 
     def packed_bytes(self) -> int:
         """Bytes of the CPU kernels' packed projections and LM head (what an all-decode step reads of
         the weights; at the packed dtype); 0 where the ops use the weights as they are."""
         packed = [self.lm_head_w] + [getattr(layer, m) for layer in self.layers for m in PROJECTIONS]
-        return sum(p.data.numel() * p.data.element_size() for p in packed if not isinstance(p, torch.Tensor))
+        return sum(p.nbytes for p in packed if not isinstance(p, torch.Tensor))
 
     def forward(
         self,
@@ -219,7 +223,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         qk_size = cfg.q_size + cfg.kv_size
         rope = ops.rope_state(positions)
-        h = torch.index_select(self.w["embed"], 0, input_ids)  # h: [tokens, hidden], the residual stream
+        h = embed_rows(self.w["embed"], input_ids, self.dtype)  # h: [tokens, hidden], the residual stream
         n_tok = h.shape[0]
         delta = None  # the previous sublayer's output, added to h by the next add_rms_norm
         for li, lw in enumerate(self.layers):  # lw: LayerWeights, every projection [out, in]
