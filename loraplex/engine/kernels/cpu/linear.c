@@ -185,6 +185,7 @@ void LINEAR_FN(lp_pack)(const float *w, int64_t N, int64_t K, wt_t *wp) {
 #if defined(__AVX512F__)
 #define MR 8
 typedef __m512 vec_t;
+typedef __m512i ivec_t;
 #define VLOAD _mm512_loadu_ps
 #define VSTORE _mm512_storeu_ps
 #define VSET1 _mm512_set1_ps
@@ -197,6 +198,7 @@ typedef __m512 vec_t;
 #else
 #define MR 4
 typedef __m256 vec_t;
+typedef __m256i ivec_t;
 #define VLOAD _mm256_loadu_ps
 #define VSTORE _mm256_storeu_ps
 #define VSET1 _mm256_set1_ps
@@ -271,11 +273,18 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
                                             m2 = QMIN ? Q_HALVES(gp + 2 * NR + 4 * VW) : d2;
         for (int kk = 0; kk < QK; kk += 2) {
             const int64_t k = g * QK + kk;
-            vec_t b0 = Q_WEIGHTS(vals, kk, 0, 0, d0, m0), b1 = Q_WEIGHTS(vals, kk, 1, 0, d1, m1),
-                  b2 = Q_WEIGHTS(vals, kk, 2, 0, d2, m2);
+            /* 4-bit: one widening of the bytes serves k and k + 1 (its two nibbles) */
+            __attribute__((unused)) const ivec_t r0 = Q_RAW(vals, kk, 0), r1 = Q_RAW(vals, kk, 1),
+                                                 r2 = Q_RAW(vals, kk, 2);
+            vec_t b0 = Q_WEIGHTS(r0, 0, d0, m0), b1 = Q_WEIGHTS(r1, 0, d1, m1),
+                  b2 = Q_WEIGHTS(r2, 0, d2, m2);
             K_STEP(k);
-            b0 = Q_WEIGHTS(vals, kk + 1, 0, 1, d0, m0), b1 = Q_WEIGHTS(vals, kk + 1, 1, 1, d1, m1),
-            b2 = Q_WEIGHTS(vals, kk + 1, 2, 1, d2, m2);
+#if QBITS == 8
+            b0 = Q_WEIGHTS(Q_RAW(vals, kk + 1, 0), 1, d0, m0), b1 = Q_WEIGHTS(Q_RAW(vals, kk + 1, 1), 1, d1, m1),
+            b2 = Q_WEIGHTS(Q_RAW(vals, kk + 1, 2), 1, d2, m2);
+#else
+            b0 = Q_WEIGHTS(r0, 1, d0, m0), b1 = Q_WEIGHTS(r1, 1, d1, m1), b2 = Q_WEIGHTS(r2, 1, d2, m2);
+#endif
             K_STEP(k + 1);
         }
     }

@@ -125,23 +125,24 @@ static inline void q_pack(const uint8_t *blocks, int64_t N, int64_t K, uint8_t *
 #define Q_MUL _mm256_mul_ps
 #define Q_ADD _mm256_add_ps
 #endif
-/* The integers of k = 32 g + kk, vector c of a group's values (HIGH: kk odd, for 4-bit) */
+/* Vector c of a group's stored bytes for k = 32 g + kk (8-bit) or for kk and kk + 1 (4-bit: both nibbles),
+ * widened to 32-bit lanes once; Q_INTS takes k's integers from them (HIGH: kk odd, 4-bit). */
 #if QBITS == 8
-#define Q_INTS(vals, kk, c, HIGH) Q_I8(Q_BYTES((vals) + (kk) * LP_NR + (c) * LP_VW))
-#elif QMIN
-#define Q_INTS(vals, kk, c, HIGH) \
-    ((HIGH) ? Q_SHR4(Q_U8(Q_BYTES((vals) + (kk) / 2 * LP_NR + (c) * LP_VW))) \
-            : Q_AND15(Q_U8(Q_BYTES((vals) + (kk) / 2 * LP_NR + (c) * LP_VW))))
+#define Q_RAW(vals, kk, c) Q_I8(Q_BYTES((vals) + (kk) * LP_NR + (c) * LP_VW))
+#define Q_INTS(raw, HIGH) (raw)
 #else
-#define Q_INTS(vals, kk, c, HIGH) \
-    Q_SUB8((HIGH) ? Q_SHR4(Q_U8(Q_BYTES((vals) + (kk) / 2 * LP_NR + (c) * LP_VW))) \
-                  : Q_AND15(Q_U8(Q_BYTES((vals) + (kk) / 2 * LP_NR + (c) * LP_VW))))
+#define Q_RAW(vals, kk, c) Q_U8(Q_BYTES((vals) + (kk) / 2 * LP_NR + (c) * LP_VW))
+#if QMIN
+#define Q_INTS(raw, HIGH) ((HIGH) ? Q_SHR4(raw) : Q_AND15(raw))
+#else
+#define Q_INTS(raw, HIGH) Q_SUB8((HIGH) ? Q_SHR4(raw) : Q_AND15(raw))
+#endif
 #endif
 /* The dequantized weights, as q_panel_at gives them one by one: d and m are vectors of the group's scales */
 #if QMIN
-#define Q_WEIGHTS(vals, kk, c, HIGH, d, m) Q_ADD(Q_MUL(Q_FLOAT(Q_INTS(vals, kk, c, HIGH)), d), m)
+#define Q_WEIGHTS(raw, HIGH, d, m) Q_ADD(Q_MUL(Q_FLOAT(Q_INTS(raw, HIGH)), d), m)
 #else
-#define Q_WEIGHTS(vals, kk, c, HIGH, d, m) Q_MUL(Q_FLOAT(Q_INTS(vals, kk, c, HIGH)), d)
+#define Q_WEIGHTS(raw, HIGH, d, m) Q_MUL(Q_FLOAT(Q_INTS(raw, HIGH)), d)
 #endif
 #endif
 
