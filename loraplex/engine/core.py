@@ -92,7 +92,9 @@ class EngineCore:
         device, dtype = loaded.weights["norm"].device, loaded.weights["norm"].dtype
         attention = attention_backend(config.attention_backend, device, dtype, loaded.config.head_dim)
         model = build_model(loaded, wdtype, attention)
-        self.weight_bytes = model.weight_bytes() + model.packed_bytes()  # (what stats() reports)
+        if model.w is not loaded.weights:  # (blocks became their panels: keep those, not a second copy)
+            self.loaded = loaded = dataclasses.replace(loaded, weights=model.w)
+        self.weight_bytes = model.resident_bytes()  # (what stats() reports)
         mcfg = loaded.config
         bs = config.block_size
         mode = static_decode_mode(config.cuda_graphs, device, attention.name)

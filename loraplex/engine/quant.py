@@ -72,8 +72,9 @@ def _halves(raw: torch.Tensor) -> torch.Tensor:
 def dequantize(w: BlockWeight) -> torch.Tensor:
     """fp32 [out, in]: weight i of a block is q * d (Q8_0), (nib - 8) * d (Q4_0) or nib * d + m (Q4_1),
     a product then a sum, each rounded once: gguf's dequantization, bit for bit."""
-    rows = w.data.shape[0]
-    blocks = w.data.view(rows, -1, BLOCK_BYTES[w.fmt])  # [rows, blocks, bytes]
+    data = w.data  # (once: a PanelBlocks unpacks it on each access)
+    rows = data.shape[0]
+    blocks = data.view(rows, -1, BLOCK_BYTES[w.fmt])  # [rows, blocks, bytes]
     d = _halves(blocks[..., 0:2])  # [rows, blocks, 1]
     if w.fmt == "q8_0":
         out = blocks[..., 2:].contiguous().view(torch.int8).float() * d

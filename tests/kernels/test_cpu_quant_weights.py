@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loraplex.engine.kernels.cpu import linear
-from loraplex.engine.kernels.cpu.linear import pack, pack_blocks, packed_linear, packed_linear_fold
+from loraplex.engine.kernels.cpu.linear import PanelBlocks, pack, pack_blocks, packed_linear, packed_linear_fold
 from loraplex.engine.quant import BLOCK_BYTES, BlockWeight, dequantize, quantize
 
 pytestmark = pytest.mark.cpu_kernels
@@ -129,3 +129,17 @@ def test_a_block_models_fold_and_lora_step_equals_the_fp32_step_over_its_values(
     storage.copy_(before)
     fp32 = LlamaModel(model.config, {k: dequantize(v) if isinstance(v, BlockWeight) else v for k, v in model.w.items()})
     assert torch.equal(got, _decode(fp32, storage, ids, rows, lora, True, monkeypatch, prompts))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_panels_give_back_their_blocks_and_rows(fmt):
+    """PanelBlocks (a resident model's only copy of a block weight): the GGUF rows unpacked from the panels
+    are the ones packed, and rows taken from the panels equal those rows dequantized."""
+    for n, k in ((7, 32), (50, 64), (130, 576)):
+        w = random_blocks(fmt, n, k, seed=n + 7)
+        panels = PanelBlocks(pack_blocks(w))
+        assert torch.equal(panels.data, w.data) and panels.shape == w.shape and panels.fmt == fmt
+        index = torch.tensor([0, n - 1, n // 2, n // 2, 5 % n])
+        assert torch.equal(panels.rows(index), dequantize(w)[index])
+        assert pack_blocks(panels).kind == fmt  # (packing its rows again: the same panels)
+        assert torch.equal(pack_blocks(panels).data, panels.packed.data)

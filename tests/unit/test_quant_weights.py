@@ -66,6 +66,9 @@ def test_the_default_model_keeps_its_gguf_blocks_and_gives_the_tokens_of_their_f
     model = blocks.runner.model
     assert model.layers[0].qkv.kind == "q4_1" and model.lm_head_w.kind == "q8_0"
     assert model.packed_bytes() * 5 < fp32.runner.model.packed_bytes()
+    # resident: the blocks once (their panels; the embedding's rows come from the LM head's), plus the norms
+    assert model.packed_bytes() < blocks.weight_bytes < model.packed_bytes() + 200_000
+    assert blocks.weight_bytes * 10 < fp32.weight_bytes
     sp = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=1)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
     reqs = [GenerateRequest(f"p{i}", DEFAULT, prompt=p, sampling=sp) for i, p in enumerate(prompts)]

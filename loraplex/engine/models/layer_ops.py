@@ -53,6 +53,10 @@ class TorchOps:
         cos = torch.index_select(self.rope_cos, 0, positions).unsqueeze(1)
         return cos, torch.index_select(self.rope_sin, 0, positions).unsqueeze(1)
 
+    def resident_weights(self, weights: dict, prepared: dict) -> dict:
+        """The weights the model keeps once `prepared` (name -> what prepare made of it) exists: here all."""
+        return weights
+
     def prepare(self, w: torch.Tensor | BlockWeight):
         """A projection weight [out, in] as `linear` takes it (done once, at model load)."""
         if isinstance(w, BlockWeight):
@@ -107,9 +111,16 @@ class CpuKernelOps(TorchOps):
         return positions.contiguous()
 
     def prepare(self, w):
+        if isinstance(w, self.lin.PanelBlocks):  # (a model built again over weights another one packed)
+            return w.packed
         if isinstance(w, BlockWeight):  # its blocks, as they are (linear.c's quantized builds)
             return self.lin.pack_blocks(w)
         return self.lin.pack(w, dtype=self.packed_dtype)  # linear.c's panel layout
+
+    def resident_weights(self, weights, prepared):
+        """Blocks give way to their panels (PanelBlocks): a resident model holds its blocks once."""
+        return {name: self.lin.PanelBlocks(prepared[name]) if isinstance(w, BlockWeight) and name in prepared
+                else w for name, w in weights.items()}
 
     def linear(self, x, w, bias=None):
         return self.lin.packed_linear(x, w, bias)
@@ -187,16 +198,13 @@ def weight_copies(device: torch.device, dtype: torch.dtype, packed_dtype: torch.
 
 def resident_weight_bytes(weights: dict, device: torch.device, dtype: torch.dtype,
                           packed_dtype: torch.dtype | None = None) -> int:
-    """Memory a resident model's weights take: float tensors times weight_copies; blocks twice with the CPU
-    kernels (as loaded, and packed: the same bytes), else as loaded plus their dequantized copies; CUDA's
-    int8 / FP8 weights as they are."""
+    """Memory a resident model's weights take: float tensors times weight_copies; blocks once with the CPU
+    kernels (their panels are their only copy: CpuKernelOps.resident_weights), else as loaded plus their
+    dequantized copies; CUDA's int8 / FP8 weights as they are."""
     floats = sum(w.nbytes for w in weights.values() if isinstance(w, torch.Tensor))
     blocks = [w for w in weights.values() if isinstance(w, BlockWeight)]
     quantized = sum(w.nbytes for w in weights.values() if isinstance(w, QuantizedLinearWeight))
-    if uses_cpu_kernels(device, dtype):
-        extra = sum(w.nbytes for w in blocks)
-    else:
-        extra = sum(w.shape.numel() * dtype.itemsize for w in blocks)
+    extra = 0 if uses_cpu_kernels(device, dtype) else sum(w.shape.numel() * dtype.itemsize for w in blocks)
     return int(floats * weight_copies(device, dtype, packed_dtype)) + sum(w.nbytes for w in blocks) + extra + quantized
 
 

@@ -15,7 +15,7 @@ Internal weight names (what loaders produce):
     layers.{i}.gate_up         [2 * intermediate, hidden]
     layers.{i}.down            [hidden, intermediate]
     norm                       [hidden]
-    lm_head                    [vocab, hidden] (absent when tie_word_embeddings, unless quantized: quant.py)
+    lm_head                    [vocab, hidden] (absent when tie_word_embeddings, unless quantized for CUDA)
 Matrices may be BlockWeights (engine/quant.py: a GGUF's own blocks, or quantized at load); norms and biases
 are always float tensors.
 Q and K rows are in Hugging Face order (rotate-half RoPE), not GGUF's interleaved order.
@@ -161,7 +161,7 @@ class LlamaModel:
         self.w = weights
         self.dtype = weights["norm"].dtype
         self.device = weights["norm"].device
-        self.lm_head = weights.get("lm_head", weights["embed"])  # [vocab, hidden] (a tied model's own if quantized)
+        lm_head = weights.get("lm_head", weights["embed"])  # [vocab, hidden] (a tied model's own if quantized)
         inv_freq = rope_inv_freq(config)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
         angles = torch.outer(pos, inv_freq)  # [max_pos, head_dim / 2]
@@ -176,8 +176,11 @@ class LlamaModel:
             attention = attention_backend(attention, self.device, self.dtype, config.head_dim)
         self.attention = attention  # every layer's attention over the paged cache (engine/attention)
         self.ops = ops_for(self.rope_cos, self.rope_sin, packed_dtype, fused_decode=family.fused_cpu_decode)
-        self.lm_head_w = self.ops.prepare(self.lm_head)
+        self.lm_head_w = self.ops.prepare(lm_head)
         self.layers = [self._layer_weights(n) for n in range(config.num_layers)]
+        prepared = {f"layers.{n}.{m}": getattr(layer, m) for n, layer in enumerate(self.layers) for m in PROJECTIONS}
+        prepared["lm_head" if "lm_head" in weights else "embed"] = self.lm_head_w
+        self.w = self.ops.resident_weights(weights, prepared)  # (blocks: their panels, on the CPU kernels)
 
     def _layer_weights(self, n: int) -> LayerWeights:
         p = f"layers.{n}."
@@ -189,6 +192,14 @@ class LlamaModel:
 
     def weight_bytes(self) -> int:
         return sum(t.nbytes for t in self.w.values())
+
+    def resident_bytes(self) -> int:
+        """Memory the weights take: as kept (self.w) plus the packed copies not kept there already (a block
+        weight's panels are its kept form: PanelBlocks)."""
+        kept = {id(getattr(w, "packed", None)) for w in self.w.values()}
+        packed = [self.lm_head_w] + [getattr(layer, m) for layer in self.layers for m in PROJECTIONS]
+        return self.weight_bytes() + sum(p.nbytes for p in packed if not isinstance(p, torch.Tensor)
+                                         and id(p) not in kept)
 
     def packed_bytes(self) -> int:
         """Bytes of the CPU kernels' packed projections and LM head (what an all-decode step reads of

@@ -122,21 +122,26 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
 
 
 def quantized_weights(weights: dict, fmt: str) -> dict:
-    """The float projections and LM head quantized: to a CPU block format ("q8_0", "q4_1"; the LM head to
-    Q8_0, as an LM head at 4 bits costs the most accuracy for the least memory), or for CUDA's kernels
-    ("int8", "fp8": kernels/quant_linear.py, per output channel); the embedding, norms and biases as they were."""
-    def make(w: torch.Tensor, name: str, head: bool = False):
-        if fmt in CUDA_QUANTIZED.values():
-            return quant_linear.quantize(w, fmt, name=name)
-        return quantize(w, "q8_0" if head else fmt)
+    """The float projections, LM head and embedding quantized; norms and biases as they were.
 
+    - A CPU block format ("q8_0", "q4_1"): the projections to it, the embedding and LM head to Q8_0 (as a
+      GGUF holds them: an LM head at 4 bits costs the most accuracy for the least memory; a tied one stays
+      the embedding, whose lookups dequantize the rows they take).
+    - CUDA's kinds ("int8", "fp8": kernels/quant_linear.py, per output channel): the projections and LM head
+      (a tied model's as `lm_head` beside its float embedding table)."""
+    cuda = fmt in CUDA_QUANTIZED.values()
     out = dict(weights)
     for name, w in weights.items():
-        if name.rsplit(".", 1)[-1] in ("qkv", "o", "gate_up", "down") and isinstance(w, torch.Tensor):
-            out[name] = make(w, name)
-    head = weights.get("lm_head", weights["embed"])
-    if isinstance(head, torch.Tensor):
-        out["lm_head"] = make(head, "lm_head", head=True)
+        if isinstance(w, torch.Tensor) and name.rsplit(".", 1)[-1] in ("qkv", "o", "gate_up", "down"):
+            out[name] = quant_linear.quantize(w, fmt, name=name) if cuda else quantize(w, fmt)
+    for name in ("embed", "lm_head"):
+        w = weights.get(name)
+        if not isinstance(w, torch.Tensor):
+            continue
+        if not cuda:
+            out[name] = quantize(w, "q8_0")
+        elif name == "lm_head" or "lm_head" not in weights:
+            out["lm_head"] = quant_linear.quantize(w, fmt, name="lm_head")
     return out
 
 

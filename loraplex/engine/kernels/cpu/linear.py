@@ -117,10 +117,11 @@ def pack_blocks(w: BlockWeight) -> PackedWeight:
     if w.fmt not in BLOCK_KINDS:
         raise ValueError(f"no CPU kernel takes {w.fmt} blocks (these do: {', '.join(BLOCK_KINDS)})")
     fns = _fns()
-    require("blocks", w.data, 2, torch.uint8)
+    blocks = w.data  # (held here: PanelBlocks makes a fresh tensor on each access)
+    require("blocks", blocks, 2, torch.uint8)
     n, k = w.shape
     data = torch.empty(fns[f"lp_packed_bytes_{w.fmt}"](n, k), dtype=torch.uint8)
-    if fns[f"lp_pack_{w.fmt}"](w.data.data_ptr(), n, k, data.data_ptr()):
+    if fns[f"lp_pack_{w.fmt}"](blocks.data_ptr(), n, k, data.data_ptr()):
         raise ValueError(f"{w.fmt} weight [{n}, {k}]: in_features must be a multiple of {BLOCK}")
     return PackedWeight(data, None, n, k, w.fmt)
 
@@ -191,3 +192,95 @@ def packed_linear_fold(x: torch.Tensor, w: PackedWeight, block: torch.Tensor, wi
     if rc:
         raise ValueError(f"{name} refused the call: invalid sizes")
     return y
+
+
+def _group_layout(w: PackedWeight) -> tuple[torch.Tensor, int, int]:
+    """A block weight's panels as [panels, groups, group bytes] (quant_blocks.h), its scale bytes and its
+    value bytes per group."""
+    nr, groups = panel_columns(), w.in_features // BLOCK
+    scale_bytes = 2 * nr * (2 if w.kind == "q4_1" else 1)
+    value_bytes = BLOCK * nr // (1 if w.kind == "q8_0" else 2)
+    return w.data.view(-1, groups, scale_bytes + value_bytes), scale_bytes, value_bytes
+
+
+def _nibbles(v: torch.Tensor) -> torch.Tensor:
+    """4-bit values [..., 16, NR] as panels hold them (k even low, k odd high) -> [..., 32, NR] in k order."""
+    return torch.stack((v & 15, v >> 4), dim=-2).flatten(-3, -2)
+
+
+def panel_rows(w: PackedWeight, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` [n] of a block weight, dequantized from its panels to fp32 [n, in] exactly as
+    quant.dequantize does (an embedding lookup that needs no other copy of the table)."""
+    nr = panel_columns()
+    groups, scale_bytes, _ = _group_layout(w)
+    p, j = index // nr, index % nr  # [n]: each row's panel and column
+    halves = groups[..., :scale_bytes].contiguous().view(torch.float16).float()  # [P, G, NR (d) or 2 NR (d, m)]
+    d = halves[p, :, j].unsqueeze(-1)  # [n, G, 1]
+    vals = groups[..., scale_bytes:]  # [P, G, value bytes]
+    if w.kind == "q8_0":
+        q = vals.contiguous().view(torch.int8).view(*vals.shape[:2], BLOCK, nr)[p, :, :, j].float()  # [n, G, 32]
+        return (q * d).flatten(1)
+    q = _nibbles(vals.reshape(*vals.shape[:2], BLOCK // 2, nr))[p, :, :, j]  # [n, G, 32]
+    if w.kind == "q4_0":
+        return ((q.to(torch.int16) - 8).float() * d).flatten(1)
+    return (q.float() * d + halves[p, :, nr + j].unsqueeze(-1)).flatten(1)
+
+
+def unpack_blocks(w: PackedWeight) -> torch.Tensor:
+    """A block weight's GGUF rows (uint8 [out, in / 32 * block bytes]) from its panels: the inverse of
+    pack_blocks."""
+    nr = panel_columns()
+    groups, scale_bytes, _ = _group_layout(w)
+    n_panels, n_groups = groups.shape[:2]
+    scales = groups[..., :scale_bytes].reshape(n_panels, n_groups, -1, nr, 2)  # [P, G, 1 or 2, NR, 2 bytes]
+    vals = groups[..., scale_bytes:]
+    if w.kind == "q8_0":
+        qs = vals.reshape(n_panels, n_groups, BLOCK, nr)  # [P, G, 32, NR]
+    else:
+        q = _nibbles(vals.reshape(n_panels, n_groups, BLOCK // 2, nr))  # [P, G, 32, NR]
+        qs = q[:, :, :16] | (q[:, :, 16:] << 4)  # GGUF's byte i: weights i and i + 16
+    parts = [scales[:, :, s] for s in range(scales.shape[2])] + [qs.transpose(2, 3)]  # each [P, G, NR, ...]
+    blocks = torch.cat(parts, dim=-1)  # [P, G, NR, block bytes]
+    return blocks.permute(0, 2, 1, 3).reshape(n_panels * nr, -1)[:w.out_features].contiguous()
+
+
+class PanelBlocks(BlockWeight):
+    """A block weight whose only copy is its packed panels: CpuKernelOps.prepare takes the panels as they are,
+    embedding rows come from them (panel_rows), and the GGUF rows (merges, another device) are unpacked
+    when asked for. So a resident model holds its blocks once."""
+
+    def __init__(self, packed: PackedWeight):
+        if packed.kind not in BLOCK_KINDS:
+            raise ValueError(f"PanelBlocks holds GGUF block panels, not {packed.kind}")
+        object.__setattr__(self, "packed", packed)
+        object.__setattr__(self, "fmt", packed.kind)
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"PanelBlocks({self.fmt}, [{self.packed.out_features}, {self.packed.in_features}])"
+
+    @property
+    def data(self) -> torch.Tensor:  # (unpacked on each call: merges and moves are rare)
+        return unpack_blocks(self.packed)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.out_features, self.packed.in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def to(self, device=None, dtype=None) -> BlockWeight:
+        if device is None or torch.device(device).type == "cpu":
+            return self
+        return BlockWeight(self.fmt, self.data).to(device)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return panel_rows(self.packed, index)
