@@ -23,6 +23,8 @@ class LlamaCppBaseline:
             raise ValueError("--llama-cpp needs llama-cpp-python importable (pip install llama-cpp-python; it is "
                              "not a dependency of loraplex)") from e
         self.lc = llama_cpp
+        self._quiet = llama_cpp.llama_log_callback(lambda level, text, user_data: None)  # (kept: C holds it)
+        llama_cpp.llama_log_set(self._quiet, ctypes.c_void_p(0))  # its load log would bury the bench's output
         llama_cpp.llama_backend_init()
         self.model = llama_cpp.llama_model_load_from_file(path.encode(), llama_cpp.llama_model_default_params())
         if not self.model:
