@@ -71,6 +71,7 @@ async def _deployment(plan, factory: Callable[[], EngineClient]) -> AsyncIterato
     try:
         yield client
     finally:
+        await client.close()
         await asyncio.to_thread(serve.delete, APP_NAME)
 
 

@@ -71,6 +71,24 @@ def load_gguf(path: str | Path, cache_dir: str | Path | None = None,
     return config, weights, tokenizer
 
 
+def gguf_tokenizer(path: str | Path, cache_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer alone, as load_gguf gives it: from the cache's metadata when it holds this file (no weights
+    read; either mode's cache), else parsed from the GGUF."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    for cache in (_cache_file(Path(path), root, keep) for keep in (True, False)):
+        if not cache.is_file():
+            continue
+        try:
+            with safe_open(str(cache), framework="pt") as f:
+                return Tokenizer.from_json(f.metadata()["tokenizer"])
+        except Exception as e:  # an unreadable cache is only a miss
+            log.warning("ignoring unreadable model cache %s: %s", cache, e)
+    try:
+        return Tokenizer.from_gguf(open_gguf(path))
+    except (KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"{path}: unsupported GGUF contents ({type(e).__name__}: {e})") from e
+
+
 def gguf_config(reader) -> LlamaConfig:
     """LlamaConfig from `{arch}.*` metadata; tensor shapes decide vocab, tying and biases."""
     fields = reader.fields

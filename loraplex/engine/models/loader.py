@@ -16,7 +16,7 @@ import torch
 
 from loraplex.engine.api import ModelNotFoundError
 from loraplex.engine.kernels import quant_linear
-from loraplex.engine.models.gguf_loader import load_gguf
+from loraplex.engine.models.gguf_loader import gguf_tokenizer, load_gguf
 from loraplex.engine.models.hf_loader import load_hf
 from loraplex.engine.models.llama import LlamaConfig, LlamaModel
 from loraplex.engine.models.registry import family_for_hf
@@ -115,10 +115,30 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
                for k, v in weights.items()}
     if quant not in (None, "keep"):
         weights = quantized_weights(weights, quant)
+    return LoadedModel(name=source.name, config=config, weights=weights,
+                       tokenizer=_as_served(tokenizer, source, config), rounded_to=rounded_to)
+
+
+def load_tokenizer(source: ModelSource, config: LlamaConfig, cache_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer load_model gives, without reading the weights (a gateway validating requests for engines that
+    run elsewhere)."""
+    if source.kind == "gguf":
+        tokenizer = gguf_tokenizer(source.path, cache_dir)
+    elif source.kind == "hf":
+        tokenizer = Tokenizer.from_hf_dir(source.path)
+    elif source.kind == "synthetic":
+        tokenizer = Tokenizer.byte_level(config.vocab_size)  # (as synthetic_model makes it)
+    else:
+        raise ValueError(f"unknown model source kind {source.kind!r}")
+    return _as_served(tokenizer, source, config)
+
+
+def _as_served(tokenizer: Tokenizer, source: ModelSource, config: LlamaConfig) -> Tokenizer:
+    """The source's BOS choice where the catalog overrides the file, ids padded to the model's embedding rows."""
     if source.add_bos is not None:
         tokenizer.add_bos = source.add_bos
     tokenizer.pad_vocab(config.vocab_size)
-    return LoadedModel(name=source.name, config=config, weights=weights, tokenizer=tokenizer, rounded_to=rounded_to)
+    return tokenizer
 
 
 def quantized_weights(weights: dict, fmt: str) -> dict:
