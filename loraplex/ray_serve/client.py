@@ -90,8 +90,10 @@ def replica_failed(exc: Exception) -> ReplicaUnavailableError:
 
 
 class RayEngineClient:
-    def __init__(self, handle, *, poll_s: float = 1.0):
+    def __init__(self, handle, *, poll_s: float = 1.0, tagged: bool = True):
+        """tagged=False sends no multiplexed ids: Serve then routes on load alone (a benchmark's baseline)."""
         self._handle = handle
+        self.tagged = tagged
         # generations stream by value over the replicas' gRPC server (as Serve's proxy does when throughput-optimized),
         # not as Ray object refs: a call costs less, each stream item about half (bench fleet's hop)
         self._stream = handle.options(stream=True, _by_reference=False)
@@ -205,7 +207,7 @@ class RayEngineClient:
         return self._events(request, self._source(request))
 
     async def _events(self, request: GenerateRequest, source: AdapterSource | None) -> AsyncIterator[GenerateEvent]:
-        handle = self._stream.options(multiplexed_model_id=affinity_key(request))
+        handle = self._stream.options(multiplexed_model_id=affinity_key(request)) if self.tagged else self._stream
         flight = _Flight(None, len(request.prompt_token_ids or ()))
         self._in_flight[request.request_id] = flight
         try:
@@ -249,7 +251,8 @@ class RayEngineClient:
         the event loop, as the platform does."""
         source = AdapterSource(adapter_id, path, base_model or self.models()[0].name)
         try:
-            self._handle.options(multiplexed_model_id=adapter_key(adapter_id)).register.remote(source).result()
+            handle = self._handle.options(multiplexed_model_id=adapter_key(adapter_id)) if self.tagged else self._handle
+            handle.register.remote(source).result()
         except EngineError as exc:
             raise engine_error(exc) from None
         self._adapters[adapter_id] = source
