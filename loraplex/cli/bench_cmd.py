@@ -105,6 +105,14 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--new-tokens", {"type": int, "default": 128}),
         ("--rounds", {"type": int, "default": 3}),
     ]),
+    "router": ("router", "`auto`'s learned scorer, cross-validated with whole subjects held out: APGR and the "
+                         "strong-call share for 50%/80% of the gap vs length-only and random routing", [
+        ("--data", {"required": True,
+                    "help": "JSON lines: {prompt|messages, weak_correct, strong_correct, set, domain}"}),
+        ("--folds", {"type": int, "default": 5}),
+        ("--bootstrap", {"type": int, "default": 200, "help": "bootstrap rounds for the 95% intervals"}),
+        ("--weights", {"default": None, "help": "weights whose scoring time to measure (default: the shipped ones)"}),
+    ]),
     "fleet": ("fleet", "adapter-affinity routing vs Serve's default routing over a Ray Serve deployment of engine "
                        "replicas, and the Serve hop's cost against an engine in process", [
         ("--model", {"default": DEFAULT_MODEL}),
