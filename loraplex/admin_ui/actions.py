@@ -20,6 +20,7 @@ from loraplex.billing.prices import PriceSpec
 from loraplex.platform.admin_api import check_admin_token
 from loraplex.platform.db.tables import utcnow
 from loraplex.platform.errors import invalid
+from loraplex.platform.router import calibration
 from loraplex.platform.state import PlatformDep
 from loraplex.platform.tenancy import catalog, keys, tenants
 
@@ -139,6 +140,19 @@ async def set_auto_route(request: Request, platform: PlatformDep) -> Redirect:
     return to("/admin#models")
 
 
+@post("/models/calibrate")
+async def calibrate_auto(request: Request, platform: PlatformDep) -> Redirect:
+    """auto's limits for a share of the window's traffic to the most capable model (router/calibration.py)."""
+    form = await checked_form(request)
+    raw = form.get("strong_share", "").strip()
+    try:
+        share = float(raw)
+    except ValueError:
+        raise invalid(f"strong_share must be a number from 0 to 1, got {raw[:20]!r}", "strong_share") from None
+    await platform.calibrate_auto(calibration.parse_window(form.get("since", "7d")), share)
+    return to("/admin#auto-shares")
+
+
 @post("/keys/{prefix:str}/revoke")
 async def revoke_key(request: Request, platform: PlatformDep, prefix: FromPath[str]) -> Redirect:
     await checked_form(request)
@@ -155,4 +169,4 @@ async def delete_adapter(request: Request, platform: PlatformDep, name: FromPath
 
 
 action_handlers = [login, logout, create_tenant, set_status, create_key, set_budget, delete_budget, add_price,
-                   set_auto_route, revoke_key, delete_adapter]
+                   set_auto_route, calibrate_auto, revoke_key, delete_adapter]

@@ -18,11 +18,13 @@ from loraplex.billing.periods import BUDGET_PERIODS, current_month
 from loraplex.billing.prices import list_prices
 from loraplex.platform.admin_billing_api import budget_status, export_response
 from loraplex.platform.db.tables import ApiKey, as_utc, utcnow
+from loraplex.platform.router.calibration import daily_shares
 from loraplex.platform.state import Platform, PlatformDep
 from loraplex.platform.tenancy import budgets, catalog, keys, tenants
 from loraplex.platform.tenancy.billing import load_directory
 
 DAYS = 30  # the usage charts' span
+SHARE_DAYS = 14  # the span of `auto`'s shares per model
 
 
 @dataclass(frozen=True)
@@ -64,10 +66,11 @@ async def overview(request: Request, platform: PlatformDep) -> Template:
         models = await catalog.list_models(session)
         tenant_count = len(await tenants.list_tenants(session))
         names = await load_directory(session)
+        shares = await daily_shares(session, utcnow() - timedelta(days=SHARE_DAYS))
     async with platform.db.connect() as conn:
         prices = [p.as_json() for p in await list_prices(conn)]
     return page(request, "overview.html.j2", stats=platform.engine.stats(), replicas=platform.engine.replicas(),
-                tenant_count=tenant_count,
+                tenant_count=tenant_count, auto_shares=shares, share_days=SHARE_DAYS, router=platform.scorer.name,
                 models=[(m, m.name in served) for m in models], prices=prices, usage=await _usage(platform, names))
 
 

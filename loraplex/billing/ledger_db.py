@@ -37,7 +37,8 @@ def ledger_row(event: UsageEvent, book: PriceBook) -> dict:
     return {
         "request_id": event.request_id, "created_at": utc(event.created_at), "tenant_id": event.tenant_id,
         "key_id": event.key_id, "model": event.model, "adapter": event.adapter, "priority": event.priority,
-        "routed_from": event.routed_from, "endpoint": event.endpoint[:32], "prompt_tokens": event.prompt_tokens,
+        "routed_from": event.routed_from, "route_score": event.route_score, "endpoint": event.endpoint[:32],
+        "prompt_tokens": event.prompt_tokens,
         "cached_tokens": event.cached_tokens, "completion_tokens": event.completion_tokens,
         "ttft_ms": _ms(event.ttft_s), "latency_ms": _ms(event.latency_s) or 0, "status": event.status[:32],
         "finish_reason": event.finish_reason, "price_id": price.id if price else None,

@@ -18,6 +18,7 @@ from sqlalchemy import (
     Column,
     Date,
     DateTime,
+    Float,
     Index,
     Integer,
     MetaData,
@@ -43,6 +44,7 @@ usage_ledger = Table(
     Column("adapter", String(64), nullable=True),
     Column("priority", String(16), nullable=False),
     Column("routed_from", String(200), nullable=True),  # what `model` asked for when a router chose
+    Column("route_score", Float, nullable=True),  # the router's score (0-1) when it chose (calibration reads it)
     Column("endpoint", String(32), nullable=False),
     Column("prompt_tokens", Integer, nullable=False),
     Column("cached_tokens", Integer, nullable=False),

@@ -43,6 +43,7 @@ class UsageEvent:
     endpoint: str = "chat.completions"
     created_at: datetime = field(default_factory=utcnow)
     routed_from: str | None = None  # the `model` asked for, when a router picked another
+    route_score: float | None = None  # the router's score for the request (0-1), when it picked
 
     @property
     def total_tokens(self) -> int:

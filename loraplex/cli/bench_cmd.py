@@ -56,13 +56,18 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--quick", {"action": "store_true",
                      "help": "tiny shapes (a smoke run; the only size on the CPU, under TRITON_INTERPRET=1)"}),
     ]),
-    "weights": ("weights", "bf16 base weights (--weight-dtype bfloat16) vs fp32 ones: tokens/s at each batch, "
-                           "agreement of greedy tokens, batch 1 against the memory roofline", [
+    "quant": ("quant", "one model at fp32, bf16, int8, int4 and its GGUF's own blocks (--weight-dtype): tokens/s at "
+                       "each batch, perplexity, greedy agreement with fp32, resident memory, batch 1 against the "
+                       "memory roofline", [
         ("--model", {"default": DEFAULT_MODEL}),
         ("--new-tokens", {"type": int, "default": 64}),
         ("--batches", {"default": "1,8,32", "help": "batch sizes, comma-separated"}),
         ("--rounds", {"type": int, "default": 3,
-                      "help": "rounds, each with both engines taking turns step by step at every batch size"}),
+                      "help": "rounds, each with every engine taking turns step by step at every batch size"}),
+        ("--formats", {"default": "fp32,bf16,int8,int4,gguf",
+                       "help": "formats to compare, comma-separated (fp32 always; gguf only for a GGUF model)"}),
+        ("--llama-cpp", {"action": "store_true",
+                         "help": "llama.cpp on the same GGUF in the same rounds (needs llama_cpp importable)"}),
     ]),
     "kv": ("kv", "KV cache dtypes (--kv-cache-dtype) vs an fp32 cache: tokens/s at each batch, agreement of greedy "
                  "tokens, perplexity, block bytes", [
@@ -114,6 +119,14 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--tokens", {"type": int, "default": 4, "help": "draft tokens per step"}),
         ("--new-tokens", {"type": int, "default": 128}),
         ("--rounds", {"type": int, "default": 3}),
+    ]),
+    "router": ("router", "`auto`'s learned scorer, cross-validated with whole subjects held out: APGR and the "
+                         "strong-call share for 50%/80% of the gap vs length-only and random routing", [
+        ("--data", {"required": True,
+                    "help": "JSON lines: {prompt|messages, weak_correct, strong_correct, set, domain}"}),
+        ("--folds", {"type": int, "default": 5}),
+        ("--bootstrap", {"type": int, "default": 200, "help": "bootstrap rounds for the 95% intervals"}),
+        ("--weights", {"default": None, "help": "weights whose scoring time to measure (default: the shipped ones)"}),
     ]),
     "fleet": ("fleet", "adapter-affinity routing vs Serve's default routing over a Ray Serve deployment of engine "
                        "replicas, and the Serve hop's cost against an engine in process", [

@@ -9,6 +9,10 @@ from __future__ import annotations
 import argparse
 import os
 
+WEIGHT_DTYPE_HELP = ("the base weights under a float32 model: auto (default: a GGUF's Q8_0/Q4_0/Q4_1 blocks as "
+                     "stored, else the model's dtype), float32, bfloat16, int8 or int4 (quantized at load; int4 on "
+                     "the CPU only), fp8 (CUDA sm89+ only)")
+
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_KV_CACHE_MB = 512
 # (option dest, what it sets in EngineConfig); --model and --memory-budget-mb are handled apart
@@ -59,9 +63,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lora-dtype", help="the adapter slots' dtype: auto (default: the model's), float32, bfloat16 or "
                                         "float16; 16-bit slots under a float32 model on the CPU halve what a step of "
                                         "many adapters reads, rounding each adapter's weights once")
-    g.add_argument("--weight-dtype", help="the base weights' dtype under a float32 model: auto (default: the "
-                                          "model's) or bfloat16, which rounds each weight once at load and, on the "
-                                          "CPU, halves what a decode step reads (lossless for a bf16 checkpoint)")
+    g.add_argument("--weight-dtype", help=WEIGHT_DTYPE_HELP)
     g.add_argument("--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP)
     g.add_argument("--threads", type=int, help="CPU: threads for the model's kernels (default: torch's)")
     g.add_argument("--attention-backend", help=ATTENTION_BACKEND_HELP)

@@ -8,7 +8,7 @@ import sys
 import uuid
 from typing import TYPE_CHECKING
 
-from loraplex.cli.engine_args import ATTENTION_BACKEND_HELP, CUDA_GRAPHS_HELP, KV_CACHE_DTYPE_HELP
+from loraplex.cli.engine_args import ATTENTION_BACKEND_HELP, CUDA_GRAPHS_HELP, KV_CACHE_DTYPE_HELP, WEIGHT_DTYPE_HELP
 from loraplex.engine.api import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:  # torch is imported only when an engine is built, not by every `loraplex` command
@@ -35,8 +35,7 @@ def add_parser(sub) -> None:
     shape.add_argument("--json-object", action="store_true", help="hold the output to one JSON object (JSON mode)")
     p.add_argument("--device", default="auto")
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--weight-dtype", default="auto",
-                   help="auto (the model's dtype) or bfloat16: base weights rounded to bf16 under a float32 model")
+    p.add_argument("--weight-dtype", default="auto", help=WEIGHT_DTYPE_HELP)
     p.add_argument("--kv-cache-dtype", default="auto", help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--attention-backend", default="auto", help=ATTENTION_BACKEND_HELP)
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"), help=CUDA_GRAPHS_HELP)

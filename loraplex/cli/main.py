@@ -15,6 +15,7 @@ from loraplex.cli import (
     keys,
     models,
     prices,
+    router,
     serve,
     tenants,
 )
@@ -34,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     budgets.add_parser(sub)
     prices.add_parser(sub)
     billing.add_parser(sub)
+    router.add_parser(sub)
     return parser
 
 

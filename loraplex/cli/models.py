@@ -1,14 +1,20 @@
-"""`loraplex models list|add|route|score`: the base-model catalog, `auto`'s pool, and the complexity
-score `auto` would give a prompt (to choose the pool's limits)."""
+"""`loraplex models list|add|route|score|calibrate`: the base-model catalog, `auto`'s pool, the score
+`auto` would give a request (one, with what drove it, or a JSON-lines file of them), and setting the
+pool's limits for a share of traffic."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from loraplex.cli.storage import positive_int, with_session
 from loraplex.platform import complexity
-from loraplex.platform.auto_route import request_text
+from loraplex.platform.router import calibration
+from loraplex.platform.router.requests import read_requests, request_text
+from loraplex.platform.router.scorer import HeuristicScorer, Scorer, load_scorer
+from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy import catalog
 
 
@@ -30,10 +36,27 @@ def add_parser(sub) -> None:
                        help="`auto` may send it requests of complexity up to X (0-1)")
     which.add_argument("--off", action="store_true", help="`auto` never chooses it")
     route.set_defaults(func=_route)
-    score = msub.add_parser("score", help="the complexity score `auto` gives a prompt, signal by signal")
+    score = msub.add_parser("score", help="the score `auto` gives a prompt and what drove it; or, with --input, "
+                                          "one JSON line with the score of each request of a JSON-lines file")
     score.add_argument("--prompt", help="the user's message (default: read from stdin)")
     score.add_argument("--max-tokens", metavar="N", help="the request's max_tokens")
+    score.add_argument("--input", metavar="FILE",
+                       help="JSON lines ({\"prompt\"} or {\"messages\"}, optional max_tokens; '-': stdin): "
+                            "prints {\"score\"} per line, in order")
+    score.add_argument("--router", choices=["learned", "heuristic"], help="the scorer (default: LORAPLEX_ROUTER, "
+                                                                          "else learned)")
+    score.add_argument("--router-weights", metavar="PATH", help="learned weights (default: LORAPLEX_ROUTER_WEIGHTS, "
+                                                                "else the shipped ones)")
     score.set_defaults(func=_score)
+    cal = msub.add_parser("calibrate", help="set auto's limits so that a share of the traffic recorded in a "
+                                            "window goes to the most capable model (or shares per model)")
+    share = cal.add_mutually_exclusive_group(required=True)
+    share.add_argument("--strong-share", type=float, metavar="X",
+                       help="share (0-1) for the most capable model; the others split the rest evenly")
+    share.add_argument("--shares", metavar="NAME=X,...", help="a share for every model of the pool, summing to 1")
+    cal.add_argument("--since", default="7d", help="the window of recorded scores (e.g. 7d, 24h; default 7d)")
+    cal.add_argument("--dry-run", action="store_true", help="print the limits, do not set them")
+    cal.set_defaults(func=_calibrate)
 
 
 def _auto(value: float | None) -> str:
@@ -62,10 +85,65 @@ def _route(args: argparse.Namespace) -> int:
     return 0
 
 
+def _scorer(args: argparse.Namespace) -> Scorer:
+    settings = Settings.from_env()
+    weights = Path(args.router_weights) if args.router_weights else settings.router_weights
+    return load_scorer(args.router or ("learned" if args.router_weights else settings.router), weights)
+
+
 def _score(args: argparse.Namespace) -> int:
+    scorer = _scorer(args)
+    if args.input is not None:
+        return _score_lines(scorer, args.input)
     text = args.prompt if args.prompt is not None else sys.stdin.read()
-    scored = complexity.score(request_text({"prompt": text}, positive_int(args.max_tokens, "--max-tokens")))
-    print(f"score\t{scored.score:.4f}")
-    for name, value in scored.signals.items():
-        print(f"{name}\t{value:.2f} x {complexity.WEIGHTS[name]:.2f}")
+    req = request_text({"prompt": text}, positive_int(args.max_tokens, "--max-tokens"))
+    if isinstance(scorer, HeuristicScorer):
+        scored = complexity.score(req)
+        print(f"score\t{scored.score:.4f}")
+        for name, value in scored.signals.items():
+            print(f"{name}\t{value:.2f} x {complexity.WEIGHTS[name]:.2f}")
+        return 0
+    explained = scorer.explain(req)
+    print(f"score\t{explained.score:.4f}")
+    print("# what moved it (contribution to the log-odds that the strong model is needed):")
+    for driver in explained.drivers:
+        print(f"{driver.name}\t{driver.contribution:+.3f}")
+    return 0
+
+
+def _score_lines(scorer: Scorer, path: str) -> int:
+    """One {"score"} line per request, flushed as it goes; a bad line stops with its number."""
+    stream = sys.stdin.buffer if path == "-" else open(path, "rb")  # noqa: SIM115 (closed below)
+    try:
+        for req in read_requests(stream):
+            sys.stdout.write(json.dumps({"score": scorer.score(req)}) + "\n")
+    finally:
+        if stream is not sys.stdin.buffer:
+            stream.close()
+        sys.stdout.flush()
+    return 0
+
+
+def _parse_shares(raw: str) -> dict[str, float]:
+    out = {}
+    for part in raw.split(","):
+        name, _, value = part.partition("=")
+        try:
+            out[name.strip()] = float(value)
+        except ValueError:
+            raise ValueError(f"--shares must be NAME=X,... with X from 0 to 1, got {raw!r}") from None
+    return out
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    window = calibration.parse_window(args.since)
+    shares = _parse_shares(args.shares) if args.shares else None
+    result = with_session(lambda s: calibration.calibrate_pool(s, window, args.strong_share, shares,
+                                                               apply=not args.dry_run))
+    verb = "would set" if args.dry_run else "set"
+    print(f"{result.scores} scores since {args.since}; {verb} (running servers see it within their catalog "
+          "cache's TTL):")
+    for name, limit in result.thresholds.items():
+        print(f"{name}\tauto<={limit:g}\tshare {result.shares[name]:.3f} asked, "
+              f"{result.expected[name]:.3f} on the window's scores")
     return 0

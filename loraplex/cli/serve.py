@@ -18,9 +18,11 @@ and Redis. The CLI builds the engine and hands it to the platform (create_app(se
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 from loraplex.cli.engine_args import add_engine_args, build_engine
 from loraplex.cli.listen import add_listen_args, check_port, run_server, start_logging
@@ -29,6 +31,7 @@ from loraplex.cli.storage import run_db
 from loraplex.platform.db.database import session_factory
 from loraplex.platform.db.migrate import upgrade
 from loraplex.platform.db.tables import utcnow
+from loraplex.platform.router.scorer import load_scorer
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy import budgets, keys, tenants
 
@@ -53,6 +56,9 @@ def add_parser(sub) -> None:
     p.add_argument("--drain-timeout", type=float, metavar="SECONDS",
                    help="on SIGTERM, how long requests in flight may take to finish before they are aborted "
                         "(default: LORAPLEX_DRAIN_TIMEOUT, else 30)")
+    p.add_argument("--router-weights", metavar="PATH",
+                   help="`auto`'s learned scorer weights, from `loraplex router train` (default: "
+                        "LORAPLEX_ROUTER_WEIGHTS, else the ones shipped in the package)")
     p.add_argument("--access-log", action="store_true", help="log every request (paths only, never keys)")
     p.set_defaults(func=run)
 
@@ -76,6 +82,9 @@ async def _demo_key(engine) -> str:
 def run(args: argparse.Namespace) -> int:
     start_logging(args)
     settings = Settings.from_env()
+    if args.router_weights:
+        settings = dataclasses.replace(settings, router="learned", router_weights=Path(args.router_weights))
+    load_scorer(settings.router, settings.router_weights)  # a bad weights file fails now, before the engine loads
     args.drain_timeout = settings.drain_timeout_s if args.drain_timeout is None else args.drain_timeout
     if not 0 <= args.drain_timeout <= MAX_DRAIN_S:
         raise ValueError(f"--drain-timeout (or LORAPLEX_DRAIN_TIMEOUT) must be in 0..{MAX_DRAIN_S} seconds, "

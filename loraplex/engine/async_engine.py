@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import logging
 import threading
 from collections import deque
@@ -34,6 +33,7 @@ from loraplex.engine.api import (
 )
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
+from loraplex.engine.frontend import FrontendSpec
 from loraplex.engine.pool import ModelPool
 
 log = logging.getLogger(__name__)
@@ -84,8 +84,11 @@ class AsyncEngine:
 
     def _tokenized(self, request: GenerateRequest) -> GenerateRequest:
         """On a preparer thread: the request validated, with its prompt as token ids."""
-        ids = tuple(self.pool.prepare(request)[1].prompt_ids)
-        return dataclasses.replace(request, prompt=None, messages=None, prompt_token_ids=ids)
+        return self.pool.entry(request.model).frontend.tokenized(request)
+
+    def frontend_specs(self) -> list[FrontendSpec]:
+        """What rebuilds each model's request validation in another process (a gateway before Ray Serve replicas)."""
+        return [e.frontend.spec(e.source) for e in list(self.pool.models.values())]
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         """Streams the request's events; validates (and, unless it comes from prepare(), tokenizes) on

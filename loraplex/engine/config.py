@@ -8,10 +8,13 @@ from pathlib import Path
 
 import torch
 
+from loraplex.engine.quant import CPU_QUANTIZED, CUDA_QUANTIZED
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The KV cache's element types by name (kv_cache_dtype; "auto": the model's dtype). The 8-bit ones carry a
 # scale per (token, kv head) in each cache row (engine/kv/kv_dtype.py).
 KV_CACHE_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
+WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4", "fp8")
 # engine/attention's backends; "auto": triton_paged on CUDA, cpu_c on the CPU with the C kernels, else torch_sdpa
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_c", "triton_paged")
 
@@ -73,10 +76,15 @@ class EngineConfig:
     # the Triton kernels upcast both operands); each adapter's weights are rounded to it once, as they are
     # written into a slot.
     lora_dtype: str = "auto"
-    # The base weights' element type under an fp32 model: "auto" keeps the model's dtype. "bfloat16" rounds
-    # every weight once at load (as if a bf16 checkpoint had been loaded, which loses nothing for one) and,
-    # with the CPU kernels, packs the projections and LM head in bf16 (kernels/cpu/linear_bf16.c), halving
-    # what a decode step reads; activations and sums stay fp32.
+    # The base weights' element type under an fp32 model. "auto": a GGUF's Q8_0, Q4_0 and Q4_1 tensors keep
+    # their blocks (engine/quant.py; the CPU kernels dequantize them in registers, kernels/cpu/quant_blocks.h;
+    # other devices dequantize them once at load), everything else the model's dtype. "float32" dequantizes
+    # every tensor. "bfloat16" rounds every weight once at load (as if a bf16 checkpoint had been loaded) and,
+    # with the CPU kernels, packs the projections and LM head in bf16 (kernels/cpu/linear_bf16.c). "int8" /
+    # "int4" quantize the projections at load to Q8_0 / Q4_1 blocks (per 32 weights, round to nearest) and the
+    # LM head to Q8_0. Activations and sums stay fp32 in every case. On CUDA, "int8" quantizes the
+    # projections and LM head per output channel for the W8A16 Triton kernel and "fp8" to e4m3 with per-channel
+    # scales for torch._scaled_mm (sm89+) (kernels/quant_linear.py); int4 is the CPU's only.
     weight_dtype: str = "auto"
     # The KV cache's element type: "auto" is the model's dtype; float32, bfloat16 or float16 store K/V rounded
     # to it; int8 and fp8 (e4m3) store each token's K/V per kv head as 8-bit values and an fp32 scale
@@ -123,10 +131,14 @@ class EngineConfig:
         for name in ("cuda_graphs", "async_scheduling"):
             if getattr(self, name) not in ("auto", "on", "off"):
                 raise ValueError(f"engine config: {name} must be auto, on or off, got {getattr(self, name)!r}")
-        if self.weight_dtype not in ("auto", "float32", "bfloat16"):
-            raise ValueError(f"engine config: weight_dtype must be auto, float32 or bfloat16, "
+        if self.weight_dtype not in WEIGHT_DTYPES:
+            raise ValueError(f"engine config: weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, "
                              f"got {self.weight_dtype!r}")
-        if self.weight_dtype != "auto" and self.torch_dtype not in (torch.float32, _DTYPES[self.weight_dtype]):
+        cuda = self.torch_device.type == "cuda"
+        if self.weight_dtype in ("int4", "fp8") and cuda != (self.weight_dtype == "fp8"):
+            raise ValueError(f"engine config: weight_dtype {self.weight_dtype} runs on "
+                             f"{'CUDA' if self.weight_dtype == 'fp8' else 'the CPU'} only (device {self.device})")
+        if self.weight_dtype in _DTYPES and self.torch_dtype not in (torch.float32, _DTYPES[self.weight_dtype]):
             raise ValueError(f"engine config: weight_dtype {self.weight_dtype} needs a float32 model, the model's "
                              f"dtype is {self.dtype}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_loras",
@@ -175,7 +187,17 @@ class EngineConfig:
     @property
     def weight_torch_dtype(self) -> torch.dtype:
         """The base weights' element type (weight_dtype; "auto": the model's)."""
-        return self.torch_dtype if self.weight_dtype == "auto" else _DTYPES[self.weight_dtype]
+        return _DTYPES.get(self.weight_dtype, self.torch_dtype)
+
+    @property
+    def weight_quant(self) -> str | None:
+        """What load_model does with quantized weights (its `quant`): "keep" (a GGUF's own blocks), what to
+        quantize float weights to (a block format on the CPU, a quant_linear kind on CUDA), or None (every
+        weight a float tensor)."""
+        if self.weight_dtype == "auto":
+            return "keep"
+        table = CUDA_QUANTIZED if self.torch_device.type == "cuda" else CPU_QUANTIZED
+        return table.get(self.weight_dtype)
 
     @property
     def kv_torch_dtype(self) -> torch.dtype:

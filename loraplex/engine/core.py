@@ -80,7 +80,7 @@ class EngineCore:
         wdtype = config.weight_torch_dtype
         if loaded is None:
             loaded = load_model(resolve_model(config.model), config.torch_dtype, config.torch_device,
-                                weight_dtype=wdtype)
+                                weight_dtype=wdtype, quant=config.weight_quant)
         elif wdtype != config.torch_dtype and loaded.rounded_to != wdtype:
             raise ValueError(f"weight_dtype {config.weight_dtype} needs weights loaded with weight_dtype={wdtype} "
                              f"(load_model), these were rounded to {loaded.rounded_to}")
@@ -89,11 +89,13 @@ class EngineCore:
         self.loaded = loaded  # the weights as loaded (the pool's CPU tier keeps them on eviction)
         self.tokenizer = loaded.tokenizer
         self.token_bytes = self.tokenizer.token_bytes()
-        device, dtype = loaded.weights["embed"].device, loaded.weights["embed"].dtype
+        device, dtype = loaded.weights["norm"].device, loaded.weights["norm"].dtype
         attention = attention_backend(config.attention_backend, device, dtype, loaded.config.head_dim,
                                       config.kv_torch_dtype)
         model = build_model(loaded, wdtype, attention)
-        self.weight_bytes = model.weight_bytes() + model.packed_bytes()  # (what stats() reports)
+        if model.w is not loaded.weights:  # (blocks became their panels: keep those, not a second copy)
+            self.loaded = loaded = dataclasses.replace(loaded, weights=model.w)
+        self.weight_bytes = model.resident_bytes()  # (what stats() reports)
         mcfg = loaded.config
         bs = config.block_size
         mode = static_decode_mode(config.cuda_graphs, device, attention.name)

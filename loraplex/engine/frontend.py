@@ -3,11 +3,15 @@
 The multi-model pool keeps a frontend for every registered model, resident or not, so a request
 for a model that is still on disk is validated (and refused with a clear error) at once, before it
 waits for the load. Nothing here touches engine state: callers may run it on their own thread.
+A `FrontendSpec` rebuilds a model's frontend in another process (a gateway before Ray Serve
+replicas) from what the engine reports and the model's tokenizer files, without its weights.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from loraplex.engine.api import (
     ContextLengthExceededError,
@@ -22,6 +26,7 @@ from loraplex.engine.guided.guide import Guide
 from loraplex.engine.guided.tokenizer import GuideTokenizer, guide_tokenizer
 from loraplex.engine.memory import kv_blocks
 from loraplex.engine.models.llama import LlamaConfig
+from loraplex.engine.models.loader import ModelSource, load_tokenizer
 from loraplex.engine.models.tokenizer import Tokenizer
 from loraplex.engine.sampler import bias_tensors
 from loraplex.engine.sched.request import Request
@@ -50,12 +55,30 @@ def max_model_len(config: EngineConfig, model: LlamaConfig) -> int:
     return min(limit, model.max_position_embeddings)
 
 
+@dataclass(frozen=True)
+class FrontendSpec:
+    """What rebuilds a model's RequestFrontend elsewhere: the same limits, tokenizer and KV capacity as the engine's."""
+
+    name: str
+    source: ModelSource  # (its tokenizer is read from there, as the engine read it: the same files on every node)
+    model: LlamaConfig
+    config: EngineConfig
+    num_kv_blocks: int
+
+    def build(self, adapter_available: Callable[[str], bool]) -> RequestFrontend:
+        """The frontend, on the CPU (it only validates and tokenizes: no tensor of it reaches a device); blocking."""
+        config = dataclasses.replace(self.config, device="cpu")
+        return RequestFrontend(self.name, load_tokenizer(self.source, self.model), self.model, config,
+                               adapter_available, self.num_kv_blocks)
+
+
 class RequestFrontend:
     def __init__(self, name: str, tokenizer: Tokenizer, model: LlamaConfig, config: EngineConfig,
                  adapter_available: Callable[[str], bool], num_kv_blocks: int | None = None):
         """num_kv_blocks: the engine's KV pool where it was measured (default: kv_blocks, as configured)."""
         self.name = name
         self.tokenizer = tokenizer
+        self.model, self.config = model, config
         self.vocab_size = model.vocab_size
         self.max_model_len = max_model_len(config, model)
         self.kv_capacity = (num_kv_blocks or kv_blocks(config, model)) * config.block_size
@@ -67,6 +90,14 @@ class RequestFrontend:
 
     def info(self) -> ModelInfo:
         return ModelInfo(self.name, self.max_model_len, self.vocab_size)
+
+    def spec(self, source: ModelSource) -> FrontendSpec:
+        return FrontendSpec(self.name, source, self.model, self.config, self.kv_capacity // self.config.block_size)
+
+    def tokenized(self, req: GenerateRequest) -> GenerateRequest:
+        """The request validated (prepare), with its prompt as token ids (EngineClient.prepare's answer)."""
+        ids = tuple(self.prepare(req).prompt_ids)
+        return dataclasses.replace(req, prompt=None, messages=None, prompt_token_ids=ids)
 
     def tokenize(self, req: GenerateRequest) -> list[int]:
         req.validate()

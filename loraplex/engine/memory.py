@@ -27,6 +27,7 @@ from loraplex.engine.lora.peft import module_dims
 from loraplex.engine.lora.slots import slot_buffer_bytes
 from loraplex.engine.models.layer_ops import uses_cpu_kernels
 from loraplex.engine.models.llama import LlamaConfig, LlamaModel
+from loraplex.engine.quant import CPU_QUANTIZED
 
 DEFAULT_KV_CACHE_BYTES = 512 * 2**20  # the KV cache where it is not measured (the CPU, a model of a pool)
 MIB = 2**20
@@ -115,7 +116,8 @@ def adapter_device_bytes(cfg: EngineConfig, model: LlamaConfig, device: torch.de
         return slots
     folds = slot_buffer_bytes(model, cfg.max_loras, cfg.max_lora_rank, cfg.torch_dtype)
     weights = model.num_layers * sum(i * o for i, o in module_dims(model).values())
-    projections = weights * cfg.weight_torch_dtype.itemsize
+    # (the merged copy of a base quantized at load is bf16: lora/merged.py)
+    projections = weights * (2 if cfg.weight_quant in CPU_QUANTIZED.values() else cfg.weight_torch_dtype.itemsize)
     return slots + folds + (projections if cfg.lora_merge_after_steps else 0)
 
 

@@ -42,7 +42,7 @@ from loraplex.engine.memory import (
     measure_device_memory,
     measures_kv_cache,
 )
-from loraplex.engine.models.layer_ops import weight_copies
+from loraplex.engine.models.layer_ops import resident_weight_bytes
 from loraplex.engine.models.llama import LlamaConfig
 from loraplex.engine.models.loader import LoadedModel, ModelSource, load_model, resolve_model
 from loraplex.engine.sched.request import Request
@@ -138,10 +138,11 @@ class ModelPool:
         if measures_kv_cache(cfg):  # one model of several: a KV cache of its own size, not what the device has left
             cfg = replace(cfg, kv_cache_bytes=DEFAULT_KV_CACHE_BYTES)
         try:
-            loaded = load_model(src, cfg.torch_dtype, torch.device("cpu"), weight_dtype=cfg.weight_torch_dtype)
+            loaded = load_model(src, cfg.torch_dtype, torch.device("cpu"), weight_dtype=cfg.weight_torch_dtype,
+                                quant=cfg.weight_quant)
         except (ValueError, OSError) as e:
             raise InvalidRequestError(f"model {name!r} cannot be loaded from {source or name}: {e}", "model") from e
-        device_bytes, adapter_bytes, weight_bytes = self._sizes(cfg, loaded.config, cfg.torch_dtype,
+        device_bytes, adapter_bytes, weight_bytes = self._sizes(cfg, loaded, cfg.torch_dtype,
                                                                 kv_blocks(cfg, loaded.config), cfg.block_size)
         if device_bytes > self.budget:
             raise InvalidRequestError(
@@ -156,12 +157,13 @@ class ModelPool:
             self._to_host_tier(entry, loaded)
         return entry
 
-    def _sizes(self, cfg: EngineConfig, model: LlamaConfig, dtype: torch.dtype, blocks: int,
+    def _sizes(self, cfg: EngineConfig, loaded: LoadedModel, dtype: torch.dtype, blocks: int,
                block_size: int) -> tuple[int, int, int]:
         """(weights + KV pool on the device, adapter memory once it has adapters, weights in host memory)."""
-        weight_bytes = model.num_params() * dtype.itemsize
+        model = loaded.config
+        weight_bytes = sum(w.nbytes for w in loaded.weights.values())
         kv_bytes = blocks * block_size * model.kv_bytes_per_token(cfg.kv_torch_dtype)
-        return (int(weight_bytes * weight_copies(self.device, dtype, cfg.weight_torch_dtype)) + kv_bytes,
+        return (resident_weight_bytes(loaded.weights, self.device, dtype, cfg.weight_torch_dtype) + kv_bytes,
                 adapter_device_bytes(cfg, model, self.device), weight_bytes)
 
     def unregister_model(self, name: str) -> None:
@@ -286,7 +288,8 @@ class ModelPool:
         if name in self.models:
             raise InvalidRequestError(f"model {name!r} is already registered", "model")
         mcfg = core.loaded.config
-        sizes = self._sizes(core.config, mcfg, core.runner.model.dtype, core.pool.num_blocks, core.pool.block_size)
+        sizes = self._sizes(core.config, core.loaded, core.runner.model.dtype, core.pool.num_blocks,
+                            core.pool.block_size)
         entry = ModelEntry(name, resolve_model(name), core.config, mcfg, *sizes,
                            pinned=pinned, tier="device", core=core, last_used=time.monotonic())
         core.wake = lambda: self.on_ready()  # (on_ready is the engine loop's, set after the pool is made)
@@ -354,7 +357,7 @@ class ModelPool:
     def _build(self, entry: ModelEntry, tier: str) -> EngineCore:
         t0 = time.perf_counter()
         host = entry.host or load_model(entry.source, entry.config.torch_dtype, torch.device("cpu"),
-                                        weight_dtype=entry.config.weight_torch_dtype)
+                                        weight_dtype=entry.config.weight_torch_dtype, quant=entry.config.weight_quant)
         loaded = host if self.device.type == "cpu" else replace(
             host, weights={k: v.to(self.device) for k, v in host.weights.items()})
         core = EngineCore(entry.config, loaded=loaded)

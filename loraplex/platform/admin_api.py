@@ -18,6 +18,7 @@ from litestar.params import FromPath, JSONBody
 from loraplex.engine.api import EngineError, ReplicaInfo
 from loraplex.platform import admin_schemas as a
 from loraplex.platform.adapter_store_api import adapter_path, adapter_store_handlers
+from loraplex.platform.auto_admin_api import auto_handlers
 from loraplex.platform.billing_schemas import TenantPatch
 from loraplex.platform.db.tables import Adapter, utcnow
 from loraplex.platform.errors import PlatformError, from_engine_error
@@ -198,4 +199,5 @@ admin_router = Router(
     path="/admin/api", guards=[admin_guard], tags=["admin"],
     route_handlers=[create_tenant, list_tenants, get_tenant, update_tenant, disable_tenant, enable_tenant, create_key,
                     list_keys, revoke_key, list_models, register_model, set_auto_route, list_adapters,
-                    register_adapter, delete_adapter, engine_stats, engine_replicas, *adapter_store_handlers])
+                    register_adapter, delete_adapter, engine_stats, engine_replicas, *adapter_store_handlers,
+                    *auto_handlers])

@@ -1,8 +1,10 @@
 """`model: "auto"`: the cheapest base model that can take the request (DESIGN section 3).
 
 An operator puts a base model in auto's pool by giving it `auto_max_complexity` (0-1; admin API,
-admin UI or `loraplex models route`): the most complex request, by complexity.py's score, it
-should take. A request for "auto" goes, among the pool's models this instance serves and the key
+admin UI, `loraplex models route`, or `models calibrate` for a share of traffic): the highest score
+(router/scorer.py: the learned scorer's probability that the strong model is needed, or
+complexity.py's heuristic) it should take.
+A request for "auto" goes, among the pool's models this instance serves and the key
 may use, to:
 
 1. those whose context holds the prompt (counted by each model's own tokenizer) and the
@@ -22,7 +24,8 @@ A key limited to some models routes among those; one whose allowed models includ
 the whole pool (a key limited to ["auto"] can reach models only through the router).
 
 The response's `model` names the model chosen, headers `x-loraplex-model` and
-`x-loraplex-complexity` tell the decision, and the ledger row keeps `routed_from = "auto"`.
+`x-loraplex-complexity` tell the decision, and the ledger row keeps `routed_from = "auto"` and the
+score (`route_score`, which calibration reads).
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from dataclasses import dataclass
 from loraplex.billing.prices import Price
 from loraplex.billing.usage import utcnow
 from loraplex.engine.api import ContextLengthExceededError, EngineClient, GenerateRequest, ModelNotFoundError
-from loraplex.platform import complexity
 from loraplex.platform.auth import Principal
+from loraplex.platform.complexity import RequestText
 from loraplex.platform.errors import model_not_found
+from loraplex.platform.router.requests import request_text as request_text  # (callers import it from here)
+from loraplex.platform.router.scorer import Scorer
 from loraplex.platform.routing import ModelRouter, Target, model_allowed
 from loraplex.platform.tenancy.catalog import AUTO
 
@@ -77,19 +82,6 @@ def choose(candidates: Sequence[Candidate], score: float, max_tokens: int | None
     return min(able, key=lambda c: (c.cost_picos(output_tokens) if comparable else 0, c.max_complexity, c.name))
 
 
-def request_text(prompt: dict, max_tokens: int | None) -> complexity.RequestText:
-    """What the score reads from the engine request's prompt fields: chat `messages`, a `prompt`
-    string, or `prompt_token_ids` (no text to read: about 4 characters a token for its length)."""
-    if "messages" in prompt:
-        messages = prompt["messages"]
-        last_user = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
-        return complexity.RequestText(last_user, sum(len(m["content"]) for m in messages),
-                                      sum(1 for m in messages if m["role"] != "system"), max_tokens)
-    if "prompt" in prompt:
-        return complexity.RequestText(prompt["prompt"], len(prompt["prompt"]), 1, max_tokens)
-    return complexity.RequestText("", 4 * len(prompt["prompt_token_ids"]), 1, max_tokens)
-
-
 @dataclass(frozen=True)
 class Routed:
     target: Target
@@ -110,7 +102,7 @@ async def available(router: ModelRouter, engine: EngineClient, principal: Princi
     return bool(_usable(pool.models, {m.name for m in engine.models()}, principal))
 
 
-async def route(router: ModelRouter, engine: EngineClient, principal: Principal, text: complexity.RequestText,
+async def route(router: ModelRouter, scorer: Scorer, engine: EngineClient, principal: Principal, text: RequestText,
                 request_for: Callable[[str], GenerateRequest], output_tokens: int) -> Routed:
     """Chooses the model for an "auto" request; `request_for(model)` makes the engine request for
     one model (preparing it validates it, so a bad request fails here as it would anywhere). The
@@ -135,6 +127,6 @@ async def route(router: ModelRouter, engine: EngineClient, principal: Principal,
         if too_long:  # the error of the longest context
             raise too_long[max(too_long, key=lambda n: (served[n], n))]
         raise model_not_found(AUTO)
-    scored = await asyncio.get_running_loop().run_in_executor(_SCORER, complexity.score, text)
-    best = choose(candidates, scored.score, text.max_tokens, output_tokens)
-    return Routed(Target(AUTO, best.name, complexity=scored.score), requests[best.name], best.prompt_tokens)
+    score = await asyncio.get_running_loop().run_in_executor(_SCORER, scorer.score, text)
+    best = choose(candidates, score, text.max_tokens, output_tokens)
+    return Routed(Target(AUTO, best.name, complexity=score), requests[best.name], best.prompt_tokens)

@@ -1,7 +1,8 @@
-r"""How demanding a request looks, scored from 0 to 1 from the request alone, for `model: "auto"`.
+r"""How demanding a request looks, scored from 0 to 1 from the request alone: `auto`'s heuristic.
 
-The router (auto_route.py) sends a request to the cheapest model whose `auto_max_complexity` is at
-least this score, so the score must be something an operator can predict: a weighted sum of named
+The learned scorer (router/) is `auto`'s default and reads these signals as features; with
+LORAPLEX_ROUTER=heuristic the router (auto_route.py) sends a request to the cheapest model whose
+`auto_max_complexity` is at least this score, which an operator can predict: a weighted sum of named
 signals, each 0-1, capped at 1, all read off the request's own text and fields (no model is run):
 
 | signal    | weight | 0                           | 1                                                  |

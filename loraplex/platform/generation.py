@@ -269,7 +269,7 @@ class GenerationRun:
         event = UsageEvent(
             request_id=self.request.request_id, tenant_id=p.tenant_id, tenant=p.tenant, key_id=p.key_id,
             key_prefix=p.key_prefix, model=model, adapter=adapter, routed_from=self.target.routed_from,
-            priority=self.request.priority,
+            route_score=self.target.complexity, priority=self.request.priority,
             prompt_tokens=self.prompt_tokens, cached_tokens=self.cached_tokens,
             completion_tokens=self.completion_tokens, ttft_s=self.ttft_s, latency_s=latency, status=self.status,
             finish_reason=self.finish_reason, endpoint=self.endpoint, created_at=self.arrived_at)

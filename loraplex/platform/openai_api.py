@@ -73,7 +73,7 @@ async def _generate(request: Request, platform: Platform, data: s.ChatCompletion
 
     try:
         if data.model == AUTO:
-            routed = await auto_route.route(platform.router, platform.engine, principal,
+            routed = await auto_route.route(platform.router, platform.scorer, platform.engine, principal,
                                             auto_route.request_text(prompt, max_tokens), request_for,
                                             cap if max_tokens is None else max_tokens)
         else:

@@ -37,6 +37,13 @@ def _number(env: dict, name: str, default, minimum, kind=float):
     return value
 
 
+def _choice(env: dict, name: str, default: str, choices: tuple[str, ...]) -> str:
+    value = (env.get(name) or default).strip().lower()
+    if value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(choices)}, got {env.get(name)!r}")
+    return value
+
+
 def _integer(env: dict, name: str, default: int | None, minimum: int) -> int | None:
     return _number(env, name, default, minimum, int)
 
@@ -104,6 +111,10 @@ class Settings:
     # On SIGTERM `serve` stops admitting generations and waits this long for those in flight; what
     # is still running then is aborted and billed what it generated.
     drain_timeout_s: float = 30.0
+    # `model: "auto"` scores requests with the learned scorer (weights: router_weights, else the ones
+    # shipped in the package) or the hand-set heuristic (complexity.py); docs/routing.md.
+    router: str = "learned"
+    router_weights: Path | None = None
 
     @classmethod
     def from_env(cls, environ: dict | None = None) -> Settings:
@@ -139,6 +150,8 @@ class Settings:
             reconcile_interval_s=_number(env, "LORAPLEX_BUDGET_RECONCILE_INTERVAL", 1.0, 0.05),
             dead_process_after_s=_number(env, "LORAPLEX_DEAD_PROCESS_AFTER", 30.0, 1.0),
             drain_timeout_s=_number(env, "LORAPLEX_DRAIN_TIMEOUT", 30.0, 0.0),
+            router=_choice(env, "LORAPLEX_ROUTER", "learned", ("learned", "heuristic")),
+            router_weights=Path(env["LORAPLEX_ROUTER_WEIGHTS"]) if env.get("LORAPLEX_ROUTER_WEIGHTS") else None,
         )
 
     @property

@@ -7,6 +7,7 @@ import contextlib
 import functools
 import secrets
 from dataclasses import dataclass
+from datetime import timedelta
 
 from litestar.di import NamedDependency
 from sqlalchemy.ext.asyncio import AsyncEngine, AsyncSession, async_sessionmaker
@@ -29,6 +30,9 @@ from loraplex.platform.db.database import make_engine, session_factory
 from loraplex.platform.db.tables import Adapter, ApiKey, Budget, Model, Tenant
 from loraplex.platform.generation import RunContext
 from loraplex.platform.metrics import Metrics
+from loraplex.platform.router import calibration
+from loraplex.platform.router.calibration import Calibration
+from loraplex.platform.router.scorer import Scorer, load_scorer
 from loraplex.platform.routing import EngineAdapters, ModelRouter
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy import budgets, catalog, keys, tenants
@@ -51,6 +55,7 @@ class Platform:
     admission: Admission
     runs: RunContext
     admin_throttle: AdminAuthThrottle
+    scorer: Scorer  # `auto`'s request scorer (settings.router, router_weights)
     not_ready: str | None = "starting"  # why /ready says no; None once started
     _reconciler: asyncio.Task | None = None
     _sweeper: asyncio.Task | None = None
@@ -80,7 +85,8 @@ class Platform:
             adapters=EngineAdapters(engine), admission=admission,
             store=AdapterStore(settings.adapter_store_root, settings.adapter_max_bytes),
             runs=RunContext(engine, admission, metrics, sink, Background(), settings.request_timeout_s),
-            admin_throttle=AdminAuthThrottle(settings.admin_auth_max_failures, settings.admin_auth_window_s))
+            admin_throttle=AdminAuthThrottle(settings.admin_auth_max_failures, settings.admin_auth_window_s),
+            scorer=load_scorer(settings.router, settings.router_weights))
 
     def catalog_changed(self) -> None:
         """Called after a write through this instance, so it sees the change at once."""
@@ -112,6 +118,15 @@ class Platform:
         async with self.sessions() as session:
             await budgets.delete_budget(session, tenant, period, key_prefix)
         self.catalog_changed()
+
+    async def calibrate_auto(self, window: timedelta, strong_share: float | None = None,
+                             shares: dict[str, float] | None = None, apply: bool = True) -> Calibration:
+        """Sets auto's thresholds for a traffic share over the window's recorded scores (router/calibration.py)."""
+        async with self.sessions() as session:
+            result = await calibration.calibrate_pool(session, window, strong_share, shares, apply)
+        if apply:
+            self.catalog_changed()
+        return result
 
     async def set_auto_route(self, model: str, auto_max_complexity: float | None) -> Model:
         async with self.sessions() as session:

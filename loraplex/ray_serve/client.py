@@ -1,8 +1,12 @@
 """RayEngineClient: the gateway's EngineClient over a Serve deployment of engine replicas (replica.py).
 
-- generate() streams through the deployment handle, tagged with a multiplexed model id: the request's adapter,
-  or for a base-model request its model and tenant (a digest of its cache salt), so Serve's router keeps an
-  adapter's requests on replicas that hold it and a tenant's shared prompts on one prefix cache.
+- prepare() validates and tokenizes here, off the event loop, as the replicas' engines do (their frontends, rebuilt
+  from what the replicas report: model source, limits, the smallest KV cache; the tokenizer read from the model's
+  files; the adapters registered with this client), so generate() is the only call a request makes to a replica.
+- generate() streams through the deployment handle (by value, over Serve's gRPC between a handle and a replica),
+  tagged with a multiplexed model id: the request's adapter, or for a base-model request its model and tenant (a
+  digest of its cache salt), so Serve's router keeps an adapter's requests on replicas that hold it and a tenant's
+  shared prompts on one prefix cache.
 - A request that fails before its first event (its replica died, or could not be reached) is sent again, at most
   RETRIES times, and Serve routes it to a live replica; one cut off later ends with ReplicaUnavailableError,
   which the platform bills as what the client received.
@@ -16,9 +20,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hashlib
 import logging
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from loraplex.engine.api import (
@@ -40,6 +46,9 @@ log = logging.getLogger("loraplex.ray_serve")
 
 RETRIES = 2  # resends of a request that failed before its first event
 STATUS_TIMEOUT_S = 10.0
+# Threads that validate and tokenize requests (chat template, tokenizer, JSON-schema compile), as the engine's
+# preparer: a hostile prompt takes one of them, never the event loop.
+PREPARE_THREADS = 2
 
 
 class ReplicaUnavailableError(EngineUnavailableError):
@@ -80,25 +89,22 @@ def replica_failed(exc: Exception) -> ReplicaUnavailableError:
     return ReplicaUnavailableError(f"engine replica failed: {type(exc).__name__}: {exc}")
 
 
-async def _prepare_once(handle, request: GenerateRequest, source: AdapterSource | None) -> GenerateRequest:
-    """One prepare call: the engine's own errors as it raised them, a replica's failure as ReplicaUnavailableError."""
-    try:
-        return await handle.prepare.remote(request, source)
-    except EngineError as exc:
-        raise engine_error(exc) from None
-    except Exception as exc:
-        raise replica_failed(exc) from exc
-
-
 class RayEngineClient:
-    def __init__(self, handle, *, poll_s: float = 1.0):
+    def __init__(self, handle, *, poll_s: float = 1.0, tagged: bool = True):
+        """tagged=False sends no multiplexed ids: Serve then routes on load alone (a benchmark's baseline)."""
         self._handle = handle
-        self._stream = handle.options(stream=True)
+        self.tagged = tagged
+        # generations stream by value over the replicas' gRPC server (as Serve's proxy does when throughput-optimized),
+        # not as Ray object refs: a call costs less, each stream item about half (bench fleet's hop)
+        self._stream = handle.options(stream=True, _by_reference=False)
         self.poll_s = poll_s
         self._replicas: list[ReplicaStatus] = []
         self._adapters: dict[str, AdapterSource] = {}
         self._in_flight: dict[str, _Flight] = {}
         self._poller: asyncio.Task | None = None
+        self._frontends: dict[str, object] = {}  # model -> RequestFrontend (built from FrontendSpecs)
+        self._frontends_of: tuple[ModelInfo, ...] = ()  # the models they were built for
+        self._preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="loraplex-prepare")
 
     # --- status ------------------------------------------------------------------------------------
 
@@ -107,12 +113,35 @@ class RayEngineClient:
         self._replicas = self._handle.broadcast("status").results(timeout_s=STATUS_TIMEOUT_S)
         if not self._replicas:
             raise RuntimeError("the Serve deployment has no replica")
+        self._build_frontends(self._handle.broadcast("frontends").results(timeout_s=STATUS_TIMEOUT_S))
 
     async def poll(self) -> None:
-        """Reads every live replica's status; replicas that fail to answer are left out until they do."""
+        """Reads every live replica's status; replicas that fail to answer are left out until they do. Models
+        other than those the frontends were built for (a gateway deployed other options) rebuild them."""
         answers = await self._handle.broadcast("status").results_async(timeout_s=STATUS_TIMEOUT_S,
                                                                        return_exceptions=True)
         self._replicas = [a for a in answers if isinstance(a, ReplicaStatus)]
+        if self._replicas and set(self._replicas[0].models) != set(self._frontends_of):
+            specs = await self._handle.broadcast("frontends").results_async(timeout_s=STATUS_TIMEOUT_S,
+                                                                            return_exceptions=True)
+            await asyncio.get_running_loop().run_in_executor(
+                self._preparer, self._build_frontends, [s for s in specs if isinstance(s, list)])
+
+    def _build_frontends(self, answers: list[list]) -> None:
+        """Each model's frontend from the replicas' FrontendSpecs (replica.frontends): one replica's limits (they
+        run the same options), the smallest KV cache of all, so nothing a replica would refuse for its size passes
+        here; adapters as registered with this client. Blocking: reads each model's tokenizer."""
+        specs: dict[str, object] = {}
+        for spec in (s for answer in answers for s in answer):
+            if spec.name not in specs or spec.num_kv_blocks < specs[spec.name].num_kv_blocks:
+                specs[spec.name] = spec
+        if not specs:  # (no replica answered: the frontends stand)
+            return
+        frontends = {name: spec.build(functools.partial(self._adapter_available, name))
+                     for name, spec in specs.items()}
+        for frontend in frontends.values():
+            frontend.guide_vocabulary()  # now, not on the first schema request's preparer thread
+        self._frontends, self._frontends_of = frontends, tuple(f.info() for f in frontends.values())
 
     async def start(self) -> None:
         async def loop() -> None:
@@ -130,6 +159,7 @@ class RayEngineClient:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+        self._preparer.shutdown(wait=False, cancel_futures=True)
 
     def models(self) -> list[ModelInfo]:
         return list(self._replicas[0].models) if self._replicas else []
@@ -161,24 +191,23 @@ class RayEngineClient:
             raise ModelNotFoundError(f"adapter {request.adapter!r} not found", "adapter")
         return source
 
+    def _adapter_available(self, model: str, adapter_id: str) -> bool:
+        return self.has_adapter(adapter_id, model)
+
     async def prepare(self, request: GenerateRequest) -> GenerateRequest:
-        """On a replica the request's affinity picks (the one its generation will likely find), which
-        registers its adapter first; sent again, at most RETRIES times, when its replica fails."""
-        source = self._source(request)
-        handle = self._handle.options(multiplexed_model_id=affinity_key(request))
-        for _ in range(RETRIES):
-            try:
-                return await _prepare_once(handle, request, source)
-            except ReplicaUnavailableError as exc:
-                log.warning("prepare of %s failed (%s); sending it again", request.request_id, exc.message)
-        return await _prepare_once(handle, request, source)
+        """Validated and tokenized here, on a preparer thread, raising the errors the engine would; no replica
+        is called."""
+        frontend = self._frontends.get(request.model)
+        if frontend is None:
+            raise ModelNotFoundError(f"model {request.model!r} not found", "model")
+        return await asyncio.get_running_loop().run_in_executor(self._preparer, frontend.tokenized, request)
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         """Raises ModelNotFoundError now, for an adapter not registered; else the stream of events."""
         return self._events(request, self._source(request))
 
     async def _events(self, request: GenerateRequest, source: AdapterSource | None) -> AsyncIterator[GenerateEvent]:
-        handle = self._stream.options(multiplexed_model_id=affinity_key(request))
+        handle = self._stream.options(multiplexed_model_id=affinity_key(request)) if self.tagged else self._stream
         flight = _Flight(None, len(request.prompt_token_ids or ()))
         self._in_flight[request.request_id] = flight
         try:
@@ -222,7 +251,8 @@ class RayEngineClient:
         the event loop, as the platform does."""
         source = AdapterSource(adapter_id, path, base_model or self.models()[0].name)
         try:
-            self._handle.options(multiplexed_model_id=adapter_key(adapter_id)).register.remote(source).result()
+            handle = self._handle.options(multiplexed_model_id=adapter_key(adapter_id)) if self.tagged else self._handle
+            handle.register.remote(source).result()
         except EngineError as exc:
             raise engine_error(exc) from None
         self._adapters[adapter_id] = source

@@ -37,6 +37,7 @@ class ReplicaPlan:
     target_ongoing_requests: int = 64  # autoscaling adds a replica past this many in flight per replica
     upscale_delay_s: float = 30.0  # ... once that has lasted this long (Serve's default)
     affinity: bool = True  # route with AffinityRouter (router.py); False: Serve's default router (benchmarks)
+    tagged: bool = True  # requests carry their multiplexed id (client.affinity_key); False: none (benchmarks)
 
     def __post_init__(self) -> None:
         if self.replicas is not None and (self.min_replicas is not None or self.max_replicas is not None):
@@ -97,7 +98,7 @@ def deploy(address: str, plan: ReplicaPlan, engine_factory: Callable[[], EngineC
     else:
         deployment = serve.deployment(EngineReplica, **plan.deployment_options())
         handle = serve.run(deployment.bind(engine_factory), name=APP_NAME, route_prefix=None)
-    client = RayEngineClient(handle)
+    client = RayEngineClient(handle, tagged=plan.tagged)
     client.connect()
     return client
 

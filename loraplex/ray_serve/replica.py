@@ -10,6 +10,8 @@ it is given, and serves the calls RayEngineClient makes through the deployment's
   being sent (`coalesced`), so a stream item's fixed cost is paid per batch, not per token, once the engine
   outpaces the stream; the first event goes alone, at once.
 - `status()` answers the client's broadcast poll: the engine's stats and models, the adapters registered here.
+- `frontends()` tells the gateway how the engine validates and tokenizes (model source, limits, KV capacity), so
+  requests are prepared there and a generation is the one call a request makes to a replica.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from ray import serve
 from loraplex.engine.api import EngineClient, EngineStats, GenerateEvent, GenerateRequest, ModelInfo
 
 AFFINITY_KEYS_PER_REPLICA = 64  # multiplexed ids a replica reports as held (least recently used dropped first)
+EVENTS_PER_ITEM = 256  # at most, in one stream item (a gRPC message holds 4 MiB: events with logprobs stay below)
 
 
 async def coalesced(events: AsyncIterator[GenerateEvent]) -> AsyncIterator[list[GenerateEvent]]:
@@ -46,7 +49,7 @@ async def coalesced(events: AsyncIterator[GenerateEvent]) -> AsyncIterator[list[
     try:
         while True:
             batch = [await queue.get()]
-            while not queue.empty():
+            while not queue.empty() and len(batch) < EVENTS_PER_ITEM:
                 batch.append(queue.get_nowait())
             done = batch[-1] is end
             failed = [e for e in batch if isinstance(e, Exception)]
@@ -104,16 +107,17 @@ class EngineReplica:
     async def generate(self, request: GenerateRequest,
                        adapter: AdapterSource | None) -> AsyncIterator[list[GenerateEvent]]:
         """The request's events, in lists (`coalesced`); cancelling the stream (the client's abort, a lost gateway)
-        aborts it here."""
+        aborts it here. The gateway prepared it (tokens, no prompt): the engine validates it again, at once."""
         await self._take(adapter)
+        if request.sampling.json_schema is not None:  # its grammar compiled on a preparer thread, not this loop
+            request = await self.engine.prepare(request)
         self._requests += 1
         async for events in coalesced(self.engine.generate(request)):
             yield events
 
-    async def prepare(self, request: GenerateRequest, adapter: AdapterSource | None) -> GenerateRequest:
-        """Validates and tokenizes (its adapter registered first: the engine checks it is there)."""
-        await self._take(adapter)
-        return await self.engine.prepare(request)
+    def frontends(self) -> list:
+        """The engine's FrontendSpecs (engine/frontend.py): the gateway validates and tokenizes as this engine does."""
+        return self.engine.frontend_specs()
 
     async def _take(self, adapter: AdapterSource | None) -> None:
         """Registers the request's adapter if it has one, else declares its multiplexed id held."""

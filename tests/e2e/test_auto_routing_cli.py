@@ -1,5 +1,6 @@
 """`model: "auto"` on the real `loraplex serve` (embedded SQLite, two base models) under the
-`openai` client, with auto's pool set by `loraplex models route` from another process."""
+`openai` client, with auto's pool set by `loraplex models route` from another process (scored by
+the heuristic, and `models score` reads the same LORAPLEX_ROUTER)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ def ask(client: openai.OpenAI, content: str):
 
 
 def test_models_route_sets_the_pool_auto_chooses_from(tmp_path):
-    env = {**EMBEDDED, "LORAPLEX_DATA_DIR": str(tmp_path)}
+    env = {**EMBEDDED, "LORAPLEX_DATA_DIR": str(tmp_path), "LORAPLEX_ROUTER": "heuristic"}  # scores we can name
     server = start(env, "--model", SMALL, "--no-demo")
     try:
         assert loraplex(env, "tenants", "create", "router").returncode == 0

@@ -116,12 +116,12 @@ def test_bench_speculative_compares_both_engines_on_the_same_tokens(tmp_path):
         assert 0 <= r[key]["acceptance"] <= 1
 
 
-def test_bench_fleet_runs_both_routings_on_a_real_ray_serve_deployment(tmp_path):
+def test_bench_fleet_runs_each_routing_on_a_real_ray_serve_deployment(tmp_path):
     r = run_bench(tmp_path, "fleet", "--model", "synthetic:tiny", "--replicas", "2", "--adapters", "6",
                   "--requests", "12", "--new-tokens", "4", "--rounds", "1", "--max-loras", "2", "--max-cpu-loras", "2",
                   "--hop-requests", "5", "--popularity", "zipf:1.5")
     assert r["popularity"] == "zipf:1.5" and 1 <= r["adapters_used"] <= 6 and r["threads_per_replica"] >= 1
-    assert set(r["policies"]) == {"affinity", "serve_default"}
+    assert set(r["policies"]) == {"affinity", "serve_default", "serve_untagged"}
     for p in r["policies"].values():
         assert p["tok_s"] > 0 and len(p["rounds_tok_s"]) == 1 and p["ttft_p95_ms"] >= p["ttft_p50_ms"] > 0
         # both replicas answered; each started its share of the turn's requests (the warm-up's left out)
@@ -135,8 +135,9 @@ def test_bench_fleet_runs_both_routings_on_a_real_ray_serve_deployment(tmp_path)
                                         for side in ("in_process", "replica"))
     one = hop["1_tokens"]
     assert hop["added_ms_per_request"] == round(one["replica_p50_ms"] - one["in_process_p50_ms"], 3)
-    assert r["ratios"]["tok_s_affinity_vs_serve_default"] == round(
-        r["policies"]["affinity"]["tok_s"] / r["policies"]["serve_default"]["tok_s"], 3)
+    for other in ("serve_default", "serve_untagged"):
+        assert r["ratios"][f"tok_s_affinity_vs_{other}"] == round(
+            r["policies"]["affinity"]["tok_s"] / r["policies"][other]["tok_s"], 3)
     targets = r["targets"]  # the issue's, recorded beside what was measured
     assert targets["hop_added_ms_per_request"] == {"at_most": 3.0, "measured": hop["added_ms_per_request"],
                                                    "met": hop["added_ms_per_request"] <= 3.0}
@@ -152,20 +153,25 @@ def test_bench_fleet_refuses_bad_options_in_one_line(tmp_path):
         assert bad.returncode == 2 and lines == [f"loraplex: error: {says}"], bad.stderr
 
 
-def test_bench_weights_compares_bf16_and_fp32_weights_at_each_batch(tmp_path):
-    r = run_bench(tmp_path, "weights", "--model", "synthetic:tiny", "--batches", "1,3", "--new-tokens", "4",
+def test_bench_quant_compares_weight_formats_at_each_batch(tmp_path):
+    r = run_bench(tmp_path, "quant", "--model", "synthetic:tiny", "--batches", "1,3", "--new-tokens", "4",
                   "--rounds", "2")
-    assert r["packed_bytes"]["bf16"] * 2 == r["packed_bytes"]["fp32"]
-    ppl = r["prompt_perplexity"]
-    assert ppl["fp32"] > 1 and ppl["bf16"] > 1 and ppl["bf16_vs_fp32"] == round(ppl["bf16"] / ppl["fp32"], 4)
+    fmts = ("fp32", "bf16", "int8", "int4")  # (no gguf: a synthetic model has no file of its own)
+    assert set(r["packed_bytes"]) == set(fmts) and r["packed_bytes"]["bf16"] * 2 == r["packed_bytes"]["fp32"]
+    assert r["packed_bytes"]["int4"] < r["packed_bytes"]["int8"] < r["packed_bytes"]["bf16"]
+    assert r["resident_bytes"]["int4"] < r["resident_bytes"]["fp32"]
+    ppl = r["perplexity"]
+    assert all(ppl[f] > 1 for f in fmts) and r["perplexity_vs_fp32"]["int8"] == round(ppl["int8"] / ppl["fp32"], 4)
     for key, batch in (("batch1", 1), ("batch3", 3)):
         row = r[key]
-        assert row["fp32_tok_s"] > 0 and row["bf16_tok_s"] > 0 and len(row["rounds"]["bf16"]) == 2
-        assert row["bf16_vs_fp32"] == round(row["bf16_tok_s"] / row["fp32_tok_s"], 3)
-        assert row["bf16_agreement"]["requests"] == batch
-    assert r["batch1"]["bf16_roofline_tok_s"] == round(r["mem_read_gbs"] * 1e9 / r["packed_bytes"]["bf16"], 2)
-    bad = loraplex("bench", "weights", "--batches", "0", "--json", str(tmp_path / "bad.json"))
-    assert bad.returncode == 2 and "--batches: positive batch sizes" in bad.stderr
+        assert all(row[f"{f}_tok_s"] > 0 and len(row["rounds"][f]) == 2 for f in fmts)
+        assert row["int4_vs_fp32"] == round(row["int4_tok_s"] / row["fp32_tok_s"], 3)
+        assert row["agreement"]["int8"]["requests"] == batch
+    assert r["batch1"]["int4_roofline_tok_s"] == round(r["mem_read_gbs"] * 1e9 / r["packed_bytes"]["int4"], 2)
+    for args, says in ((("--batches", "0"), "--batches: positive batch sizes"),
+                       (("--formats", "bf16,int3"), "--formats: fp32 and any of")):
+        bad = loraplex("bench", "quant", *args, "--json", str(tmp_path / "bad.json"))
+        assert bad.returncode == 2 and says in bad.stderr
 
 
 def test_bench_fuzz_writes_cases_failures_and_reproductions(tmp_path):

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from loraplex.cli.bench import gpu_check_engine, gpu_check_steps
+from loraplex.cli.bench import gpu_check_engine, gpu_check_quant, gpu_check_steps
 from loraplex.cli.bench.gpu_check import NAMES, CheckContext, parse_junit, select_steps
 from loraplex.engine.models import synthetic
 
@@ -81,6 +81,11 @@ def test_quick_run_passes_every_step_and_reports(quick_run):
     assert k["interpreter"] and k["failed"] == 0 and k["unreported"] == 0 and k["passed"] >= 2
     assert k["selected"] == k["passed"] + k["skipped"] and k["collected"] > k["selected"]
 
+    q = steps["quant"]["figures"]  # the W8A16 kernel in the interpreter; FP8 skipped off CUDA, the reason shown
+    assert q["int8"]["ok"] and q["int8"]["path"] == "triton-interpreter" and q["tokens"] == [1, 3]
+    assert q["int8"]["worst_rel_err"] <= q["max_rel_err"]["int8"] and q["int8"]["m3"]["us"] > 0
+    assert "CUDA only" in q["fp8"]["skipped"] and "fp8 skipped: FP8 GEMMs run on CUDA only" in steps["quant"]["summary"]
+
     p = steps["parity"]["figures"]
     assert p["cpu_fp32_vs_device_fp32"]["identical"] and p["cpu_fp32_vs_device_fp32"]["requests"] == 3
     assert "first_divergence" in p["device_bf16_vs_device_fp32"]
@@ -129,6 +134,22 @@ def test_a_gather_inside_attention_is_caught():
                        deadline=time.monotonic() + 120, work_dir=Path(tempfile.mkdtemp()))
     f = gpu_check_steps.profile_decode(ctx, "tiny", backend="torch_sdpa")
     assert f["attention_ranges"] == 2 and "aten::index_select" in f["gathers_in_attention"]
+
+
+def test_quant_step_checks_the_int8_kernel_and_skips_fp8_with_its_reason():
+    """The quant step on the CPU (Triton in the interpreter): the int8 GEMM within its bound of the reference,
+    its weight in half bf16's bytes plus scales, timed against bf16 at each token count; FP8 skipped, saying why."""
+    ctx = CheckContext(device=torch.device("cpu"), quick=True, new_tokens=4, rounds=1,
+                       deadline=time.monotonic() + 120, work_dir=Path(tempfile.mkdtemp()))
+    status, summary, f = gpu_check_quant.quant(ctx)
+    assert status == "pass" and f["weight"] == [96, 64]
+    assert f["fp8"] == {"skipped": "FP8 GEMMs run on CUDA only, not on cpu"}
+    i8 = f["int8"]
+    assert i8["ok"] and 0 < i8["worst_rel_err"] <= 1e-2 and i8["weight_bytes"] == 96 * 64 + 96 * 4
+    assert i8["bf16_weight_bytes"] == 96 * 64 * 2 and 0 < i8["weight_max_abs_err"] < 0.01
+    for m in (1, 3):
+        assert i8[f"m{m}"]["us"] > 0 and i8[f"m{m}"]["bf16_us"] > 0 and i8[f"m{m}"]["speedup_vs_bf16"] > 0
+    assert summary.startswith("int8 (triton-interpreter) err ") and "fp8 skipped: FP8 GEMMs run on CUDA only" in summary
 
 
 def test_profile_analysis_of_device_events():
@@ -187,7 +208,7 @@ def test_compare_locates_the_first_divergence():
 
 def test_steps_are_chosen_by_name_or_number():
     assert select_steps("1,kernels", None) == {"versions", "kernels"}
-    assert select_steps(None, "throughput,8") == set(NAMES) - {"throughput", "lora_throughput"}
+    assert select_steps(None, "throughput,9") == set(NAMES) - {"throughput", "lora_throughput"}
     with pytest.raises(SystemExit, match="unknown step 'nine'"):
         select_steps("nine", None)
 

@@ -1,7 +1,9 @@
 """`model: "auto"` through the real app, on Postgres + Redis and on SQLite: an engine serving a
 small model (short context) and a large one, put in auto's pool through the admin API, with
 prices; every request's model is checked where the engine got it, in the response and its
-headers, and in the ledger row (routed_from, the chosen model's price)."""
+headers, and in the ledger row (routed_from, the chosen model's price). These apps score with the
+heuristic (LORAPLEX_ROUTER=heuristic), whose scores the tests can name; test_auto_calibration.py
+serves the learned scorer."""
 
 from __future__ import annotations
 
@@ -58,7 +60,7 @@ def setup(backend):
     small, large = f"auto-small-{tag}", f"auto-large-{tag}"
     engine = two_model_engine(small, large)
     try:
-        with app_client(backend, engine) as client:
+        with app_client(backend, engine, router="heuristic") as client:
             yield Setup(client, engine, small, large)
     finally:
         engine.inner.shutdown()
@@ -100,6 +102,7 @@ def test_simple_requests_go_to_the_small_model_and_complex_ones_to_the_large(set
     flush(setup.client)
     rows = {r.model: r for r in ledger_rows(backend.settings, tenant_id)}  # (written in either order)
     assert set(rows) == {setup.small, setup.large} and {r.routed_from for r in rows.values()} == {"auto"}
+    assert rows[setup.small].route_score == 0.0 and rows[setup.large].route_score == pytest.approx(0.5667)
     assert rows[setup.small].prompt_tokens == simple.json()["usage"]["prompt_tokens"]
     assert rows[setup.large].prompt_tokens == hard.json()["usage"]["prompt_tokens"]
     named = setup.client.post("/v1/chat/completions", headers={"authorization": f"Bearer {key}"}, json={
@@ -107,6 +110,7 @@ def test_simple_requests_go_to_the_small_model_and_complex_ones_to_the_large(set
     assert named.status_code == 200 and "x-loraplex-model" not in named.headers
     flush(setup.client)
     assert ledger_rows(backend.settings, tenant_id)[-1].routed_from is None
+    assert ledger_rows(backend.settings, tenant_id)[-1].route_score is None
     metrics = setup.client.get("/metrics", headers=ADMIN).text
     assert f'loraplex_auto_routed_requests_total{{model="{setup.small}"}}' in metrics
     assert "loraplex_auto_request_complexity_count" in metrics

@@ -18,10 +18,9 @@ import pytest
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.pool import ModelPool
-from loraplex.platform import auto_route
 from loraplex.platform.app import create_app
 from tests.conftest import make_core
-from tests.integration.billing_support import ADMIN, app_client, new_tenant
+from tests.integration.billing_support import ADMIN, app_client, new_tenant, platform_of
 from tests.integration.live_app import serving
 from tests.unit.test_async_engine import counting_tokenizer
 
@@ -51,15 +50,16 @@ def test_auto_scores_the_request_off_the_loop(postgres_backend, monkeypatch):
     engine = AsyncEngine(ModelPool(memory_budget=1.0, device="cpu"))
     engine.register_model(name, "synthetic:tiny", config=EngineConfig(device="cpu", dtype="float32", num_kv_blocks=64))
     scored_on: list[str] = []
-    real_score = auto_route.complexity.score
-
-    def score(text):
-        scored_on.append(threading.current_thread().name)
-        return real_score(text)
-
-    monkeypatch.setattr(auto_route.complexity, "score", score)
     try:
         with app_client(postgres_backend, engine) as client:
+            scorer = platform_of(client).scorer  # the learned scorer, the app's default
+            real_score = scorer.score
+
+            def score(text):
+                scored_on.append(threading.current_thread().name)
+                return real_score(text)
+
+            monkeypatch.setattr(scorer, "score", score)
             r = client.patch(f"/admin/api/models/{name}", json={"auto_max_complexity": 1.0}, headers=ADMIN)
             assert r.status_code == 200, r.text
             _, _, key = new_tenant(client, "prep")

@@ -13,7 +13,6 @@ import torch.nn.functional as F
 
 from loraplex.engine.kernels.cpu import linear
 from loraplex.engine.kernels.cpu.linear import pack, packed_linear, packed_linear_fold
-from loraplex.engine.kv.block_pool import layer_views
 from loraplex.engine.models.llama import LlamaModel
 from tests.kernels.test_cpu_decode_step import (
     PROMPTS,
@@ -117,9 +116,16 @@ def test_a_bf16_models_fold_and_lora_step_equals_the_fp32_step_over_the_rounded_
     assert torch.equal(got, want)
 
 
-def test_a_step_refuses_projections_of_two_element_types():
+def test_a_step_over_projections_of_two_element_types_matches_its_per_op_path(monkeypatch):
+    """Each projection carries its own element type in the model table (as a merged adapter's bf16 copy
+    beside quantized projections needs): fp32 panels among bf16 ones, fused and per-op alike."""
+    g = torch.Generator().manual_seed(2)
     model, storage = _model_and_cache("tiny", packed_dtype=BF16)
-    layers = [list(layer) for layer in model.layers]
-    layers[0][3] = pack(model.w["layers.0.o"])  # fp32 panels among bf16 ones
-    with pytest.raises(ValueError, match="one step takes one weight type"):
-        model.ops._step_model(model, layer_views(storage), [model.layers[0]._make(la) for la in layers])
+    model.layers[0] = model.layers[0]._replace(o=pack(model.w["layers.0.o"]))  # fp32 panels among bf16 ones
+    _prefill(model, storage, g)
+    ids = torch.randint(0, model.config.vocab_size, (len(PROMPTS),), generator=g)
+    got = _both_paths(model, storage, ids, torch.arange(len(PROMPTS)), monkeypatch)
+    fp32 = LlamaModel(model.config, model.w)  # the same (rounded) values, all in fp32 panels
+    assert torch.equal(got, _decode(fp32, storage, ids, torch.arange(len(PROMPTS)), None, True, monkeypatch))
+
+

@@ -17,6 +17,7 @@ from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.layer_ops import CpuKernelOps
 from loraplex.engine.models.llama import LlamaModel
+from loraplex.engine.models.loader import quantized_weights
 from loraplex.engine.models.synthetic import synthetic_model
 from loraplex.engine.runner import StepLora
 from tests.lora_factory import make_peft_dir
@@ -27,12 +28,16 @@ SLOT_DTYPES = pytest.mark.parametrize("slot_dtype", [torch.float32, torch.bfloat
 PROMPTS = (5, 20, 33)  # context lengths before the decode: inside a block, past one, past two
 
 
-def _model_and_cache(preset: str, seqs: int = len(PROMPTS), packed_dtype: torch.dtype = torch.float32):
+def _model_and_cache(preset: str, seqs: int = len(PROMPTS), packed_dtype: torch.dtype = torch.float32,
+                     blocks: str | None = None):
     """The synthetic model (with bf16 `packed_dtype`, its weights rounded to bf16 as load_model rounds
-    them, and its projections packed in bf16) and a KV cache for `seqs` sequences."""
+    them, and its projections packed in bf16; with `blocks`, its projections quantized to that GGUF block
+    format as load_model quantizes them) and a KV cache for `seqs` sequences."""
     config, weights, _ = synthetic_model(preset)
     if packed_dtype != torch.float32:
         weights = {k: v.to(packed_dtype).float() for k, v in weights.items()}
+    if blocks is not None:
+        weights = quantized_weights(weights, blocks)
     model = LlamaModel(config, weights, packed_dtype)
     assert isinstance(model.ops, CpuKernelOps)
     storage = allocate_kv_storage(config.num_layers, 1 + seqs * BLOCKS_PER_SEQ, BLOCK, config.num_kv_heads,
@@ -167,11 +172,11 @@ def test_a_wide_batch_of_many_adapters_on_two_threads_matches_the_per_op_path(tm
         torch.set_num_threads(prev_threads)
 
 
-def _fold_setup(tmp_path, slot_dtype=torch.float32, packed_dtype=torch.float32):
+def _fold_setup(tmp_path, slot_dtype=torch.float32, packed_dtype=torch.float32, blocks=None):
     """12 sequences, 8 of them on adapter a (rank 12: two shrink panels for qkv), 2 on b, 2 on the base."""
     g = torch.Generator().manual_seed(6)
     prompts = (5, 20, 33, 7, 16, 17, 2, 40, 9, 31, 12, 3)
-    model, storage = _model_and_cache("tiny", len(prompts), packed_dtype)
+    model, storage = _model_and_cache("tiny", len(prompts), packed_dtype, blocks)
     slots = LoraSlots(model.config, max_loras=3, max_lora_rank=16, max_cpu_loras=3, dtype=slot_dtype)
     for name, rank in (("a", 12), ("b", 4)):
         slots.register(name, make_peft_dir(tmp_path / name, model.config, rank, 2 * rank, "all", seed=rank))

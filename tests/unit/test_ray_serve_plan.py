@@ -103,6 +103,23 @@ def test_a_replica_sends_the_events_that_piled_up_as_one_item_and_loses_none():
         asyncio.run(read(_events(3, fail=True), 0))
 
 
+def test_a_stream_item_holds_at_most_its_bound_of_events():
+    """(a gRPC message holds 4 MiB: a stream that stalled long sends what piled up in several items)"""
+    from loraplex.ray_serve.replica import EVENTS_PER_ITEM, coalesced
+
+    async def read_after_a_stall() -> list[list[int]]:
+        out = []
+        async for batch in coalesced(_events(3 * EVENTS_PER_ITEM)):
+            out.append(batch)
+            if len(out) == 1:
+                await asyncio.sleep(0.2)  # every other event piles up meanwhile
+        return out
+
+    batches = asyncio.run(read_after_a_stall())
+    assert [e for b in batches for e in b] == list(range(3 * EVENTS_PER_ITEM))
+    assert max(len(b) for b in batches) == EVENTS_PER_ITEM
+
+
 def test_closing_the_stream_closes_the_engine_side():
     from loraplex.ray_serve.replica import coalesced
 
@@ -115,3 +132,17 @@ def test_closing_the_stream_closes_the_engine_side():
         return first
 
     assert asyncio.run(take_one()) == [0] and closed == [True]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cached", [True, False])
+def test_the_gateway_reads_the_tokenizer_the_engine_loads(tmp_path, cached):
+    """A gateway before Ray Serve replicas tokenizes with load_tokenizer (no weights read): the same tokenizer as
+    load_model's, from the GGUF cache's metadata or, without a cache, from the GGUF itself."""
+    from loraplex.engine.models.loader import load_model, load_tokenizer, resolve_model
+
+    source = resolve_model("smollm2-135m")
+    loaded = load_model(source)
+    tokenizer = load_tokenizer(source, loaded.config, cache_dir=None if cached else tmp_path)
+    assert tokenizer.to_json() == loaded.tokenizer.to_json()
+    assert not any(tmp_path.iterdir())  # (nothing dequantized or written)

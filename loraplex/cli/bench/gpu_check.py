@@ -5,16 +5,17 @@ prints a summary table and writes one JSON file; `--quick --device cpu` smokes t
 Steps, in order, each timed, each failure caught and reported without stopping the rest:
     1 versions          python, torch, triton, transformers, CUDA, the device
     2 kernels           tests/kernels natively on the device (pytest in subprocesses, sharded)
-    3 parity            CPU fp32 = device fp32 greedy tokens; device bf16's first divergence
-    4 batch_invariance  16 requests in one batch = each alone (device fp32)
-    5 lora_parity       8 adapters and base mixed in one batch: CPU fp32 = device fp32
-    6 profile           one decode step at batch 64: kernels, GPU busy / wall, no gather inside attention
-    7 throughput        decode tok/s at batch 1 and 64 vs HF transformers and the roofline
-    8 lora_throughput   batch 64 with no adapter, one adapter, 8 adapters
-    9 graphs            decode step ms at batch 1 and 64, cuda_graphs off vs on, greedy tokens identical
-   10 sampled           64 sampled requests: tok/s vs greedy; seeded ones in the batch = alone
-   11 adapter_load      32 requests decoding: step p99 while an unread adapter loads vs without
-   12 memory            default KV sizing on the card (small, llama3-8b) and a maximum-size step
+    3 quant             int8 (Triton W8A16) and FP8 weight GEMMs vs reference, timed vs bf16
+    4 parity            CPU fp32 = device fp32 greedy tokens; device bf16's first divergence
+    5 batch_invariance  16 requests in one batch = each alone (device fp32)
+    6 lora_parity       8 adapters and base mixed in one batch: CPU fp32 = device fp32
+    7 profile           one decode step at batch 64: kernels, GPU busy / wall, no gather inside attention
+    8 throughput        decode tok/s at batch 1 and 64 vs HF transformers and the roofline
+    9 lora_throughput   batch 64 with no adapter, one adapter, 8 adapters
+   10 graphs            decode step ms at batch 1 and 64, cuda_graphs off vs on, greedy tokens identical
+   11 sampled           64 sampled requests: tok/s vs greedy; seeded ones in the batch = alone
+   12 adapter_load      32 requests decoding: step p99 while an unread adapter loads vs without
+   13 memory            default KV sizing on the card (small, llama3-8b) and a maximum-size step
 
 Statuses: pass, fail (a check did not hold), error (the step raised), skip. The exit code is 1 when any
 step failed or raised. The JSON (rewritten after each step; "complete" once all ran): {"tool", "schema",
@@ -336,6 +337,7 @@ def _engine_step(name: str, module: str = "gpu_check_steps") -> Callable[[CheckC
 STEPS: list[tuple[str, str, Callable[[CheckContext], tuple[str, str, dict]]]] = [
     ("versions", "versions and device", versions),
     ("kernels", "Triton kernels vs reference (tests/kernels)", kernels),
+    ("quant", "int8 / FP8 weight GEMMs vs reference and bf16", _engine_step("quant", "gpu_check_quant")),
     ("parity", "greedy tokens: CPU fp32 vs device fp32, device bf16", _engine_step("parity")),
     ("batch_invariance", "batch of 16 vs each request alone", _engine_step("batch_invariance")),
     ("lora_parity", "8 mixed adapters: CPU fp32 vs device fp32", _engine_step("lora_parity")),

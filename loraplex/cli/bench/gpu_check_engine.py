@@ -1,4 +1,4 @@
-"""gpu-check's engine-path steps (9-12): decode step time with CUDA graphs on and off, a sampled batch on the
+"""gpu-check's engine-path steps (10-13): decode step time with CUDA graphs on and off, a sampled batch on the
 device, an adapter read while a batch decodes, and the KV cache sized by measurement on the real card.
 
 Every step takes the run's CheckContext (gpu_check.py) and returns (status, one-line summary, figures), as

@@ -1,4 +1,4 @@
-"""gpu-check's engine steps (3-8): greedy-token parity across devices, dtypes, batches and adapters, one
+"""gpu-check's engine steps (4-9): greedy-token parity across devices, dtypes, batches and adapters, one
 profiled decode step, and throughput against HF transformers and the roofline.
 
 Every step takes the run's CheckContext (gpu_check.py) and returns (status, one-line summary, figures);

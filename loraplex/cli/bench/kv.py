@@ -22,7 +22,7 @@ import torch
 
 from loraplex.cli.bench.engine import bench_prompts, paired_ratio, step_interleaved
 from loraplex.cli.bench.lora import agreement
-from loraplex.cli.bench.weights import _requests, prompt_perplexity
+from loraplex.cli.bench.quant import _requests, prompt_perplexity
 from loraplex.engine.api import GenerateRequest, SamplingParams
 from loraplex.engine.config import KV_CACHE_DTYPES, EngineConfig
 from loraplex.engine.core import EngineCore

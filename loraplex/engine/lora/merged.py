@@ -9,7 +9,9 @@ only once one adapter has held every token of `after_steps` fused decode steps i
 is kept, and it goes when its slot is rewritten or another adapter earns the merge.
 
 CPU fused decode step only (kernels/cpu/decode_step.py, fp32): the copy is packed without an
-unpacked weight; the per-op path (prefill, mixed steps) and the GPU keep the LoRA kernels.
+unpacked weight, in the base's packed element type, or bf16 over a block-quantized base (W + BA has no
+blocks of its own; bf16 keeps the adapter's delta, which re-quantizing would round away); the per-op path
+(prefill, mixed steps) and the GPU keep the LoRA kernels.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import time
 
 import torch
 
-from loraplex.engine.kernels.cpu.linear import pack
+from loraplex.engine.kernels.cpu.linear import BLOCK_KINDS, pack
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.models.llama import PROJECTIONS, LayerWeights
+from loraplex.engine.quant import BlockWeight, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -83,10 +86,13 @@ class MergedAdapter:
             merged = {}
             for module in PROJECTIONS:
                 base = self.model.w[f"layers.{li}.{module}"]  # [out, in]
+                if isinstance(base, BlockWeight):
+                    base = dequantize(base)
                 out = scratch.setdefault(tuple(base.shape), torch.empty_like(base))
                 if self.slots.merged_weight(li, module, slot, base, out):
-                    # (in the model's packed element type: a step's weights share one)
-                    merged[module] = pack(out, keep_weight=False, dtype=getattr(base_layer, module).data.dtype)
+                    packed = getattr(base_layer, module)
+                    dtype = torch.bfloat16 if packed.kind in BLOCK_KINDS else packed.data.dtype
+                    merged[module] = pack(out, keep_weight=False, dtype=dtype)
             layers.append(base_layer._replace(**merged))
         self._key, self._layers = key, layers
         self.builds += 1

@@ -1,8 +1,11 @@
-"""GGUF file -> LlamaConfig, fp32 weights in llama.py's internal naming, and the Tokenizer.
+"""GGUF file -> LlamaConfig, weights in llama.py's internal naming, and the Tokenizer.
 
-Quantized tensors are dequantized once with gguf's own numpy kernels and the result is cached as
-safetensors (config and tokenizer in its header), so every later load is an mmap: no metadata
-parse (GGUFReader alone takes seconds on a 49k-token vocab) and no dequantization.
+- With keep_blocks, Q8_0 / Q4_0 / Q4_1 matrices stay in their blocks (engine/quant.py BlockWeight, the bytes
+  the file holds); every other tensor, and every tensor without keep_blocks, is dequantized to fp32 with
+  gguf's own numpy kernels.
+- The result is cached as safetensors (config, tokenizer and the blocks' formats in its header; one file
+  per mode), so every later load is an mmap: no metadata parse (GGUFReader alone takes seconds on a
+  49k-token vocab) and no dequantization.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from loraplex.engine.config import default_cache_dir
 from loraplex.engine.models.llama import LlamaConfig, rope_inv_freq
 from loraplex.engine.models.registry import family_for_gguf
 from loraplex.engine.models.tokenizer import Tokenizer
+from loraplex.engine.quant import BlockWeight, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -41,10 +45,16 @@ def open_gguf(path: str | Path):
         raise ValueError(f"{path}: not a valid or complete GGUF file ({type(e).__name__}: {e})") from e
 
 
-def load_gguf(path: str | Path, cache_dir: str | Path | None = None) -> tuple[LlamaConfig, dict, Tokenizer]:
-    """(config, fp32 weights, tokenizer) for a GGUF, from the cache when it holds this file."""
+# GGUF tensor types kept as blocks with keep_blocks (their quant.BLOCK_BYTES names)
+KEPT_BLOCKS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+
+
+def load_gguf(path: str | Path, cache_dir: str | Path | None = None,
+              keep_blocks: bool = False) -> tuple[LlamaConfig, dict, Tokenizer]:
+    """(config, weights, tokenizer) for a GGUF, from the cache when it holds this file: fp32 tensors, and
+    with keep_blocks BlockWeights for the matrices stored in KEPT_BLOCKS' formats."""
     path = Path(path)
-    cache = _cache_file(path, Path(cache_dir) if cache_dir is not None else default_cache_dir())
+    cache = _cache_file(path, Path(cache_dir) if cache_dir is not None else default_cache_dir(), keep_blocks)
     hit = _read_cache(cache)
     if hit is not None:
         return hit
@@ -52,13 +62,31 @@ def load_gguf(path: str | Path, cache_dir: str | Path | None = None) -> tuple[Ll
     try:
         config = gguf_config(reader)
         tokenizer = Tokenizer.from_gguf(reader)
-        weights = gguf_weights(reader, config)
+        weights = gguf_weights(reader, config, keep_blocks)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from e
     except (KeyError, TypeError, RuntimeError, NotImplementedError) as e:  # missing keys, odd quant types
         raise ValueError(f"{path}: unsupported GGUF contents ({type(e).__name__}: {e})") from e
     _write_cache(cache, config, weights, tokenizer)
     return config, weights, tokenizer
+
+
+def gguf_tokenizer(path: str | Path, cache_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer alone, as load_gguf gives it: from the cache's metadata when it holds this file (no weights
+    read; either mode's cache), else parsed from the GGUF."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    for cache in (_cache_file(Path(path), root, keep) for keep in (True, False)):
+        if not cache.is_file():
+            continue
+        try:
+            with safe_open(str(cache), framework="pt") as f:
+                return Tokenizer.from_json(f.metadata()["tokenizer"])
+        except Exception as e:  # an unreadable cache is only a miss
+            log.warning("ignoring unreadable model cache %s: %s", cache, e)
+    try:
+        return Tokenizer.from_gguf(open_gguf(path))
+    except (KeyError, TypeError, RuntimeError) as e:
+        raise ValueError(f"{path}: unsupported GGUF contents ({type(e).__name__}: {e})") from e
 
 
 def gguf_config(reader) -> LlamaConfig:
@@ -114,14 +142,25 @@ def _with_llama3_scaling(config: LlamaConfig, freqs: torch.Tensor) -> LlamaConfi
     return scaled
 
 
-def gguf_weights(reader, config: LlamaConfig) -> dict[str, torch.Tensor]:
-    """Dequantized fp32 weights in internal naming, Q/K rows back in HF (rotate-half) order."""
+def gguf_weights(reader, config: LlamaConfig, keep_blocks: bool = False) -> dict[str, torch.Tensor | BlockWeight]:
+    """Weights in internal naming (fp32, or with keep_blocks the matrices in KEPT_BLOCKS' formats as blocks),
+    Q/K rows back in HF (rotate-half) order."""
     tensors = {t.name: t for t in reader.tensors}
     arch = reader.fields["general.architecture"].contents()
     permuted = arch == "llama"  # llama.cpp interleaves Q/K rows only for its "llama" rope layout
 
-    def w(name: str) -> torch.Tensor:
-        return _dequantize(tensors[name])
+    def w(name: str) -> torch.Tensor | BlockWeight:
+        t = tensors[name]
+        fmt = KEPT_BLOCKS.get(t.tensor_type.name) if keep_blocks and len(t.shape) == 2 else None
+        if fmt is None:
+            return _dequantize(t)
+        return BlockWeight(fmt, torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(int(t.shape[1]), -1)))
+
+    def cat(parts: list) -> torch.Tensor | BlockWeight:
+        """Rows of several tensors: blocks stay blocks when all share one format, else all become fp32."""
+        if all(isinstance(p, BlockWeight) for p in parts) and len({p.fmt for p in parts}) == 1:
+            return BlockWeight.cat(parts)
+        return torch.cat([dequantize(p) if isinstance(p, BlockWeight) else p for p in parts])
 
     out = {"embed": w("token_embd.weight"), "norm": w("output_norm.weight")}
     if not config.tie_word_embeddings:
@@ -131,7 +170,7 @@ def gguf_weights(reader, config: LlamaConfig) -> dict[str, torch.Tensor]:
         q, k, v = w(b + "attn_q.weight"), w(b + "attn_k.weight"), w(b + "attn_v.weight")
         if permuted:
             q, k = unpermute_rows(q, config.num_heads), unpermute_rows(k, config.num_kv_heads)
-        out[p + "qkv"] = torch.cat([q, k, v])  # [q + 2 kv, hidden]
+        out[p + "qkv"] = cat([q, k, v])  # [q + 2 kv, hidden]
         if config.attention_bias:
             qb, kb, vb = w(b + "attn_q.bias"), w(b + "attn_k.bias"), w(b + "attn_v.bias")
             if permuted:
@@ -141,14 +180,16 @@ def gguf_weights(reader, config: LlamaConfig) -> dict[str, torch.Tensor]:
         out[p + "o"] = w(b + "attn_output.weight")
         out[p + "post_norm"] = w(b + "ffn_norm.weight")
         # gate_up: [2 * intermediate, hidden]
-        out[p + "gate_up"] = torch.cat([w(b + "ffn_gate.weight"), w(b + "ffn_up.weight")])
+        out[p + "gate_up"] = cat([w(b + "ffn_gate.weight"), w(b + "ffn_up.weight")])
         out[p + "down"] = w(b + "ffn_down.weight")
     return out
 
 
-def unpermute_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+def unpermute_rows(w: torch.Tensor | BlockWeight, n_heads: int) -> torch.Tensor | BlockWeight:
     """GGUF stores each head's rows as interleaved pairs (x0, x_half, x1, x_half+1, ...);
     put them back as [first half; second half] per head, the layout rotate-half RoPE expects."""
+    if isinstance(w, BlockWeight):  # (a row's blocks move with it)
+        return BlockWeight(w.fmt, unpermute_rows(w.data, n_heads))
     rows = w.shape[0]
     head_dim = rows // n_heads
     # w: [n_heads * head_dim, ...] -> [n_heads, head_dim/2, 2, ...] -> [n_heads, 2, head_dim/2, ...]
@@ -165,10 +206,11 @@ def _dequantize(t) -> torch.Tensor:
     return torch.from_numpy(arr.reshape(shape))
 
 
-def _cache_file(path: Path, cache_dir: Path) -> Path:
+def _cache_file(path: Path, cache_dir: Path, keep_blocks: bool) -> Path:
     st = path.stat()
     stem = re.sub(r"[^A-Za-z0-9._-]", "_", path.name)
-    return cache_dir / "gguf" / f"{stem}-{st.st_size}-{st.st_mtime_ns}-v{CACHE_VERSION}.safetensors"
+    mode = "-blocks" if keep_blocks else ""
+    return cache_dir / "gguf" / f"{stem}-{st.st_size}-{st.st_mtime_ns}-v{CACHE_VERSION}{mode}.safetensors"
 
 
 def _read_cache(cache: Path) -> tuple[LlamaConfig, dict, Tokenizer] | None:
@@ -179,7 +221,10 @@ def _read_cache(cache: Path) -> tuple[LlamaConfig, dict, Tokenizer] | None:
             meta = f.metadata()
         config = LlamaConfig(**json.loads(meta["config"]))
         tokenizer = Tokenizer.from_json(meta["tokenizer"])
-        return config, load_file(str(cache)), tokenizer  # load_file maps the file, no copy
+        weights = load_file(str(cache))  # load_file maps the file, no copy
+        for name, fmt in json.loads(meta.get("blocks", "{}")).items():
+            weights[name] = BlockWeight(fmt, weights[name])
+        return config, weights, tokenizer
     except Exception as e:  # an unreadable cache is only a miss; it gets rewritten
         log.warning("ignoring unreadable model cache %s: %s", cache, e)
         return None
@@ -187,7 +232,10 @@ def _read_cache(cache: Path) -> tuple[LlamaConfig, dict, Tokenizer] | None:
 
 def _write_cache(cache: Path, config: LlamaConfig, weights: dict, tokenizer: Tokenizer) -> None:
     """Temp file + rename, so a concurrent or interrupted load never sees half a file."""
-    meta = {"config": json.dumps(dataclasses.asdict(config)), "tokenizer": tokenizer.to_json()}
+    blocks = {name: w.fmt for name, w in weights.items() if isinstance(w, BlockWeight)}
+    meta = {"config": json.dumps(dataclasses.asdict(config)), "tokenizer": tokenizer.to_json(),
+            "blocks": json.dumps(blocks)}
+    weights = {name: w.data if isinstance(w, BlockWeight) else w for name, w in weights.items()}
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=f".{cache.name}.", suffix=".tmp")

@@ -1,16 +1,21 @@
 """The decoder's per-layer operations, in two implementations chosen once per model.
 
-`TorchOps` runs anywhere (CUDA, CPU, any dtype). `CpuKernelOps` replaces the projections (over
-weights packed once, in fp32 or, with EngineConfig.weight_dtype bfloat16, in bf16), the residual add +
-RMSNorm and RoPE with the C kernels of kernels/cpu when the model runs on the CPU in fp32 and the
-kernels are built (attention is the attention backend's: engine/attention); results agree with TorchOps
-to float rounding.
+- `TorchOps` runs anywhere (CUDA, CPU, any dtype). Block-quantized weights (engine/quant.py) are dequantized
+  once, at load; int8 / FP8 weights (kernels/quant_linear.py) run through their own GEMMs.
+- `CpuKernelOps` replaces the projections (over weights packed once: in fp32, in bf16 with
+  EngineConfig.weight_dtype bfloat16, or in their GGUF blocks), the residual add + RMSNorm and RoPE with
+  the C kernels of kernels/cpu when the model runs on the CPU in fp32 and the kernels are built (attention
+  is the attention backend's: engine/attention); results agree with TorchOps to float rounding.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from loraplex.engine.kernels import quant_linear
+from loraplex.engine.kernels.quant_linear import QuantizedLinearWeight
+from loraplex.engine.quant import BlockWeight, dequantize
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -29,6 +34,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return torch.addcmul(x * cos, torch.cat((-x2, x1), dim=-1), sin)
 
 
+def embed_rows(embed: torch.Tensor | BlockWeight, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The embedding rows of `ids` [tokens] -> [tokens, hidden] in `dtype` (a block table dequantizes only them)."""
+    if isinstance(embed, BlockWeight):
+        return embed.rows(ids).to(dtype)
+    return torch.index_select(embed, 0, ids)
+
+
 class TorchOps:
     decode_step = None  # no fused step: the model runs layer by layer
 
@@ -41,11 +53,19 @@ class TorchOps:
         cos = torch.index_select(self.rope_cos, 0, positions).unsqueeze(1)
         return cos, torch.index_select(self.rope_sin, 0, positions).unsqueeze(1)
 
-    def prepare(self, w: torch.Tensor):
+    def resident_weights(self, weights: dict, prepared: dict) -> dict:
+        """The weights the model keeps once `prepared` (name -> what prepare made of it) exists: here all."""
+        return weights
+
+    def prepare(self, w: torch.Tensor | BlockWeight):
         """A projection weight [out, in] as `linear` takes it (done once, at model load)."""
+        if isinstance(w, BlockWeight):
+            return dequantize(w).to(self.rope_cos.dtype)
         return w
 
     def linear(self, x: torch.Tensor, w, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if isinstance(w, QuantizedLinearWeight):  # int8 (W8A16) or FP8 (torch._scaled_mm)
+            return quant_linear.linear(x, w, bias)
         return F.linear(x, w, bias)  # x: [tokens, in]; w: [out, in] -> [tokens, out]
 
     def add_rms_norm(self, h: torch.Tensor, delta: torch.Tensor | None, w: torch.Tensor,
@@ -91,7 +111,16 @@ class CpuKernelOps(TorchOps):
         return positions.contiguous()
 
     def prepare(self, w):
+        if isinstance(w, self.lin.PanelBlocks):  # (a model built again over weights another one packed)
+            return w.packed
+        if isinstance(w, BlockWeight):  # its blocks, as they are (linear.c's quantized builds)
+            return self.lin.pack_blocks(w)
         return self.lin.pack(w, dtype=self.packed_dtype)  # linear.c's panel layout
+
+    def resident_weights(self, weights, prepared):
+        """Blocks give way to their panels (PanelBlocks): a resident model holds its blocks once."""
+        return {name: self.lin.PanelBlocks(prepared[name]) if isinstance(w, BlockWeight) and name in prepared
+                else w for name, w in weights.items()}
 
     def linear(self, x, w, bias=None):
         return self.lin.packed_linear(x, w, bias)
@@ -126,7 +155,7 @@ class CpuKernelOps(TorchOps):
                 self._step_models.clear()
             entry = (kv_caches, layers, self._step_model(model, kv_caches, layers))
             self._step_models[key] = entry
-        h = torch.index_select(model.w["embed"], 0, input_ids)  # [tokens, hidden]
+        h = embed_rows(model.w["embed"], input_ids, model.dtype)  # [tokens, hidden]
         return entry[2].run(h, positions, attn.slot_mapping, attn.decode_blocks, attn.decode_lens, logits_indices,
                             *lora_args)
 
@@ -165,6 +194,18 @@ def weight_copies(device: torch.device, dtype: torch.dtype, packed_dtype: torch.
     if not uses_cpu_kernels(device, dtype):
         return 1
     return 1 + (packed_dtype or dtype).itemsize / dtype.itemsize
+
+
+def resident_weight_bytes(weights: dict, device: torch.device, dtype: torch.dtype,
+                          packed_dtype: torch.dtype | None = None) -> int:
+    """Memory a resident model's weights take: float tensors times weight_copies; blocks once with the CPU
+    kernels (their panels are their only copy: CpuKernelOps.resident_weights), else as loaded plus their
+    dequantized copies; CUDA's int8 / FP8 weights as they are."""
+    floats = sum(w.nbytes for w in weights.values() if isinstance(w, torch.Tensor))
+    blocks = [w for w in weights.values() if isinstance(w, BlockWeight)]
+    quantized = sum(w.nbytes for w in weights.values() if isinstance(w, QuantizedLinearWeight))
+    extra = 0 if uses_cpu_kernels(device, dtype) else sum(w.shape.numel() * dtype.itemsize for w in blocks)
+    return int(floats * weight_copies(device, dtype, packed_dtype)) + sum(w.nbytes for w in blocks) + extra + quantized
 
 
 def ops_for(rope_cos: torch.Tensor, rope_sin: torch.Tensor, packed_dtype: torch.dtype | None = None,

@@ -15,7 +15,9 @@ Internal weight names (what loaders produce):
     layers.{i}.gate_up         [2 * intermediate, hidden]
     layers.{i}.down            [hidden, intermediate]
     norm                       [hidden]
-    lm_head                    [vocab, hidden] (absent when tie_word_embeddings)
+    lm_head                    [vocab, hidden] (absent when tie_word_embeddings, unless quantized for CUDA)
+Matrices may be BlockWeights (engine/quant.py: a GGUF's own blocks, or quantized at load); norms and biases
+are always float tensors.
 Q and K rows are in Hugging Face order (rotate-half RoPE), not GGUF's interleaved order.
 """
 
@@ -30,7 +32,8 @@ import torch
 from loraplex.engine.attention.base import AttentionBackend
 from loraplex.engine.attention.registry import attention_backend
 from loraplex.engine.kv.kv_dtype import row_width
-from loraplex.engine.models.layer_ops import ops_for
+from loraplex.engine.models.layer_ops import embed_rows, ops_for
+from loraplex.engine.quant import BlockWeight
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,8 @@ PROJECTIONS = ("qkv", "o", "gate_up", "down")
 class LlamaModel:
     """The decoder as plain tensors; `forward` is one step over a flat token batch."""
 
-    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor], packed_dtype: torch.dtype | None = None,
+    def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor | BlockWeight],
+                 packed_dtype: torch.dtype | None = None,
                  attention: AttentionBackend | str = "auto"):
         """packed_dtype: the element type the CPU kernels pack the projections and LM head in (default:
         the weights' dtype); a narrower one expects weights already rounded to it (load_model's
@@ -157,9 +161,9 @@ class LlamaModel:
                     f"model weights: {name} has shape {tuple(weights[name].shape)}, expected {shape}")
         self.config = config
         self.w = weights
-        self.dtype = weights["embed"].dtype
-        self.device = weights["embed"].device
-        self.lm_head = weights["embed"] if config.tie_word_embeddings else weights["lm_head"]  # [vocab, hidden]
+        self.dtype = weights["norm"].dtype
+        self.device = weights["norm"].device
+        lm_head = weights.get("lm_head", weights["embed"])  # [vocab, hidden] (a tied model's own if quantized)
         inv_freq = rope_inv_freq(config)
         pos = torch.arange(config.max_position_embeddings, dtype=torch.float64)
         angles = torch.outer(pos, inv_freq)  # [max_pos, head_dim / 2]
@@ -174,8 +178,11 @@ class LlamaModel:
             attention = attention_backend(attention, self.device, self.dtype, config.head_dim)
         self.attention = attention  # every layer's attention over the paged cache (engine/attention)
         self.ops = ops_for(self.rope_cos, self.rope_sin, packed_dtype, fused_decode=family.fused_cpu_decode)
-        self.lm_head_w = self.ops.prepare(self.lm_head)
+        self.lm_head_w = self.ops.prepare(lm_head)
         self.layers = [self._layer_weights(n) for n in range(config.num_layers)]
+        prepared = {f"layers.{n}.{m}": getattr(layer, m) for n, layer in enumerate(self.layers) for m in PROJECTIONS}
+        prepared["lm_head" if "lm_head" in weights else "embed"] = self.lm_head_w
+        self.w = self.ops.resident_weights(weights, prepared)  # (blocks: their panels, on the CPU kernels)
 
     def _layer_weights(self, n: int) -> LayerWeights:
         p = f"layers.{n}."
@@ -186,13 +193,21 @@ class LlamaModel:
                             down=prep(w[p + "down"]))
 
     def weight_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.w.values())
+        return sum(t.nbytes for t in self.w.values())
+
+    def resident_bytes(self) -> int:
+        """Memory the weights take: as kept (self.w) plus the packed copies not kept there already (a block
+        weight's panels are its kept form: PanelBlocks)."""
+        kept = {id(getattr(w, "packed", None)) for w in self.w.values()}
+        packed = [self.lm_head_w] + [getattr(layer, m) for layer in self.layers for m in PROJECTIONS]
+        return self.weight_bytes() + sum(p.nbytes for p in packed if not isinstance(p, torch.Tensor)
+                                         and id(p) not in kept)
 
     def packed_bytes(self) -> int:
         """Bytes of the CPU kernels' packed projections and LM head (what an all-decode step reads of
         the weights; at the packed dtype); 0 where the ops use the weights as they are."""
         packed = [self.lm_head_w] + [getattr(layer, m) for layer in self.layers for m in PROJECTIONS]
-        return sum(p.data.numel() * p.data.element_size() for p in packed if not isinstance(p, torch.Tensor))
+        return sum(p.nbytes for p in packed if not isinstance(p, torch.Tensor))
 
     def forward(
         self,
@@ -221,7 +236,7 @@ class LlamaModel:
         eps = cfg.rms_norm_eps
         qk_size = cfg.q_size + cfg.kv_size
         rope = ops.rope_state(positions)
-        h = torch.index_select(self.w["embed"], 0, input_ids)  # h: [tokens, hidden], the residual stream
+        h = embed_rows(self.w["embed"], input_ids, self.dtype)  # h: [tokens, hidden], the residual stream
         n_tok = h.shape[0]
         delta = None  # the previous sublayer's output, added to h by the next add_rms_norm
         for li, lw in enumerate(self.layers):  # lw: LayerWeights, every projection [out, in]

@@ -12,8 +12,10 @@
  *     gu = x @ Wgu^T (+ LoRA); act = silu(gate) * up; delta = act @ Wdown^T (+ LoRA down)
  *   then for each i < n_logits, row r = logits_rows[i]:
  *   logits[i] = (rms_norm(h[r] + delta[r]) * norm) @ Wlm^T.
- * The packed projections and LM head are all fp32 or all bf16 (the table's M_WTYPE, LP_W_*: linear.c
- * or linear_bf16.c serves them). h [B, H] is the residual stream (embedding rows in, updated in
+ * Each packed projection and the LM head has its own element type (the table's L_WTYPE + module and
+ * M_WTYPE, LP_W_*: fp32, bf16 or a GGUF block format, served by that build of linear.c), so a merged
+ * adapter's bf16 copy of some projections runs beside quantized ones, and a Q4_1 model's Q8_0 LM head
+ * beside its Q4_1 projections. h [B, H] is the residual stream (embedding rows in, updated in
  * place); scratch holds the activations (decode_step_scratch_floats). The model and LoRA tables are
  * int64 blocks built once (layout below); the step block is built per call. Returns 0, or a negative
  * code and writes no K/V when a slot, block id or length is out of range.
@@ -40,7 +42,9 @@
 /* Model table: MODEL_FIELDS header fields, then LAYER_FIELDS per layer. */
 enum { M_LAYERS, M_HIDDEN, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_INTER, M_VOCAB, M_BLOCK_SIZE, M_CACHE_SLOTS,
        M_EPS_BITS, M_ROPE_COS, M_ROPE_SIN, M_MAX_POS, M_NORM, M_LM_HEAD, M_WTYPE, M_KV_TYPE, MODEL_FIELDS };
-enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, LAYER_FIELDS };
+enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE,
+       L_WTYPE, /* the projections' element types, in MOD_* order (4 fields) */
+       LAYER_FIELDS = L_WTYPE + 4 };
 /* The LoRA table's layout is in kernels.h (LP_R_*). */
 enum { LORA_MODULES = LP_LORA_MODULES, LORA_WIDTHS = LP_LORA_WIDTHS, LORA_HEADER = LP_LORA_HEADER };
 enum { R_SLOTS = LP_R_SLOTS, R_RMAX = LP_R_RMAX, R_RANKS = LP_R_RANKS, R_WTYPE = LP_R_WTYPE,
@@ -152,12 +156,33 @@ static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
     return side;
 }
 
-/* y = x @ W^T (+ bias) over one of the model's packed weights [N, K], in its element type (side may be
+/* Whether linear.c has a build for this element type. */
+static int linear_type(int64_t wtype) {
+    return wtype == LP_W_F32 || wtype == LP_W_BF16 || wtype == LP_W_Q8_0 || wtype == LP_W_Q4_0 || wtype == LP_W_Q4_1;
+}
+
+/* return FN_<suffix>(args) for the build of linear.c that serves wtype */
+#define BY_WTYPE(wtype, FN, ...)                                    \
+    switch (wtype) {                                                \
+        case LP_W_F32: return FN##_f32(__VA_ARGS__);                \
+        case LP_W_BF16: return FN##_bf16(__VA_ARGS__);              \
+        case LP_W_Q8_0: return FN##_q8_0(__VA_ARGS__);              \
+        case LP_W_Q4_0: return FN##_q4_0(__VA_ARGS__);              \
+        case LP_W_Q4_1: return FN##_q4_1(__VA_ARGS__);              \
+        default: return -1;                                         \
+    }
+
+/* y = x @ W^T (+ bias) over one of the model's packed weights [N, K] of element type wtype (side may be
  * NULL). */
-static int project(const int64_t *model, const float *x, int64_t T, int64_t K, const void *wp, int64_t N,
+static int project(int64_t wtype, const float *x, int64_t T, int64_t K, const void *wp, int64_t N,
                    const float *bias, float *y, const lp_side_t *side) {
-    if (model[M_WTYPE] == LP_W_BF16) return lp_linear_packed_side_bf16(x, T, K, K, wp, N, bias, y, side);
-    return lp_linear_packed_side_f32(x, T, K, K, wp, N, bias, y, side);
+    BY_WTYPE(wtype, lp_linear_packed_side, x, T, K, K, wp, N, bias, y, side)
+}
+
+/* ... with one adapter folded in (lp_linear_fold_*). */
+static int project_fold(int64_t wtype, const float *x, int64_t T, int64_t K, const void *wp, int64_t N,
+                        const float *bias, float *y, const lp_side_t *side, const lp_fold_t *fold) {
+    BY_WTYPE(wtype, lp_linear_fold, x, T, K, K, wp, N, bias, y, side, fold)
 }
 
 /* y = x @ W^T (+ bias) for one layer's module, plus its adapter deltas when the step has any: the
@@ -166,7 +191,8 @@ static int project(const int64_t *model, const float *x, int64_t T, int64_t K, c
 static int gemm(step_lora_t *lo, int64_t layer, int module, const float *x, int64_t T, const void *wp,
                 int64_t N, const float *bias, float *y) {
     const int64_t K = module_in(lo->model, module);
-    if (!lo->tab) return project(lo->model, x, T, K, wp, N, bias, y, 0);
+    const int64_t wtype = lo->model[MODEL_FIELDS + layer * LAYER_FIELDS + L_WTYPE + module];
+    if (!lo->tab) return project(wtype, x, T, K, wp, N, bias, y, 0);
     lp_side_t side = side_spans(lo, layer, module);
     int rc;
     if (lo->fold_slot >= 0) {
@@ -182,10 +208,9 @@ static int gemm(step_lora_t *lo, int64_t layer, int module, const float *x, int6
             sp[0] = (int64_t)(intptr_t)lo->fold_next, sp[1] = 1, sp[2] = 0;
             sp[3] = lp_fold_shrink_floats(module_in(lo->model, next), lp_lora_module(lo->tab, next)[0], rk) * 4;
         }
-        rc = lo->model[M_WTYPE] == LP_W_BF16 ? lp_linear_fold_bf16(x, T, K, K, wp, N, bias, y, &side, &fold)
-                                              : lp_linear_fold_f32(x, T, K, K, wp, N, bias, y, &side, &fold);
+        rc = project_fold(wtype, x, T, K, wp, N, bias, y, &side, &fold);
     } else {
-        rc = project(lo->model, x, T, K, wp, N, bias, y, &side);
+        rc = project(wtype, x, T, K, wp, N, bias, y, &side);
     }
     return rc ? rc : lora(lo, layer, module, x, y, T);
 }
@@ -235,7 +260,10 @@ static int check_step(const int64_t *model, const int64_t *step) {
     const int64_t *tables = PTR(const int64_t *, step[S_TABLES]), *pos = PTR(const int64_t *, step[S_POSITIONS]);
     const int64_t *rows = PTR(const int64_t *, step[S_LOGIT_ROWS]);
     if (B < 1 || max_blocks < 1 || step[S_N_LOGITS] < 0 || step[S_N_LOGITS] > B) return -1;
-    if (model[M_WTYPE] != LP_W_F32 && model[M_WTYPE] != LP_W_BF16) return -1;
+    if (!linear_type(model[M_WTYPE])) return -1;
+    for (int64_t l = 0; l < model[M_LAYERS]; l++)
+        for (int m = 0; m < LORA_MODULES; m++)
+            if (!linear_type(model[MODEL_FIELDS + l * LAYER_FIELDS + L_WTYPE + m])) return -1;
     if (step[S_LORA] && (step[S_LORA_NUM_GROUPS] < 0 || step[S_LORA_NUM_GROUPS] > B)) return -1; /* scratch */
     for (int64_t b = 0; b < B; b++) {
         if (slot[b] < 0 || slot[b] >= slots || lens[b] < 1 || lens[b] > max_blocks * bs) return -2;
@@ -299,6 +327,6 @@ int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
         lp_add_rms_norm_f32(x + i * H, delta + rows[i] * H, PTR(const float *, model[M_NORM]), 1, H, eps, x + i * H);
     }
     if (n == 0) return 0;
-    return project(model, x, n, H, PTR(const void *, model[M_LM_HEAD]), model[M_VOCAB], 0,
+    return project(model[M_WTYPE], x, n, H, PTR(const void *, model[M_LM_HEAD]), model[M_VOCAB], 0,
                    PTR(float *, step[S_LOGITS]), 0);
 }

@@ -17,13 +17,14 @@ from typing import Any, NamedTuple
 import torch
 
 from loraplex.engine.kernels.cpu.build import WEIGHT_CODES, functions, require
-from loraplex.engine.kernels.cpu.linear import PackedWeight
+from loraplex.engine.kernels.cpu.linear import KIND_CODES, PackedWeight
 from loraplex.engine.kv.kv_dtype import KV_CODES, row_width
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 LORA_MODULES = ("qkv", "o", "gate_up", "down")  # decode_step.c's order
 # A layer's weights in the model table, by name (models/llama.py's LayerWeights fields), in decode_step.c's
-# order (L_IN_NORM .. L_DOWN); its K and V cache follow (L_K_CACHE, L_V_CACHE).
+# order (L_IN_NORM .. L_DOWN); its K and V cache follow (L_K_CACHE, L_V_CACHE), then the projections' element
+# types (L_WTYPE, in LORA_MODULES order).
 LAYER_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
 _LORA_WIDTHS = 4
 _STEP = struct.Struct("20q")
@@ -66,15 +67,16 @@ class StepLayer(NamedTuple):
     def pointers(self) -> list[int]:
         """The layer's entries of the model table, in decode_step.c's order (0 for an absent bias)."""
         weights = [_ptr(getattr(self.weights, name)) for name in LAYER_WEIGHTS]
-        return weights + [_ptr(self.k_cache), _ptr(self.v_cache)]
+        kinds = [KIND_CODES[getattr(self.weights, name).kind] for name in LORA_MODULES]
+        return weights + [_ptr(self.k_cache), _ptr(self.v_cache)] + kinds
 
 
 class DecodeStepModel:
     """The model table: dimensions, then per layer (StepLayer.pointers) input norm, qkv, qkv bias or
-    None, o, post norm, gate_up, down, K cache, V cache. Projections are PackedWeights, all fp32 or all
-    bf16 with the LM head; caches [blocks, block_size, kv_heads, row width] contiguous, all of one
-    kv/kv_dtype.py type (the table's last header field, M_KV_TYPE: the step writes and reads that type); rope
-    tables [max_pos, head_dim]."""
+    None, o, post norm, gate_up, down, K cache, V cache, the projections' kinds. Projections and the LM
+    head are PackedWeights, each of its own kind (fp32, bf16 or GGUF blocks); caches [blocks, block_size,
+    kv_heads, row width] contiguous, all of one kv/kv_dtype.py type (the table's last header field, M_KV_TYPE:
+    the step writes and reads that type); rope tables [max_pos, head_dim]."""
 
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
                  rope_cos: torch.Tensor, rope_sin: torch.Tensor, norm: torch.Tensor, lm_head: PackedWeight,
@@ -91,7 +93,6 @@ class DecodeStepModel:
         cache_shape, kv_dtype = tuple(layers[0].k_cache.shape), layers[0].k_cache.dtype
         if kv_dtype not in KV_CODES:
             raise ValueError(f"a KV cache of {kv_dtype} (have: {', '.join(map(str, KV_CODES))})")
-        wtype = lm_head.data.dtype  # (pack() made it float32 or bfloat16)
         projections = {"qkv": (qkv_out, hidden), "o": (hidden, heads * head_dim),
                        "gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}  # [out, in]
         for layer in layers:
@@ -100,9 +101,6 @@ class DecodeStepModel:
                 w = getattr(lw, name)
                 if (w.out_features, w.in_features) != (n, k):
                     raise ValueError(f"{name} is [{w.out_features}, {w.in_features}], expected [{n}, {k}]")
-                if w.data.dtype != wtype:
-                    raise ValueError(f"{name} is packed as {w.data.dtype} but the LM head as {wtype}: one step "
-                                     f"takes one weight type")
             for name, t, width in (("input norm", lw.input_norm, hidden), ("post norm", lw.post_norm, hidden),
                                    ("qkv bias", lw.qkv_bias, qkv_out)):
                 if t is not None:
@@ -119,7 +117,7 @@ class DecodeStepModel:
         self._keep = (rope_cos, rope_sin, norm, lm_head, list(layers))
         fields = [len(layers), hidden, heads, kv_heads, head_dim, intermediate, lm_head.out_features,
                   cache_shape[1], cache_shape[0] * cache_shape[1], _double_bits(eps), _ptr(rope_cos),
-                  _ptr(rope_sin), rope_cos.shape[0], _ptr(norm), _ptr(lm_head), WEIGHT_CODES[wtype],
+                  _ptr(rope_sin), rope_cos.shape[0], _ptr(norm), _ptr(lm_head), KIND_CODES[lm_head.kind],
                   KV_CODES[kv_dtype]]
         for layer in layers:
             fields += layer.pointers()

@@ -41,13 +41,35 @@
 #if LP_LINEAR_WTYPE == LP_W_BF16
 typedef uint16_t wt_t; /* a panel's element: bf16 bits */
 #define LINEAR_FN(name) name##_bf16
-#define WAT(p, i) lp_bf16_to_f32((p)[i])
 #elif LP_LINEAR_WTYPE == LP_W_F32
 typedef float wt_t;
 #define LINEAR_FN(name) name##_f32
-#define WAT(p, i) ((p)[i])
+#elif LP_LINEAR_WTYPE == LP_W_Q8_0 || LP_LINEAR_WTYPE == LP_W_Q4_0 || LP_LINEAR_WTYPE == LP_W_Q4_1
+typedef uint8_t wt_t; /* a panel's element: a byte of quant_blocks.h's groups */
+#define LP_QUANT 1
+#include "quant_blocks.h"
+#if LP_LINEAR_WTYPE == LP_W_Q8_0
+#define LINEAR_FN(name) name##_q8_0
+#elif LP_LINEAR_WTYPE == LP_W_Q4_0
+#define LINEAR_FN(name) name##_q4_0
 #else
-#error "linear.c is built for fp32 or bf16 weights"
+#define LINEAR_FN(name) name##_q4_1
+#endif
+#else
+#error "linear.c is built for fp32, bf16 or GGUF block weights"
+#endif
+#ifndef LP_QUANT
+#define LP_QUANT 0
+/* Weight (k, j) of a panel of w columns per k, and a panel's elements over K (a GEMM's panels: w = NR) */
+#define WAT(panel, K, k, j, w) (LP_LINEAR_WTYPE == LP_W_BF16 ? lp_bf16_to_f32((panel)[(k) * (w) + (j)]) \
+                                                             : (float)(panel)[(k) * (w) + (j)])
+#define PANEL_ELEMS(K) ((K) * NR)
+/* Bytes a panel holds per k (for the prefetch distances) */
+#define K_BYTES(nv) ((nv) * VW * (int64_t)sizeof(wt_t))
+#else
+#define WAT(panel, K, k, j, w) q_panel_at(panel, k, j)
+#define PANEL_ELEMS(K) ((K) / QK * GROUP_BYTES)
+#define K_BYTES(nv) ((GROUP_BYTES + QK - 1) / QK)
 #endif
 
 #define NR LP_NR
@@ -134,6 +156,16 @@ int64_t lp_fold_ext(const int64_t *widths, int64_t S, int64_t rank, int64_t N, i
 }
 #endif
 
+#if LP_QUANT
+int64_t LINEAR_FN(lp_packed_bytes)(int64_t N, int64_t K) { return (N + NR - 1) / NR * PANEL_ELEMS(K); }
+
+/* Panels from GGUF blocks [N, K / 32 blocks] (quant_blocks.h); -1 when K is not whole blocks. */
+int LINEAR_FN(lp_pack)(const uint8_t *blocks, int64_t N, int64_t K, wt_t *wp) {
+    if (N < 1 || K < QK || K % QK) return -1;
+    q_pack(blocks, N, K, wp);
+    return 0;
+}
+#else
 void LINEAR_FN(lp_pack)(const float *w, int64_t N, int64_t K, wt_t *wp) {
     int64_t panels = (N + NR - 1) / NR;
 #pragma omp parallel for schedule(static)
@@ -144,14 +176,16 @@ void LINEAR_FN(lp_pack)(const float *w, int64_t N, int64_t K, wt_t *wp) {
                 lp_weight_store(wp, (p * K + k) * NR + j, LP_LINEAR_WTYPE, n < N ? w[n * K + k] : 0.0f);
             }
 }
+#endif
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && (!LP_QUANT || defined(__F16C__)))
 #include <immintrin.h>
 /* One kernel body for both vector widths: a panel row is three vectors (NR = 3 * VW columns). With
  * AVX-512, 8 rows x 48 columns (24 accumulators of the 32 registers); with AVX2, 4 x 24 (12 of 16). */
 #if defined(__AVX512F__)
 #define MR 8
 typedef __m512 vec_t;
+typedef __m512i ivec_t;
 #define VLOAD _mm512_loadu_ps
 #define VSTORE _mm512_storeu_ps
 #define VSET1 _mm512_set1_ps
@@ -164,6 +198,7 @@ typedef __m512 vec_t;
 #else
 #define MR 4
 typedef __m256 vec_t;
+typedef __m256i ivec_t;
 #define VLOAD _mm256_loadu_ps
 #define VSTORE _mm256_storeu_ps
 #define VSET1 _mm256_set1_ps
@@ -210,25 +245,56 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 3
         for (int c = 0; c < NV; c++) acc[r][c] = VZERO();
+/* one k step over the panel row b0, b1, b2 (the weights of k, as fp32 vectors) */
+#define K_STEP(k)                                                                                          \
+    do {                                                                                                   \
+        /* Pins the panel row in registers. Left alone, GCC folds the three loads into every row's          \
+         * FMAs (12 loads per k instead of 3), and the load ports, not the FMAs, set the pace. With         \
+         * 1-2 rows the FMAs are not the limit, and the folded form (fewer instructions) was faster. */    \
+        if (R > 2) __asm__("" : "+v"(b0), "+v"(b1), "+v"(b2));                                             \
+        if (PF)                                                                                            \
+            for (int64_t i = 0; i < pfn; i++) _mm_prefetch((const char *)(pf + (k) * pfstep + 64 * i), _MM_HINT_T0); \
+        if (SIDE && ((k) & SIDE_MASK) == (SIDE_MASK + 1) / 2 && (k) < side_k)                               \
+            _mm_prefetch(side + ((k) >> SIDE_SHIFT) * 64, _MM_HINT_T1);                                    \
+        _Pragma("GCC unroll 8") for (int r = 0; r < R; r++) {                                              \
+            vec_t a = VSET1(x[r * lda + (k)]);                                                             \
+            acc[r][0] = VFMA(a, b0, acc[r][0]);                                                            \
+            if (NV > 1) acc[r][1] = VFMA(a, b1, acc[r][1]);                                                \
+            if (NV > 2) acc[r][2] = VFMA(a, b2, acc[r][2]);                                                \
+        }                                                                                                  \
+    } while (0)
+#if LP_QUANT
+    /* a group's scales, then its 32 k steps, each dequantized in registers (quant_blocks.h) */
+    for (int64_t g = 0; g < K / QK; g++) {
+        const wt_t *gp = wp + g * GROUP_BYTES, *vals = gp + QSCALES;
+        const vec_t d0 = Q_HALVES(gp), d1 = Q_HALVES(gp + 2 * VW), d2 = Q_HALVES(gp + 4 * VW);
+        __attribute__((unused)) const vec_t m0 = QMIN ? Q_HALVES(gp + 2 * NR) : d0,
+                                            m1 = QMIN ? Q_HALVES(gp + 2 * NR + 2 * VW) : d1,
+                                            m2 = QMIN ? Q_HALVES(gp + 2 * NR + 4 * VW) : d2;
+        for (int kk = 0; kk < QK; kk += 2) {
+            const int64_t k = g * QK + kk;
+            /* 4-bit: one widening of the bytes serves k and k + 1 (its two nibbles) */
+            __attribute__((unused)) const ivec_t r0 = Q_RAW(vals, kk, 0), r1 = Q_RAW(vals, kk, 1),
+                                                 r2 = Q_RAW(vals, kk, 2);
+            vec_t b0 = Q_WEIGHTS(r0, 0, d0, m0), b1 = Q_WEIGHTS(r1, 0, d1, m1),
+                  b2 = Q_WEIGHTS(r2, 0, d2, m2);
+            K_STEP(k);
+#if QBITS == 8
+            b0 = Q_WEIGHTS(Q_RAW(vals, kk + 1, 0), 1, d0, m0), b1 = Q_WEIGHTS(Q_RAW(vals, kk + 1, 1), 1, d1, m1),
+            b2 = Q_WEIGHTS(Q_RAW(vals, kk + 1, 2), 1, d2, m2);
+#else
+            b0 = Q_WEIGHTS(r0, 1, d0, m0), b1 = Q_WEIGHTS(r1, 1, d1, m1), b2 = Q_WEIGHTS(r2, 1, d2, m2);
+#endif
+            K_STEP(k + 1);
+        }
+    }
+#else
     for (int64_t k = 0; k < K; k++) {
         vec_t b0 = WLOAD(wp + k * W), b1 = NV > 1 ? WLOAD(wp + k * W + VW) : VZERO(),
               b2 = NV > 2 ? WLOAD(wp + k * W + 2 * VW) : VZERO();
-        /* Pins the panel row in registers. Left alone, GCC folds the three loads into every row's
-         * FMAs (12 loads per k instead of 3), and the load ports, not the FMAs, set the pace. With
-         * 1-2 rows the FMAs are not the limit, and the folded form (fewer instructions) was faster. */
-        if (R > 2) __asm__("" : "+v"(b0), "+v"(b1), "+v"(b2));
-        if (PF)
-            for (int64_t i = 0; i < pfn; i++) _mm_prefetch((const char *)(pf + k * pfstep + 64 * i), _MM_HINT_T0);
-        if (SIDE && (k & SIDE_MASK) == (SIDE_MASK + 1) / 2 && k < side_k)
-            _mm_prefetch(side + (k >> SIDE_SHIFT) * 64, _MM_HINT_T1);
-#pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            vec_t a = VSET1(x[r * lda + k]);
-            acc[r][0] = VFMA(a, b0, acc[r][0]);
-            if (NV > 1) acc[r][1] = VFMA(a, b1, acc[r][1]);
-            if (NV > 2) acc[r][2] = VFMA(a, b2, acc[r][2]);
-        }
+        K_STEP(k);
     }
+#endif
     for (int64_t e = 0; NV == 3 && e < ext->len; e++) { /* the folded expand: more k steps, over ys and bp */
         vec_t b0 = VLOAD(ext->b + e * NR), b1 = VLOAD(ext->b + e * NR + VW), b2 = VLOAD(ext->b + e * NR + 2 * VW);
         if (R > 2) __asm__("" : "+v"(b0), "+v"(b1), "+v"(b2)); /* (as above) */
@@ -306,7 +372,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
 static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const wt_t *wp, int64_t nv, const float *bias,
                   float *y, int64_t ldy, int64_t cols, const wt_t *next, side_t *sd, int64_t side_lines,
                   const ext_t *ext) {
-    const int64_t row_bytes = nv * VW * (int64_t)sizeof(wt_t);
+    const int64_t row_bytes = K_BYTES(nv);
     int64_t groups = (M + MR - 1) / MR, step = (row_bytes + groups - 1) / groups, m = 0;
     uintptr_t pf = (uintptr_t)next;
     if (groups == 1) pf = (uintptr_t)wp + (M == 2 ? 1024 : 1536), step = row_bytes;
@@ -338,7 +404,7 @@ static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const wt_t 
     for (int64_t m = 0; m < M; m++)
         for (int64_t j = 0; j < cols; j++) {
             float s = 0.0f;
-            for (int64_t k = 0; k < K; k++) s += x[m * lda + k] * WAT(wp, k * nv * VW + j);
+            for (int64_t k = 0; k < K; k++) s += x[m * lda + k] * WAT(wp, K, k, j, nv * VW);
             for (int64_t e = 0; e < ext->len; e++) s += ext->y[m * ext->ld + e] * ext->b[e * NR + j];
             y[m * ldy + j] = s + (bias ? bias[j] : 0.0f);
         }
@@ -371,7 +437,7 @@ void lp_linear_fold_shrink(const float *x, int64_t M, int64_t lda, int64_t K, co
  * adapter delta added to its rows (fold may be NULL). */
 static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t *wp, int64_t N, const float *bias,
                   float *y, const lp_side_t *side, const lp_fold_t *fold) {
-    if (M < 0 || K < 1 || N < 1 || lda < K) return -1;
+    if (M < 0 || K < 1 || N < 1 || lda < K || (LP_QUANT && K % 32)) return -1;
     if (side && side->n < 0) return -1;
     if (fold && (fold->rank < 1 || fold->S < 1 || fold->pa != lp_fold_panels(fold->S, fold->rank))) return -1;
     if (M == 0) return 0;
@@ -411,8 +477,8 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t 
                     for (int64_t off = 0; p + 1 < p1 && off < ext.len * NR; off += 16)
                         __builtin_prefetch(fold->bp + boff + off, 0, 3);
                 }
-                panel(x + m0 * lda, lda, rows, K, wp + p * K * NR, 3, bias ? bias + p * NR : 0, y + m0 * N + p * NR, N,
-                      cols, p + 1 < p1 ? wp + (p + 1) * K * NR : 0, &sd,
+                panel(x + m0 * lda, lda, rows, K, wp + p * PANEL_ELEMS(K), 3, bias ? bias + p * NR : 0, y + m0 * N + p * NR,
+                      N, cols, p + 1 < p1 ? wp + (p + 1) * PANEL_ELEMS(K) : 0, &sd,
                       share * (item + 1) / items - share * item / items, &ext);
             }
         }

@@ -1,5 +1,6 @@
-"""Linear layers over packed weights on the CPU, through linear.c (see its Semantics): fp32 panels, or
-bf16 ones (linear_bf16.c) widened as they are loaded, with fp32 activations and sums either way."""
+"""Linear layers over packed weights on the CPU, through linear.c (see its Semantics): fp32 panels, bf16
+ones (linear_bf16.c) widened as they are loaded, or GGUF's Q8_0 / Q4_0 / Q4_1 blocks (linear_q*.c,
+quant_blocks.h) dequantized in registers, with fp32 activations and sums in every case."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.kernels.cpu.build import functions, require
+from loraplex.engine.quant import BLOCK, BlockWeight
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -22,14 +24,21 @@ class _Fold(ctypes.Structure):
 
 # The packed panels' element types and their kernels' suffix (linear.c, linear_bf16.c)
 PACKED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
+# GGUF block formats with kernels (linear_q*.c): their suffix is the format's name (quant.BLOCK_BYTES)
+BLOCK_KINDS = ("q8_0", "q4_0", "q4_1")
+# Each kind's code in the fused decode step's model table (lora_weights.h, LP_W_*)
+KIND_CODES = {"f32": 0, "bf16": 1, "q8_0": 3, "q4_0": 4, "q4_1": 5}
 
 
 @functools.cache
 def _fns() -> dict | None:
     per_type = {}
     for t in PACKED_DTYPES.values():
+        per_type[f"lp_pack_{t}"] = (None, [_P, _I64, _I64, _P])
+    for t in BLOCK_KINDS:
+        per_type |= {f"lp_pack_{t}": (ctypes.c_int, [_P, _I64, _I64, _P]), f"lp_packed_bytes_{t}": (_I64, [_I64, _I64])}
+    for t in (*PACKED_DTYPES.values(), *BLOCK_KINDS):
         per_type |= {
-            f"lp_pack_{t}": (None, [_P, _I64, _I64, _P]),
             f"lp_linear_packed_{t}": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P]),
             f"lp_linear_fold_{t}": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P,
                                                    ctypes.POINTER(_Fold)]),
@@ -71,15 +80,21 @@ def packed_max_rows() -> int:
 
 @dataclass(frozen=True)
 class PackedWeight:
-    """A weight [out_features, in_features] in linear.c's panel layout (flat storage, fp32 or bf16:
-    `data.dtype`), with the weight itself (the loaded tensor, no copy) for prefill-sized batches;
-    `weight` is None for a copy made only for decode steps (an adapter merged into the weights,
-    lora/merged.py)."""
+    """A weight [out_features, in_features] in linear.c's panel layout (flat storage: fp32, bf16, or the bytes
+    of a GGUF block format; `kind` names it as the kernels' suffix does), with the weight itself (the loaded
+    tensor, no copy) for prefill-sized batches on builds where MKL serves those; `weight` is None for a copy
+    made only for decode steps (an adapter merged into the weights, lora/merged.py) and for blocks (the
+    packed kernel serves every batch: a float copy would cost what quantizing saved)."""
 
     data: torch.Tensor
     weight: torch.Tensor | None
     out_features: int
     in_features: int
+    kind: str = "f32"  # "f32", "bf16" (PACKED_DTYPES) or a BLOCK_KINDS format
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
 
 
 def pack(w: torch.Tensor, keep_weight: bool = True, dtype: torch.dtype = torch.float32) -> PackedWeight:
@@ -93,15 +108,27 @@ def pack(w: torch.Tensor, keep_weight: bool = True, dtype: torch.dtype = torch.f
     n, k = w.shape
     data = torch.empty(fns["lp_packed_size"](n, k), dtype=dtype)
     fns[f"lp_pack_{PACKED_DTYPES[dtype]}"](w.data_ptr(), n, k, data.data_ptr())
-    return PackedWeight(data, w if keep_weight else None, n, k)
+    return PackedWeight(data, w if keep_weight else None, n, k, PACKED_DTYPES[dtype])
+
+
+def pack_blocks(w: BlockWeight) -> PackedWeight:
+    """Packs GGUF blocks [out, in] once, at model load, into the panels of their format (quant_blocks.h);
+    ValueError naming the format when no kernel takes it."""
+    if w.fmt not in BLOCK_KINDS:
+        raise ValueError(f"no CPU kernel takes {w.fmt} blocks (these do: {', '.join(BLOCK_KINDS)})")
+    fns = _fns()
+    blocks = w.data  # (held here: PanelBlocks makes a fresh tensor on each access)
+    require("blocks", blocks, 2, torch.uint8)
+    n, k = w.shape
+    data = torch.empty(fns[f"lp_packed_bytes_{w.fmt}"](n, k), dtype=torch.uint8)
+    if fns[f"lp_pack_{w.fmt}"](blocks.data_ptr(), n, k, data.data_ptr()):
+        raise ValueError(f"{w.fmt} weight [{n}, {k}]: in_features must be a multiple of {BLOCK}")
+    return PackedWeight(data, None, n, k, w.fmt)
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, W, bias) for x [tokens, in] (rows may be strided, features dense) -> [tokens, out]."""
-    if x.dim() == 2 and x.shape[0] > packed_max_rows():
-        if w.weight is None:
-            raise ValueError(f"this packed weight serves at most {packed_max_rows()} rows (it keeps no unpacked "
-                             f"copy), got {x.shape[0]}")
+    if x.dim() == 2 and x.shape[0] > packed_max_rows() and w.weight is not None:
         return torch.nn.functional.linear(x, w.weight, bias)
     fns = _fns()
     if x.dim() != 2 or x.dtype != torch.float32 or x.device.type != "cpu":
@@ -115,7 +142,7 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
-    fns[f"lp_linear_packed_{PACKED_DTYPES[w.data.dtype]}"](
+    fns[f"lp_linear_packed_{w.kind}"](
         x.data_ptr(), x.shape[0], max(x.stride(0), w.in_features), w.in_features, w.data.data_ptr(), w.out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr())
     return y
@@ -159,9 +186,101 @@ def packed_linear_fold(x: torch.Tensor, w: PackedWeight, block: torch.Tensor, wi
     fold = _Fold(block.data_ptr(), block.data_ptr() + pa * k * aw * 4, pa, rank, len(widths), wt.data_ptr(),
                  y_scratch.data_ptr(), None if keep is None else keep.data_ptr())
     y = torch.empty(t, w.out_features, dtype=torch.float32)
-    name = f"lp_linear_fold_{PACKED_DTYPES[w.data.dtype]}"
+    name = f"lp_linear_fold_{w.kind}"
     rc = _fns()[name](x.data_ptr(), t, k, k, w.data.data_ptr(), w.out_features, None, y.data_ptr(), None,
                       ctypes.byref(fold))
     if rc:
         raise ValueError(f"{name} refused the call: invalid sizes")
     return y
+
+
+def _group_layout(w: PackedWeight) -> tuple[torch.Tensor, int, int]:
+    """A block weight's panels as [panels, groups, group bytes] (quant_blocks.h), its scale bytes and its
+    value bytes per group."""
+    nr, groups = panel_columns(), w.in_features // BLOCK
+    scale_bytes = 2 * nr * (2 if w.kind == "q4_1" else 1)
+    value_bytes = BLOCK * nr // (1 if w.kind == "q8_0" else 2)
+    return w.data.view(-1, groups, scale_bytes + value_bytes), scale_bytes, value_bytes
+
+
+def _nibbles(v: torch.Tensor) -> torch.Tensor:
+    """4-bit values [..., 16, NR] as panels hold them (k even low, k odd high) -> [..., 32, NR] in k order."""
+    return torch.stack((v & 15, v >> 4), dim=-2).flatten(-3, -2)
+
+
+def panel_rows(w: PackedWeight, index: torch.Tensor) -> torch.Tensor:
+    """Rows `index` [n] of a block weight, dequantized from its panels to fp32 [n, in] exactly as
+    quant.dequantize does (an embedding lookup that needs no other copy of the table)."""
+    nr = panel_columns()
+    groups, scale_bytes, _ = _group_layout(w)
+    p, j = index // nr, index % nr  # [n]: each row's panel and column
+    halves = groups[..., :scale_bytes].contiguous().view(torch.float16).float()  # [P, G, NR (d) or 2 NR (d, m)]
+    d = halves[p, :, j].unsqueeze(-1)  # [n, G, 1]
+    vals = groups[..., scale_bytes:]  # [P, G, value bytes]
+    if w.kind == "q8_0":
+        q = vals.contiguous().view(torch.int8).view(*vals.shape[:2], BLOCK, nr)[p, :, :, j].float()  # [n, G, 32]
+        return (q * d).flatten(1)
+    q = _nibbles(vals.reshape(*vals.shape[:2], BLOCK // 2, nr))[p, :, :, j]  # [n, G, 32]
+    if w.kind == "q4_0":
+        return ((q.to(torch.int16) - 8).float() * d).flatten(1)
+    return (q.float() * d + halves[p, :, nr + j].unsqueeze(-1)).flatten(1)
+
+
+def unpack_blocks(w: PackedWeight) -> torch.Tensor:
+    """A block weight's GGUF rows (uint8 [out, in / 32 * block bytes]) from its panels: the inverse of
+    pack_blocks."""
+    nr = panel_columns()
+    groups, scale_bytes, _ = _group_layout(w)
+    n_panels, n_groups = groups.shape[:2]
+    scales = groups[..., :scale_bytes].reshape(n_panels, n_groups, -1, nr, 2)  # [P, G, 1 or 2, NR, 2 bytes]
+    vals = groups[..., scale_bytes:]
+    if w.kind == "q8_0":
+        qs = vals.reshape(n_panels, n_groups, BLOCK, nr)  # [P, G, 32, NR]
+    else:
+        q = _nibbles(vals.reshape(n_panels, n_groups, BLOCK // 2, nr))  # [P, G, 32, NR]
+        qs = q[:, :, :16] | (q[:, :, 16:] << 4)  # GGUF's byte i: weights i and i + 16
+    parts = [scales[:, :, s] for s in range(scales.shape[2])] + [qs.transpose(2, 3)]  # each [P, G, NR, ...]
+    blocks = torch.cat(parts, dim=-1)  # [P, G, NR, block bytes]
+    return blocks.permute(0, 2, 1, 3).reshape(n_panels * nr, -1)[:w.out_features].contiguous()
+
+
+class PanelBlocks(BlockWeight):
+    """A block weight whose only copy is its packed panels: CpuKernelOps.prepare takes the panels as they are,
+    embedding rows come from them (panel_rows), and the GGUF rows (merges, another device) are unpacked
+    when asked for. So a resident model holds its blocks once."""
+
+    def __init__(self, packed: PackedWeight):
+        if packed.kind not in BLOCK_KINDS:
+            raise ValueError(f"PanelBlocks holds GGUF block panels, not {packed.kind}")
+        object.__setattr__(self, "packed", packed)
+        object.__setattr__(self, "fmt", packed.kind)
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def __repr__(self) -> str:
+        return f"PanelBlocks({self.fmt}, [{self.packed.out_features}, {self.packed.in_features}])"
+
+    @property
+    def data(self) -> torch.Tensor:  # (unpacked on each call: merges and moves are rare)
+        return unpack_blocks(self.packed)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.packed.out_features, self.packed.in_features))
+
+    @property
+    def device(self) -> torch.device:
+        return self.packed.data.device
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.nbytes
+
+    def to(self, device=None, dtype=None) -> BlockWeight:
+        if device is None or torch.device(device).type == "cpu":
+            return self
+        return BlockWeight(self.fmt, self.data).to(device)
+
+    def rows(self, index: torch.Tensor) -> torch.Tensor:
+        return panel_rows(self.packed, index)

@@ -22,6 +22,10 @@
 #define LP_W_F32 0
 #define LP_W_BF16 1
 #define LP_W_F16 2
+/* GGUF block formats: the packed projections' types only (linear.c's quantized builds, quant_blocks.h) */
+#define LP_W_Q8_0 3
+#define LP_W_Q4_0 4
+#define LP_W_Q4_1 5
 
 static inline int64_t lp_weight_bytes(int64_t wtype) { return wtype == LP_W_F32 ? 4 : 2; }
 

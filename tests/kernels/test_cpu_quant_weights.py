@@ -1,0 +1,145 @@
+"""GGUF block weights (engine/quant.py) and linear.c's quantized builds (quant_blocks.h).
+
+Dequantization must equal gguf's own, bit for bit; a GEMM over packed blocks must equal the fp32 GEMM over
+the dequantized weights bit for bit (the kernel dequantizes in registers and sums in the fp32 build's
+order), with and without a folded adapter, at every row count the kernel groups differently.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from loraplex.engine.kernels.cpu import linear
+from loraplex.engine.kernels.cpu.linear import PanelBlocks, pack, pack_blocks, packed_linear, packed_linear_fold
+from loraplex.engine.quant import BLOCK_BYTES, BlockWeight, dequantize, quantize
+
+pytestmark = pytest.mark.cpu_kernels
+
+FORMATS = ("q8_0", "q4_0", "q4_1")
+
+
+def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> BlockWeight:
+    """Blocks of random integers with finite random fp16 scales (and mins)."""
+    g = torch.Generator().manual_seed(seed)
+    raw = torch.randint(0, 256, (rows, cols // 32, BLOCK_BYTES[fmt]), dtype=torch.uint8, generator=g)
+    scales = (torch.randn(rows, cols // 32, 2, generator=g) * 0.02).half().view(torch.uint8)  # [rows, blocks, 4]
+    raw[..., 0:2] = scales[..., 0:2]
+    if fmt == "q4_1":
+        raw[..., 2:4] = scales[..., 2:4]
+    return BlockWeight(fmt, raw.reshape(rows, -1))
+
+
+@pytest.fixture(autouse=True)
+def _packed_kernel_for_every_batch(monkeypatch):
+    monkeypatch.setattr(linear, "PACKED_MAX_ROWS", 10**6)  # fp32 references through the packed kernel, not MKL
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_dequantize_equals_the_gguf_package(fmt):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize as gguf_dequantize
+
+    w = random_blocks(fmt, 9, 160)
+    want = gguf_dequantize(w.data.numpy(), GGMLQuantizationType[fmt.upper()])
+    assert torch.equal(dequantize(w), torch.from_numpy(np.asarray(want, dtype=np.float32)).reshape(9, 160))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", [(7, 32), (50, 64), (96, 576), (130, 1536)])
+def test_a_gemm_over_blocks_equals_the_fp32_gemm_over_their_values(fmt, shape):
+    n, k = shape
+    w = random_blocks(fmt, n, k, seed=n)
+    blocks, floats = pack_blocks(w), pack(dequantize(w))
+    assert blocks.kind == fmt and blocks.weight is None
+    g = torch.Generator().manual_seed(1)
+    bias = torch.randn(n, generator=g)
+    for m in (1, 2, 3, 8, 9, 33, 70):  # one row, one group, several groups, a second 64-row block
+        x = torch.randn(m, k, generator=g)
+        assert torch.equal(packed_linear(x, blocks, bias), packed_linear(x, floats, bias)), (fmt, shape, m)
+        assert torch.equal(packed_linear(x, blocks), packed_linear(x, floats))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_folded_adapter_over_blocks_equals_the_fold_over_fp32(fmt):
+    """The fold block's layout does not depend on the weights' type: one block serves both GEMMs."""
+    widths, rank, k = (64, 32, 32), 8, 64
+    w = random_blocks(fmt, sum(widths), k, seed=3)
+    block = torch.randn(linear.fold_module_floats(k, widths, rank), generator=torch.Generator().manual_seed(4))
+    x = torch.randn(11, k, generator=torch.Generator().manual_seed(5))
+    keep = torch.tensor([1, 0] * 5 + [1], dtype=torch.uint8)
+    got = packed_linear_fold(x, pack_blocks(w), block, widths, rank, keep)
+    assert torch.equal(got, packed_linear_fold(x, pack(dequantize(w)), block, widths, rank, keep))
+    assert not torch.equal(got, packed_linear(x, pack_blocks(w)))  # (the delta is there)
+
+
+@pytest.mark.parametrize("fmt, bound", [("q8_0", 1 / 254), ("q4_1", 1 / 30)])
+def test_quantize_rounds_each_weight_to_its_block_grid(fmt, bound):
+    """Q8_0 errs by at most half a step of max|w| / 127 per block, Q4_1 by half of (max - min) / 15 (plus the
+    fp16 rounding of the scales)."""
+    w = torch.randn(40, 96, generator=torch.Generator().manual_seed(6))
+    q = quantize(w, fmt)
+    assert q.fmt == fmt and tuple(q.shape) == (40, 96) and q.nbytes == 40 * 3 * BLOCK_BYTES[fmt]
+    blocks = w.reshape(40, 3, 32)
+    span = blocks.abs().amax(-1) * 2 if fmt == "q8_0" else blocks.amax(-1) - blocks.amin(-1)
+    err = (dequantize(q) - w).reshape(40, 3, 32).abs().amax(-1)
+    assert bool((err <= span * bound * 1.01 + 1e-6).all())
+    zero = quantize(torch.zeros(2, 32), fmt)  # an all-zero block has scale 0, not a division by zero
+    assert torch.equal(dequantize(zero), torch.zeros(2, 32))
+
+
+def test_refusals_name_the_format_and_the_shape():
+    with pytest.raises(ValueError, match="in a multiple of 32, got \\(4, 40\\)"):
+        quantize(torch.zeros(4, 40), "q8_0")
+    with pytest.raises(ValueError, match="makes q8_0 or q4_1 blocks, not 'q4_0'"):
+        quantize(torch.zeros(4, 32), "q4_0")
+    with pytest.raises(ValueError, match="block format 'q6_k' is not one of q8_0, q4_0, q4_1"):
+        BlockWeight("q6_k", torch.zeros(1, 210, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="q4_1 blocks must be uint8 \\[rows, blocks \\* 20\\], got torch.uint8 "):
+        BlockWeight("q4_1", torch.zeros(2, 30, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_a_block_models_fused_decode_step_matches_its_per_op_path_and_the_fp32_step(fmt, monkeypatch):
+    from loraplex.engine.models.llama import LlamaModel
+    from tests.kernels.test_cpu_decode_step import PROMPTS, _both_paths, _decode, _model_and_cache, _prefill
+
+    g = torch.Generator().manual_seed(0)
+    model, storage = _model_and_cache("tiny", blocks=fmt)
+    assert model.layers[0].qkv.kind == fmt and model.lm_head_w.kind == "q8_0"
+    _prefill(model, storage, g)
+    ids = torch.randint(0, model.config.vocab_size, (len(PROMPTS),), generator=g)
+    rows = torch.arange(len(PROMPTS))
+    got = _both_paths(model, storage, ids, rows, monkeypatch)
+    fp32 = LlamaModel(model.config, {k: dequantize(v) if isinstance(v, BlockWeight) else v for k, v in model.w.items()})
+    assert fp32.layers[0].qkv.kind == "f32"
+    assert torch.equal(got, _decode(fp32, storage, ids, rows, None, True, monkeypatch))
+
+
+def test_a_block_models_fold_and_lora_step_equals_the_fp32_step_over_its_values(tmp_path, monkeypatch):
+    """12 rows: adapter a folded into the GEMMs (lp_linear_fold_q4_1), b served by lora.c, two base rows."""
+    from loraplex.engine.models.llama import LlamaModel
+    from tests.kernels.test_cpu_decode_step import _decode, _fold_setup
+
+    model, storage, slots, lora, token_slots, ids, prompts = _fold_setup(tmp_path, blocks="q4_1")
+    assert lora.kernel_args()[2] is not None  # a fold
+    rows, before = torch.arange(len(prompts)), storage.clone()
+    got = _decode(model, storage, ids, rows, lora, True, monkeypatch, prompts)
+    storage.copy_(before)
+    fp32 = LlamaModel(model.config, {k: dequantize(v) if isinstance(v, BlockWeight) else v for k, v in model.w.items()})
+    assert torch.equal(got, _decode(fp32, storage, ids, rows, lora, True, monkeypatch, prompts))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_panels_give_back_their_blocks_and_rows(fmt):
+    """PanelBlocks (a resident model's only copy of a block weight): the GGUF rows unpacked from the panels
+    are the ones packed, and rows taken from the panels equal those rows dequantized."""
+    for n, k in ((7, 32), (50, 64), (130, 576)):
+        w = random_blocks(fmt, n, k, seed=n + 7)
+        panels = PanelBlocks(pack_blocks(w))
+        assert torch.equal(panels.data, w.data) and panels.shape == w.shape and panels.fmt == fmt
+        index = torch.tensor([0, n - 1, n // 2, n // 2, 5 % n])
+        assert torch.equal(panels.rows(index), dequantize(w)[index])
+        assert pack_blocks(panels).kind == fmt  # (packing its rows again: the same panels)
+        assert torch.equal(pack_blocks(panels).data, panels.packed.data)
