@@ -74,7 +74,7 @@ def test_a_schema_the_engine_cannot_enforce_is_refused_before_the_model_loads(tm
         (("--prompt", "hi", "--max-tokens", "0"), "max_tokens"),
         (("--prompt", "hi", "--temperature", "-1"), "temperature"),
         (("--prompt", "hi", "--model", "nope"), "not found"),
-        (("--prompt", "hi", "--weight-dtype", "int8"), "weight_dtype must be auto, float32 or bfloat16, got 'int8'"),
+        (("--prompt", "hi", "--weight-dtype", "int2"), "one of auto, float32, bfloat16, int8, int4, fp8, got 'int2'"),
         (("--prompt", "hi", "--dtype", "float16", "--weight-dtype", "bfloat16"), "needs a float32 model"),
     ],
 )

@@ -101,7 +101,7 @@ def test_an_adapter_deleted_mid_stream_finishes_that_stream_then_is_gone(server,
     (["--model", FIRST, "--memory-budget-mb", "0"], "--memory-budget-mb must be positive"),
     (["--model", FIRST, "--model", SECOND, "--memory-budget-mb", "4"], "whole model memory budget is 4 MiB"),
     (["--model", FIRST, "--lora-dtype", "int8"], "lora_dtype must be auto or one of"),
-    (["--model", FIRST, "--weight-dtype", "int8"], "weight_dtype must be auto, float32 or bfloat16"),
+    (["--model", FIRST, "--weight-dtype", "int2"], "weight_dtype must be one of auto, float32, bfloat16"),
 ])
 def test_serve_refuses_bad_model_options_in_one_line(args, error, tmp_path, monkeypatch, capsys):
     from loraplex.cli.main import main
