@@ -20,6 +20,11 @@
  * small batches streams every weight once per step, so half the bytes is up to twice the tokens/s;
  * and checkpoints published in bf16 (most HF models) lose nothing.
  *
+ * GGUF blocks (linear_q8_0.c, linear_q4_0.c, linear_q4_1.c build this file again over quant_blocks.h's panels):
+ * each weight is dequantized in registers to gguf's own value and the sums run as the fp32 build's, so y equals
+ * the fp32 build's over those values bit for bit; except a lone row of 4-bit weights (ROW_SUMS), which sums
+ * x * q per group of 32 and applies the scale (and min times the sum of x) once a group.
+ *
  * Fold (lp_linear_fold_f32): with one adapter's LoRA folded in, for the rows it applies to,
  *     y[m, n] += sum_{e < len_p} ys[m, e0_p + e] * bp_p[e, n - p * NR]     (p = n / NR)
  * where ys[m, :] = x[m, :] @ ap^T is computed first (its own panels, the threads splitting the rows),
@@ -68,6 +73,10 @@ typedef uint8_t wt_t; /* a panel's element: a byte of quant_blocks.h's groups */
 #define K_BYTES(nv) ((nv) * VW * (int64_t)sizeof(wt_t))
 #else
 #define WAT(panel, K, k, j, w) q_panel_at(panel, k, j)
+/* A lone row (R 1) of 4-bit weights sums x * q per group and applies d (and m * sum x) once a group: half the
+ * vector work of dequantizing every weight (a decode step of one sequence is bound by it, not by memory), at
+ * the price of rounding otherwise than gguf's dequantized values (quant_blocks.h). */
+#define ROW_SUMS(R) (QBITS == 4 && (R) == 1)
 #define PANEL_ELEMS(K) ((K) / QK * GROUP_BYTES)
 #define K_BYTES(nv) ((GROUP_BYTES + QK - 1) / QK)
 #endif
@@ -264,8 +273,9 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
         }                                                                                                  \
     } while (0)
 #if LP_QUANT
-    /* a group's scales, then its 32 k steps, each dequantized in registers (quant_blocks.h) */
-    for (int64_t g = 0; g < K / QK; g++) {
+    /* a group's scales, then its 32 k steps, each dequantized in registers (quant_blocks.h); one row of 4-bit
+     * weights by group sums (ROW_SUMS) */
+    for (int64_t g = 0; g < K / QK && !ROW_SUMS(R); g++) {
         const wt_t *gp = wp + g * GROUP_BYTES, *vals = gp + QSCALES;
         const vec_t d0 = Q_HALVES(gp), d1 = Q_HALVES(gp + 2 * VW), d2 = Q_HALVES(gp + 4 * VW);
         __attribute__((unused)) const vec_t m0 = QMIN ? Q_HALVES(gp + 2 * NR) : d0,
@@ -286,6 +296,28 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
             b0 = Q_WEIGHTS(r0, 1, d0, m0), b1 = Q_WEIGHTS(r1, 1, d1, m1), b2 = Q_WEIGHTS(r2, 1, d2, m2);
 #endif
             K_STEP(k + 1);
+        }
+    }
+    for (int64_t g = 0; g < K / QK && ROW_SUMS(R); g++) {
+        const wt_t *gp = wp + g * GROUP_BYTES, *vals = gp + QSCALES;
+        vec_t s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), xs = VZERO(); /* sum x q per column; sum x */
+        for (int kk = 0; kk < QK; kk += 2) {
+            const ivec_t r0 = Q_RAW(vals, kk, 0), r1 = Q_RAW(vals, kk, 1), r2 = Q_RAW(vals, kk, 2);
+            for (int h = 0; h < 2; h++) { /* k = 32 g + kk + h: the low, then the high nibbles */
+                const vec_t a = VSET1(x[g * QK + kk + h]);
+                s0 = VFMA(a, Q_FLOAT(Q_INTS(r0, h)), s0);
+                if (NV > 1) s1 = VFMA(a, Q_FLOAT(Q_INTS(r1, h)), s1);
+                if (NV > 2) s2 = VFMA(a, Q_FLOAT(Q_INTS(r2, h)), s2);
+                if (QMIN) xs = VADD(xs, a);
+            }
+        }
+        acc[0][0] = VFMA(Q_HALVES(gp), s0, acc[0][0]);
+        if (NV > 1) acc[0][1] = VFMA(Q_HALVES(gp + 2 * VW), s1, acc[0][1]);
+        if (NV > 2) acc[0][2] = VFMA(Q_HALVES(gp + 4 * VW), s2, acc[0][2]);
+        if (QMIN) { /* + m * sum x */
+            acc[0][0] = VFMA(Q_HALVES(gp + 2 * NR), xs, acc[0][0]);
+            if (NV > 1) acc[0][1] = VFMA(Q_HALVES(gp + 2 * NR + 2 * VW), xs, acc[0][1]);
+            if (NV > 2) acc[0][2] = VFMA(Q_HALVES(gp + 2 * NR + 4 * VW), xs, acc[0][2]);
         }
     }
 #else
