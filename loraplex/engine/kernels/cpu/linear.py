@@ -210,20 +210,24 @@ def _nibbles(v: torch.Tensor) -> torch.Tensor:
 
 def panel_rows(w: PackedWeight, index: torch.Tensor) -> torch.Tensor:
     """Rows `index` [n] of a block weight, dequantized from its panels to fp32 [n, in] exactly as
-    quant.dequantize does (an embedding lookup that needs no other copy of the table)."""
+    quant.dequantize does (an embedding lookup that needs no other copy of the table; only the rows' own
+    panels are read)."""
     nr = panel_columns()
     groups, scale_bytes, _ = _group_layout(w)
-    p, j = index // nr, index % nr  # [n]: each row's panel and column
-    halves = groups[..., :scale_bytes].contiguous().view(torch.float16).float()  # [P, G, NR (d) or 2 NR (d, m)]
-    d = halves[p, :, j].unsqueeze(-1)  # [n, G, 1]
-    vals = groups[..., scale_bytes:]  # [P, G, value bytes]
+    p, j, n = index // nr, index % nr, torch.arange(index.shape[0])  # each row's panel and column
+    taken = groups[p]  # [n, G, group bytes]: the rows' panels
+    g = taken.shape[1]
+    halves = taken[..., :scale_bytes].reshape(-1, g, scale_bytes // (2 * nr), nr, 2)[n, :, :, j]  # [n, G, 1|2, 2]
+    halves = halves.contiguous().view(torch.float16).float()  # [n, G, 1|2, 1]: d (and m)
+    d = halves[:, :, 0]  # [n, G, 1]
+    vals = taken[..., scale_bytes:]
     if w.kind == "q8_0":
-        q = vals.contiguous().view(torch.int8).view(*vals.shape[:2], BLOCK, nr)[p, :, :, j].float()  # [n, G, 32]
+        q = vals.reshape(-1, g, BLOCK, nr)[n, :, :, j].contiguous().view(torch.int8).float()  # [n, G, 32]
         return (q * d).flatten(1)
-    q = _nibbles(vals.reshape(*vals.shape[:2], BLOCK // 2, nr))[p, :, :, j]  # [n, G, 32]
+    q = _nibbles(vals.reshape(-1, g, BLOCK // 2, nr))[n, :, :, j]  # [n, G, 32]
     if w.kind == "q4_0":
         return ((q.to(torch.int16) - 8).float() * d).flatten(1)
-    return (q.float() * d + halves[p, :, nr + j].unsqueeze(-1)).flatten(1)
+    return (q.float() * d + halves[:, :, 1]).flatten(1)
 
 
 def unpack_blocks(w: PackedWeight) -> torch.Tensor:
