@@ -126,7 +126,7 @@ SPLIT_READ_BYTES = 4 << 20
 # multiple of any disk's logical block): the disk's DMA lands in the buffer, with no page-cache pages to
 # allocate, fill and copy. On the Zen 3 VM's virtio disk, cold 19.5 MB adapters read so took 0.47-1.02
 # of the plain read's time (medians over runs of 9-36 files taking turns), and at most 25 ms where the
-# plain read took up to 38 (bench/RESULTS.md, seventeenth session).
+# plain read took up to 38 (bench/RESULTS.md's git history, seventeenth session).
 DIRECT_ALIGN = 4096
 
 
