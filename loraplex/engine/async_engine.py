@@ -1,12 +1,12 @@
-"""AsyncEngine: runs a ModelPool (one or more base models) on a background thread and bridges its
-events to asyncio.
+"""AsyncEngine: runs a ModelPool (one or more base models) on a background thread, bridged to asyncio.
 
-The engine loop owns the engines; callers only post commands (add, abort, remove adapter) to its
-inbox. Torch releases the GIL inside its kernels, so the event loop stays responsive while a step
-runs. `prepare()` validates and tokenizes on a small pool of its own threads (PREPARE_THREADS), never
-on the caller's event loop, so one huge prompt holds at most one of them; `generate()` of the request
-it returns validates again (cheap: the tokens are there) and raises before anything is queued. A step
-that raises ends the requests it held with an error event and the loop goes on.
+- The engine loop owns the engines; callers only post commands (add, abort, remove adapter) to its inbox.
+  Torch releases the GIL inside its kernels, so the event loop stays responsive while a step runs.
+- `prepare()` validates and tokenizes on a small pool of its own threads (PREPARE_THREADS, named
+  `loraplex-prepare`), never on the caller's event loop, so one huge prompt holds at most one of them;
+  `generate()` of the request it returns validates again (cheap: the tokens are there) and raises before
+  anything is queued.
+- A step that raises ends the requests it held with an error event, and the loop goes on.
 """
 
 from __future__ import annotations

@@ -1,13 +1,18 @@
 """Several base models under one device memory budget, multiplexed LRU.
 
-Tiers, fastest first: device (an EngineCore: weights on the device, its own KV pool, scheduler and
-adapter slots), CPU (the loaded weights kept in host memory, bounded by `cpu_budget_bytes`, LRU),
-disk (the source; GGUF weights come from the loader's safetensors cache, memory-mapped). Every
-registered model keeps its tokenizer and limits, so requests for a model on disk are validated at
-once and queue while it loads. A load runs on a worker thread and never blocks the other models'
-steps; making room evicts the least recently used idle model, never one with requests in flight or
-queued, and never a pinned one. Adapters are registered per model and replayed into its engine
-whenever it is loaded (evicting a model drops its adapter slots).
+- Tiers, fastest first: device (an EngineCore: weights on the device, its own KV pool, scheduler and
+  adapter slots), CPU (the loaded weights in host memory, bounded by `cpu_budget_bytes`, LRU), disk (the
+  source; GGUF weights from the loader's safetensors cache, memory-mapped).
+- Every registered model keeps its tokenizer and limits, so requests for a model on disk are validated at
+  once and queue while it loads. A load runs on a worker thread and never blocks the other models' steps.
+- Making room evicts the least recently used idle model, never one with requests in flight or queued,
+  and never a pinned one. A model counts its weights and KV pool, and from its first adapter on its
+  adapter memory too (slot buffers; with the CPU kernels also folded and merged copies), for which
+  `add_adapter` makes room or refuses.
+- Adapters are registered per model and replayed into its engine whenever it is loaded, as they were
+  registered and without reading them (each is read on its first request and must be the same files), so
+  a reload does not grow with the fleet and an adapter whose files went away fails only its own requests.
+- An evicted engine's counters (`api.ENGINE_COUNTERS`) are kept, so the engine's totals never go back.
 """
 
 from __future__ import annotations

@@ -1,19 +1,20 @@
-"""Next-token sampling with per-request parameters.
+"""Next-token sampling with per-request parameters, for the whole batch at once on the logits' device.
 
-The whole batch is sampled at once with tensor ops on the logits' device (sampling_ops.py): logit bias,
-penalties and guided masks, then for sampled rows temperature, top-k, top-p and min-p with per-row
-parameter tensors built once per step (neutral values where a row has no filter), then one draw. Greedy
-rows are one argmax (on the CPU in C, kernels/cpu/argmax.c: torch's took 1.3-1.9 ms of a 32-row decode
-step). A sampled row's noise is a hash of (its request's seed, its output position, the token id), so a
-seeded request gives the same tokens whatever else shares its batch; an unseeded request's key is the
-random seed its generator took at admission. The step's token ids (and the log-probabilities asked for)
-come to the host in one copy, started without waiting (`draw`: the next step may be scheduled meanwhile).
-A request with drafts (speculative decoding) has a row per draft too. Greedy: the drafts up to the
-first the argmax disagrees with are kept, then the argmax after them, which is exactly what decoding
-one token at a time would have given. Sampled (speculative sampling with a
-deterministic draft): draft d is kept with probability p(d); at the first one not kept, the token is
-drawn from p without d, renormalized; after all are kept, one more from the next row's p. Each
-emitted token is then distributed exactly as p, as in plain sampling.
+- Order (sampling_ops.py): logit bias, penalties and guided masks, then for sampled rows temperature,
+  top-k, top-p and min-p with per-row parameter tensors built once per step (neutral where a row has no
+  filter), then one draw.
+- Greedy rows are one argmax (on the CPU in C, kernels/cpu/argmax.c: torch's took 1.3-1.9 ms of a 32-row
+  decode step).
+- A sampled row's noise is a hash of (its request's seed, its output position, the token id), so a seeded
+  request gives the same tokens whatever shares its batch; an unseeded request's key is the random seed
+  its generator took at admission.
+- The step's token ids (and the log-probabilities asked for) come to the host in one copy, started
+  without waiting (`draw`: the next step may be scheduled meanwhile).
+- Drafts (speculative decoding) have a row each. Greedy: the drafts up to the first the argmax disagrees
+  with are kept, then the argmax after them, exactly what decoding one token at a time gives. Sampled
+  (speculative sampling with a deterministic draft): draft d is kept with probability p(d); at the first
+  one not kept, the token is drawn from p without d, renormalized; after all are kept, one more from the
+  next row's p. Each emitted token is distributed exactly as p.
 """
 
 from __future__ import annotations

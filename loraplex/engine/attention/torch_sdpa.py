@@ -1,13 +1,13 @@
 """The `torch_sdpa` backend: torch's scaled_dot_product_attention over K/V gathered from the cache.
 
-Runs on any device and dtype, and is the reference the other backends are held to. K/V are read in the
-cache's dtype and widened (8-bit rows: dequantized) to the model's after the gather; a first chunk, which
-takes its K/V from the step rather than the cache, rounds them as the cache does, so a prompt attends the
-same values whether it is computed at once, in chunks, after a prefix-cache hit or again after preemption. Decode rows
-are attended together in one padded SDPA call over their gathered blocks; prefill chunks one
-sequence at a time, since their query lengths differ widely and padding them to a common length
-would waste most of the work. Every row's K/V is written before any row attends, so a draft row
-sees exactly the tokens before it.
+- Runs on any device and dtype, and is the reference the other backends are held to.
+- K/V are read in the cache's dtype and widened (8-bit rows: dequantized) to the model's after the
+  gather; a first chunk, which takes its K/V from the step rather than the cache, rounds them as the cache
+  does, so a prompt attends the same values whether computed at once, in chunks, after a prefix-cache hit
+  or again after preemption.
+- Decode rows are attended together in one padded SDPA call over their gathered blocks; prefill chunks
+  one sequence at a time (their query lengths differ widely: padding would waste most of the work).
+- Every row's K/V is written before any row attends, so a draft row sees exactly the tokens before it.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Multi-LoRA deltas for a flat token batch: layout, batch index, input checks, torch fast path, dispatch.
 
-Layout (one layer, one target module; device slots stacked; DESIGN.md section 4):
+Layout (one layer, one target module; device slots stacked):
 
     lora_a   [num_slots, num_slices * r_max, in_features]
              rows s*r_max .. (s+1)*r_max-1 hold slice s's A (rank r <= r_max; rows >= r are zero)

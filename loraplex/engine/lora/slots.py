@@ -1,34 +1,29 @@
 """Device slots for LoRA adapters of one base model: stacked kernel buffers, a registry, and two LRU tiers.
 
-Tiers: disk (the registered PEFT directory, as it was when registered) -> CPU (`max_cpu_loras` parsed
-LoraWeights, LRU) -> device (`max_loras` slots, LRU among slots no running request holds and nobody
-pinned). The buffers are exactly what kernels/lora_ops.py takes, per layer and fused module (r = the
-buffers' rank, `r_max`):
+- Tiers: disk (the registered PEFT directory, as it was when registered) -> CPU (`max_cpu_loras` parsed
+  LoraWeights, LRU) -> device (`max_loras` slots, LRU among slots no running request holds and nobody
+  pinned). The scheduler acquires a slot per request (None: every slot busy, or the adapter still
+  loading: wait) and releases it when the request leaves the batch.
+- Buffers: exactly what kernels/lora_ops.py takes, per layer and fused module (r = the buffers' rank,
+  `r_max`):
 
     qkv      A [max_loras, 3 * r, hidden]   B [max_loras, q_size + 2 * kv_size, r]
     o        A [max_loras, r, q_size]       B [max_loras, hidden, r]
     gate_up  A [max_loras, 2 * r, hidden]   B [max_loras, 2 * intermediate, r]
     down     A [max_loras, r, intermediate] B [max_loras, hidden, r]
 
-with scaling folded into B, lower ranks zero-padded, untargeted modules zero, and `ranks` [max_loras]
-int32 holding each slot's true rank (0 = empty) so kernels skip the padding. B is stored rank-major
-(lora_ops.stacked_b: storage [max_loras, r, out_total], handed out as its [max_loras, out_total, r]
-view): an adapter of rank 16 reads 16 whole rows of B whatever r is. The scheduler acquires a
-slot per request (None: every slot busy, or the adapter still loading: wait) and releases it when the
-request leaves the batch.
-
-With `background` loads (the engine's), `acquire` never reads the disk: an adapter in neither tier is
-read by a background thread (lora/prefetch.py; `prefetch` starts it when a request is admitted) while
-`acquire` answers None, and a failed read is raised by the next `acquire`. On CUDA the CPU tier also
-holds each adapter staged in the slots' layout and dtype in pinned memory, and slot writes copy it
-without blocking the host (prefetch.copy_staged).
-
-The buffers' rank follows the largest adapter loaded so far (rounded up to RANK_STEP, at most
-max_lora_rank), not max_lora_rank itself, so that they take no more memory than the fleet needs (with
-B row-major, [.., out_total, r], it also kept rank-16 adapters from reading one 64-byte line in every
-four of B's 256-byte rows; the rank-major layout ended that: bench/RESULTS.md). A larger rank grows
-them once: new buffers with every loaded slot copied over, swapped in as one (A, B) pair, so a
-step that already holds the old pair (or a kernel table made from it) finishes on it.
+  with scaling folded into B, lower ranks zero-padded, untargeted modules zero, and `ranks` [max_loras]
+  int32 holding each slot's true rank (0 = empty) so kernels skip the padding. B is stored rank-major
+  (lora_ops.stacked_b: storage [max_loras, r, out_total], handed out as its [max_loras, out_total, r]
+  view): an adapter of rank 16 reads 16 whole rows of B whatever r is.
+- Background loads (the engine's): `acquire` never reads the disk; an adapter in neither tier is read by
+  a background thread (lora/prefetch.py; `prefetch` starts it when a request is admitted) while `acquire`
+  answers None, and a failed read is raised by the next `acquire`. On CUDA the CPU tier also holds each
+  adapter staged in the slots' layout and dtype in pinned memory, copied without blocking the host.
+- Rank: the buffers' rank follows the largest adapter loaded so far (rounded up to RANK_STEP, at most
+  max_lora_rank), so they take no more memory than the fleet needs. A larger rank grows them once: new
+  buffers with every loaded slot copied over, swapped in as one (A, B) pair, so a step that already holds
+  the old pair (or a kernel table made from it) finishes on it.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """Zero-copy reading of a safetensors file: one read, a header of plain integers, views made only on demand.
 
-Adapter loads sit on the request path (a cold adapter is read while its request waits), so the
-file is read once, into an uninitialised buffer (a zero-filled bytearray costs as much again as
-the read) or into a recycled one (fresh pages cost a page fault each: on a VM that is as slow as the
-read itself), and never copied again. A file the page cache does not wholly hold is read from the
-disk with O_DIRECT, straight into that buffer: the adapter's copy that lasts is the slots' CPU tier,
-not the page cache. The header is checked as plain Python values, without a torch
-object per tensor (an adapter has hundreds, and per-tensor views cost more than the read): callers
-that need tensors take views of the data region, and when every tensor shares one dtype the whole
-region is one flat tensor that a single reduction can check for NaN/Inf. A header is parsed once
-per distinct header (`_entries`): adapters of one shape have byte-identical ones.
+Adapter loads sit on the request path (a cold adapter is read while its request waits), so:
+- the file is read once, into an uninitialised buffer (a zero-filled bytearray costs as much again as the
+  read) or a recycled one (fresh pages cost a page fault each: on a VM as slow as the read), never copied;
+- a file the page cache does not wholly hold is read from the disk with O_DIRECT, straight into that
+  buffer: the copy that lasts is the slots' CPU tier, not the page cache;
+- the header is checked as plain Python values, without a torch object per tensor (an adapter has
+  hundreds); callers take views of the data region, and when every tensor shares one dtype the region is
+  one flat tensor that a single reduction checks for NaN/Inf;
+- a header is parsed once per distinct header (`_entries`): adapters of one shape have identical ones.
 """
 
 from __future__ import annotations
@@ -127,7 +126,7 @@ SPLIT_READ_BYTES = 4 << 20
 # multiple of any disk's logical block): the disk's DMA lands in the buffer, with no page-cache pages to
 # allocate, fill and copy. On the Zen 3 VM's virtio disk, cold 19.5 MB adapters read so took 0.47-1.02
 # of the plain read's time (medians over runs of 9-36 files taking turns), and at most 25 ms where the
-# plain read took up to 38 (bench/RESULTS.md, seventeenth session).
+# plain read took up to 38 (bench/RESULTS.md's git history, seventeenth session).
 DIRECT_ALIGN = 4096
 
 

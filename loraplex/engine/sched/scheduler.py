@@ -1,42 +1,30 @@
-"""Token-budget scheduler: continuous batching with chunked prefill, priority classes, preemption
-and prefix caching. Policy only: who runs, with how many tokens and drafts, and whom to preempt; the
-KV blocks, prefix hashes and their counters are the KV manager's (kv/manager.py), asked per request.
+"""Token-budget scheduler: who runs each step, with how many tokens and drafts, and whom to preempt.
 
-Each step grants tokens under `max_num_batched_tokens`: running requests first, highest class and
-oldest first (their decodes and unfinished prefill chunks), then waiting requests in weighted
-class order (queues.py) while sequences and tokens remain. When the KV pool runs short, the lowest
-class's newest running request is preempted: recompute (its blocks are freed, and it is prefilled
-again later, mostly from the prefix cache) or swap (its blocks are copied to a CPU swap space and
-back, when the swap space has room). A step that preempts for blocks admits nobody. A waiting
-request may also preempt running requests of a lower class to get a sequence slot or blocks
-(priority preemption). The runner copies swap-outs before swap-ins, and swap space freed by a
-swap-in is only reused after the step.
-
-A prefix is computed once even when several requests bring it at the same time (the choices of an
-`n > 1` request, a fleet's shared system prompt at a cold start): a waiting request whose next
-uncached prompt block is one a running request is computing now waits, keeping its place, until
-that block is in the cache, and then takes it as a hit instead of computing it again.
-
-Speculative decoding (`speculative_tokens` > 0, while at most `speculative_max_seqs` run, and only
-when every decoding request has drafts): a request in decode that may speculate
-(`Request.can_speculate`) gets the tokens of an n-gram lookup in its own text (ngram.py) as drafts
-after its last token, in the same step; the sampler keeps those the model's distribution bears out,
-and `update` counts only those as computed (the rejected drafts' KV lies past `num_computed`, to be
-overwritten).
-
-Once the runner has laid a batch out, `commit(batch)` counts its tokens as computed and gives each
-sampled request a pending token, so the next step can be scheduled before this one's tokens reach the
-host (asynchronous scheduling: the runner feeds a pending token to the next step from the device). A
-request whose pending token reaches max_tokens is not scheduled again. After the step,
-`update(batch, output)` applies its StepOutput (step_output.py): rejected drafts, prompt
-log-probabilities, newly full blocks to the prefix cache. The runner and the sampler write nothing onto
-requests; the core then appends the sampled tokens to the output.
-
-A request for a LoRA adapter holds a device slot while it runs. A step never needs more distinct
-adapters than there are slots: a waiting request whose adapter finds no free slot is passed over
-(keeping its place) until a running request releases one. A request whose adapter cannot be loaded
-at all (its files changed or vanished since it was registered) is handed back through `take_failed`
-with the reason, for the engine to end with an error; the other requests run on.
+Policy only: the KV blocks, prefix hashes and their counters are the KV manager's (kv/manager.py).
+- Tokens: each step grants under `max_num_batched_tokens`, running requests first (highest class, oldest
+  first: decodes and unfinished prefill chunks), then waiting ones in weighted class order (queues.py)
+  while sequences and tokens remain.
+- Preemption: when the KV pool runs short, the lowest class's newest running request is preempted:
+  recompute (blocks freed, prefilled again later, mostly from the prefix cache) or swap (blocks copied to
+  a CPU swap space and back, when it has room). A step that preempts for blocks admits nobody. A waiting
+  request may also preempt running requests of a lower class for a sequence slot or blocks. The runner
+  copies swap-outs before swap-ins; swap space freed by a swap-in is reused only after the step.
+- Shared prefixes: a waiting request whose next uncached prompt block a running request is computing now
+  waits, keeping its place, and then takes it from the cache, so a prefix that several requests bring at
+  once (an `n > 1` request's choices, a cold fleet's system prompt) is computed once.
+- Speculative decoding (`speculative_tokens` > 0, while at most `speculative_max_seqs` run, and only when
+  every decoding request has drafts): a request that may speculate (`Request.can_speculate`) gets an
+  n-gram lookup's tokens (ngram.py) as drafts after its last token; `update` counts as computed only
+  those the sampler kept (the rejected drafts' KV lies past `num_computed`, to be overwritten).
+- Asynchronous scheduling: `commit(batch)` counts a laid-out batch's tokens as computed and gives each
+  sampled request a pending token, so the next step can be scheduled before this one's tokens reach the
+  host; a request whose pending token reaches max_tokens is not scheduled again. `update(batch, output)`
+  then applies the StepOutput (step_output.py): rejected drafts, prompt log-probabilities, newly full
+  blocks to the prefix cache. The runner and the sampler write nothing onto requests.
+- Adapters: a LoRA request holds a device slot while it runs; a waiting request whose adapter finds no
+  free slot is passed over (keeping its place) until one is released. A request whose adapter cannot be
+  loaded at all (its files changed or vanished since registration) is handed back through `take_failed`
+  with the reason, for the engine to end with an error; the others run on.
 """
 
 from __future__ import annotations

@@ -66,7 +66,7 @@ def panel_columns() -> int:
 # Batches above packed_max_rows() rows go to MKL over the unpacked weight. With AVX2 (24-column
 # panels) the packed kernel was 1.1-1.8x MKL's F.linear up to 256 rows on the model's shapes (1 and 2
 # threads, cold weights) and about even at 384-512, where MKL's own cache blocking catches up. With
-# AVX-512 (48-column panels) it was 1.05-1.5x MKL from 256 to 2048 rows (bench/RESULTS.md), so it
+# AVX-512 (48-column panels) it was 1.05-1.5x MKL from 256 to 2048 rows (bench/RESULTS.md's git history), so it
 # serves every batch.
 AVX2_PACKED_MAX_ROWS = 256
 PACKED_MAX_ROWS: int | None = None  # None: by the build, as above (tests set it to force a path)
