@@ -293,3 +293,14 @@ def test_the_overview_and_engine_stats_report_the_prefix_cache_and_speculation(u
     assert re.search(r'id="stat-prefix">\d+%</span>', page)
     # an engine in this process: no replicas to list
     assert ui.get("/admin/api/engine/replicas", headers=ADMIN).json() == [] and 'id="replicas"' not in page
+
+
+def test_live_json_needs_a_login_and_holds_a_bounded_history(ui):
+    ui.cookies.clear()
+    assert ui.get("/admin/live.json", follow_redirects=False).status_code == 303
+    login(ui)
+    body = ui.get("/admin/live.json").json()
+    assert body["interval_s"] == 5.0 and len(body["t"]) <= 180
+    assert {c["id"] for c in body["charts"]} == {"requests", "tokens", "ttft", "itl", "queue", "kv", "problems",
+                                                 "latency"}
+    assert all(len(s["values"]) == len(body["t"]) for c in body["charts"] for s in c["series"])
