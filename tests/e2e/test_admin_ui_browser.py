@@ -271,9 +271,10 @@ def test_the_overview_adds_prices_lists_adapters_and_draws_live_charts(page: Pag
     with pytest.raises(openai.RateLimitError):
         ask(capped, server)
     # the sampler reads every 5 s and the page polls as often: the lines change without a reload
+    page.wait_for_function("([sel, before]) => document.querySelector(sel).getAttribute('d') !== before",
+                           arg=['svg[data-chart="requests"] path.line', before], timeout=30_000)
     expect(page.locator('svg[data-chart="requests"] path.line[data-max]:not([data-max="0"])')).to_have_count(
         1, timeout=30_000)
-    assert requests_line.get_attribute("d") != before
     expect(page.locator('svg[data-chart="ttft"] path.line[data-series="p50"]:not([data-max="0"])')).to_have_count(1)
     expect(page.locator('svg[data-chart="tokens"] path.line[data-series="output"]:not([data-max="0"])')) \
         .to_have_count(1)
