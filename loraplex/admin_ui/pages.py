@@ -1,5 +1,6 @@
-"""The admin UI's pages: the overview (engine, models, usage), the tenants, and one tenant (keys,
-adapters, budgets, usage). They read through the same tenancy and billing functions as the admin API."""
+"""The admin UI's pages: the overview (engine, live charts, rejections and latency, models, adapters,
+prices, usage), the tenants, and one tenant (keys, adapters, budgets, usage). They read through the
+same tenancy and billing functions as the admin API; each renders again with a refused form's input."""
 
 from __future__ import annotations
 
@@ -11,13 +12,15 @@ from litestar.params import FromPath, FromQuery
 from litestar.response import Redirect, Stream, Template
 
 from loraplex.admin_ui.charts import Series, stacked_bars
-from loraplex.admin_ui.web import local_page, logged_in, page, to, when
+from loraplex.admin_ui.live import CHARTS
+from loraplex.admin_ui.residency import MAX_LISTED, every_adapter, view
+from loraplex.admin_ui.web import FormError, local_page, logged_in, page, to, when
 from loraplex.billing.daily import daily_totals
 from loraplex.billing.exports import Directory, invoice_lines
-from loraplex.billing.periods import BUDGET_PERIODS, current_month
+from loraplex.billing.periods import BUDGET_PERIODS, DEFAULT_BUDGET_PERIOD, current_month
 from loraplex.billing.prices import list_prices
 from loraplex.platform.admin_billing_api import budget_status, export_response
-from loraplex.platform.db.tables import ApiKey, as_utc, utcnow
+from loraplex.platform.db.tables import ApiKey, Tenant, as_utc, utcnow
 from loraplex.platform.router.calibration import daily_shares
 from loraplex.platform.state import Platform, PlatformDep
 from loraplex.platform.tenancy import budgets, catalog, keys, tenants
@@ -61,24 +64,37 @@ async def login_page(request: Request, next: FromQuery[str] = "/admin") -> Templ
 
 @get("/")
 async def overview(request: Request, platform: PlatformDep) -> Template:
+    return await overview_page(request, platform)
+
+
+async def overview_page(request: Request, platform: Platform, status: int = 200,
+                        form_error: FormError | None = None) -> Template:
     served = {m.name for m in platform.engine.models()}
+    stats = platform.engine.stats()
     async with platform.sessions() as session:
         models = await catalog.list_models(session)
         tenant_count = len(await tenants.list_tenants(session))
         names = await load_directory(session)
         shares = await daily_shares(session, utcnow() - timedelta(days=SHARE_DAYS))
+        adapters, adapter_count = await every_adapter(session, stats)
     async with platform.db.connect() as conn:
         prices = [p.as_json() for p in await list_prices(conn)]
-    return page(request, "overview.html.j2", stats=platform.engine.stats(), replicas=platform.engine.replicas(),
+    return page(request, "overview.html.j2", status, form_error, stats=stats, replicas=platform.engine.replicas(),
                 tenant_count=tenant_count, auto_shares=shares, share_days=SHARE_DAYS, router=platform.scorer.name,
-                models=[(m, m.name in served) for m in models], prices=prices, usage=await _usage(platform, names))
+                models=[(m, m.name in served) for m in models], prices=prices, usage=await _usage(platform, names),
+                adapters=adapters, adapter_count=adapter_count, max_listed=MAX_LISTED, live_charts=CHARTS)
 
 
 @get("/tenants")
 async def tenant_list(request: Request, platform: PlatformDep) -> Template:
+    return await tenants_page(request, platform)
+
+
+async def tenants_page(request: Request, platform: Platform, status: int = 200,
+                       form_error: FormError | None = None) -> Template:
     async with platform.sessions() as session:
         rows = await tenants.list_tenants(session)
-    return page(request, "tenants.html.j2", tenants=rows, when=when)
+    return page(request, "tenants.html.j2", status, form_error, tenants=rows, when=when)
 
 
 @dataclass(frozen=True)
@@ -87,15 +103,20 @@ class KeyView:
     name: str
     created: str
     expires: str
-    state: str  # active, expired or revoked
+    state: str  # active, disabled (its tenant is), expired or revoked
     max_priority: str
     limits: str
     scope: str
 
+    @property
+    def label(self) -> str:
+        """How a list names the key: its name and prefix, or the prefix alone."""
+        return f"{self.name} ({self.prefix})" if self.name else self.prefix
 
-def _key_view(k: ApiKey, now: datetime) -> KeyView:
+
+def _key_view(k: ApiKey, tenant: Tenant, now: datetime) -> KeyView:
     state = ("revoked" if k.revoked_at else "expired" if k.expires_at and as_utc(k.expires_at) <= now
-             else "active")
+             else "disabled" if tenant.status != "active" else "active")
     limits = ", ".join(f"{v} {unit}" for v, unit in ((k.rpm_limit, "RPM"), (k.tpm_limit, "TPM")) if v) or "none"
     scope = "; ".join(f"{what}: {', '.join(names)}" for what, names in
                       (("models", k.allowed_models), ("adapters", k.allowed_adapters)) if names is not None)
@@ -105,16 +126,24 @@ def _key_view(k: ApiKey, now: datetime) -> KeyView:
 
 @get("/tenants/{name:str}")
 async def tenant_page(request: Request, platform: PlatformDep, name: FromPath[str]) -> Template:
+    return await one_tenant_page(request, platform, name)
+
+
+async def one_tenant_page(request: Request, platform: Platform, name: str, status: int = 200,
+                          form_error: FormError | None = None) -> Template:
     async with platform.sessions() as session:
         tenant = await tenants.get_tenant(session, name)
         key_rows = await keys.list_keys(session, name)
         adapters = await catalog.list_adapters(session, tenant.id)
         budget_rows = await budgets.list_budgets(session, name)
         names = await load_directory(session)
-    now = utcnow()
-    return page(request, "tenant.html.j2", tenant=tenant, keys=[_key_view(k, now) for k in key_rows],
-                adapters=adapters, budgets=await budget_status(platform, budget_rows), periods=BUDGET_PERIODS,
-                usage=await _usage(platform, names, tenant.id), when=when)
+    now, stats = utcnow(), platform.engine.stats()
+    key_views = [_key_view(k, tenant, now) for k in key_rows]
+    key_labels = {k.prefix: k.label for k in key_views}
+    return page(request, "tenant.html.j2", status, form_error, tenant=tenant, keys=key_views, key_labels=key_labels,
+                adapters=[view(a, tenant.name, stats) for a in adapters],
+                budgets=await budget_status(platform, budget_rows), periods=BUDGET_PERIODS.values(),
+                default_period=DEFAULT_BUDGET_PERIOD, usage=await _usage(platform, names, tenant.id), when=when)
 
 
 @get("/billing/export")

@@ -1,16 +1,19 @@
 """What every admin UI page shares: the login guard, forms checked for their CSRF token, the page
-context, and failures shown as pages (a login redirect, or the error with a way back) rather than
-the API's JSON."""
+context, a one-time confirmation (flash) after a change, and failures shown as pages (a login
+redirect, the form again with what was typed and the error, or the error with a way back) rather
+than the API's JSON."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
-from urllib.parse import quote
+from urllib.parse import quote, unquote
 
 from litestar import Request, Response
 from litestar.connection import ASGIConnection
+from litestar.datastructures import Cookie
 from litestar.handlers import BaseRouteHandler
 from litestar.response import Redirect, Template
 
@@ -25,8 +28,37 @@ HEADERS = {"cache-control": "no-store", "x-frame-options": "DENY", "referrer-pol
                                       "form-action 'self'"}
 
 
+FLASH_COOKIE = "lpx_admin_flash"
+MAX_FLASH_CHARS = 200
+MAX_TYPED_CHARS = 1000  # what a form shows again of one typed value
+
+
 class LoginRequired(Exception):
     pass
+
+
+@dataclass(frozen=True)
+class FormError:
+    """A form that was refused: which one (its element id), why, and what was typed into it."""
+
+    form: str
+    message: str
+    values: dict[str, str] = field(default_factory=dict)
+
+    def typed(self, form: str, name: str, default: str = "") -> str:
+        if form != self.form:
+            return default
+        return self.values.get(name, default)[:MAX_TYPED_CHARS]
+
+
+NO_FORM_ERROR = FormError("", "")
+
+
+def flash(response: Response, message: str) -> Response:
+    """Shows `message` once, on the next page this browser loads."""
+    response.cookies.append(Cookie(key=FLASH_COOKIE, value=quote(message[:MAX_FLASH_CHARS]), path="/admin",
+                                   max_age=60, httponly=True, samesite="strict"))
+    return response
 
 
 def platform_of(connection: ASGIConnection) -> Platform:
@@ -57,12 +89,17 @@ async def checked_form(request: Request) -> dict[str, str]:
     return form
 
 
-def page(request: Request, template: str, status: int = 200, **context: Any) -> Template:
+def page(request: Request, template: str, status: int = 200, form_error: FormError | None = None,
+         **context: Any) -> Template:
     cookie = request.cookies.get(session.COOKIE, "")
     token = platform_of(request).settings.admin_token or ""
-    return Template(template_name=template, status_code=status, headers=HEADERS,
+    notice = unquote(request.cookies.get(FLASH_COOKIE, ""))[:MAX_FLASH_CHARS]
+    seen = [Cookie(key=FLASH_COOKIE, value="", path="/admin", max_age=0, httponly=True, samesite="strict")]
+    errors = form_error or NO_FORM_ERROR
+    return Template(template_name=template, status_code=status, headers=HEADERS, cookies=seen if notice else [],
                     context={"csrf": session.csrf_token(token, cookie) if cookie else "", "path": request.url.path,
-                             "logged_in": bool(cookie) and logged_in(request), **context})
+                             "logged_in": bool(cookie) and logged_in(request), "flash": notice,
+                             "form_error": errors, "typed": errors.typed, **context})
 
 
 def to(path: str) -> Redirect:

@@ -1,7 +1,7 @@
 """Token budgets and the counters they are checked against.
 
-Every request charges six counters whether or not a budget watches them: its tenant's and its
-key's, for the UTC day, the month and all time. Keeping them all means a budget added in the
+Every request charges a counter per budget period (periods.BUDGET_PERIODS) for its tenant and for its
+key, whether or not a budget watches them. Keeping them all means a budget added in the
 middle of a month starts from what was already used, without a rebuild. A budget is a limit on
 one of those counters (and an optional soft limit that only raises an alert).
 """
@@ -12,7 +12,7 @@ import functools
 from dataclasses import dataclass
 from datetime import date, datetime
 
-from loraplex.billing.periods import BUDGET_PERIODS, period_id, utc
+from loraplex.billing.periods import BUDGET_PERIODS, PeriodError, budget_period, period_id, utc
 
 
 class BudgetError(ValueError):
@@ -26,15 +26,17 @@ class BudgetRule:
     """A limit on the tokens (prompt + completion) of a tenant, or of one of its keys, per period."""
 
     scope: str  # "tenant" or "key"
-    period: str  # "day", "month", "total"
+    period: str  # a name in periods.BUDGET_PERIODS
     limit_tokens: int
     soft_limit_tokens: int | None = None
 
     def validate(self) -> BudgetRule:
         if self.scope not in ("tenant", "key"):
             raise BudgetError(f"scope must be tenant or key, got {self.scope!r}", "scope")
-        if self.period not in BUDGET_PERIODS:
-            raise BudgetError(f"period must be one of {', '.join(BUDGET_PERIODS)}, got {self.period!r}", "period")
+        try:
+            budget_period(self.period)
+        except PeriodError as exc:
+            raise BudgetError(str(exc), "period") from None
         if not _positive(self.limit_tokens):
             raise BudgetError(f"limit_tokens must be a positive integer, got {self.limit_tokens!r}", "limit_tokens")
         soft = self.soft_limit_tokens
@@ -56,7 +58,7 @@ def counter_name(scope: str, period: str, at: datetime) -> str:
 
 
 def counter_names(key_id: int, at: datetime) -> tuple[str, ...]:
-    """The six counters a request arriving at `at` charges: tenant and key, day, month, total."""
+    """The counters a request arriving at `at` charges: tenant and key, each budget period."""
     return _names(key_id, utc(at).date())
 
 

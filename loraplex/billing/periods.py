@@ -1,17 +1,20 @@
-"""Time periods, all in UTC: the periods of budgets (a day, a month, or all time) and of exports
-(a month, a day, or an inclusive range of days).
+"""Time periods, all in UTC: the periods of budgets (registered here, each one `BudgetPeriod`) and
+of exports (a month, a day, or an inclusive range of days).
 
-Budget counters are named by period id (`d20261105`, `m202611`, `all`), so a request charges the
-periods it arrived in even when it finishes after midnight.
+- A budget period is whole UTC days (so the daily rollups can rebuild its counter) and names its
+  counters by period id (`d20261105`, `w2026W45`, `m202611`, `all`): a request charges the periods
+  it arrived in even when it finishes after midnight.
+- Adding a period is one `BudgetPeriod` in BUDGET_PERIODS plus a migration that widens the
+  budgets table's CHECK (its ORM model reads the names from here).
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC, date, datetime, time, timedelta
 
-BUDGET_PERIODS = ("day", "month", "total")
 _MONTH = re.compile(r"([0-9]{4})-([0-9]{2})")  # ASCII digits, matched whole
 _DAY = re.compile(r"[0-9]{4}-[0-9]{2}-[0-9]{2}")
 _SHAPE = "period must be YYYY-MM, YYYY-MM-DD or YYYY-MM-DD..YYYY-MM-DD"
@@ -31,20 +34,70 @@ def utc(value: datetime) -> datetime:
     return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
+def _next_month(day: date) -> date:
+    return date(day.year + 1, 1, 1) if day.month == 12 else date(day.year, day.month + 1, 1)
+
+
+@dataclass(frozen=True)
+class BudgetPeriod:
+    """One budget period: its name (API, CLI, database), how its counters are named, and which UTC
+    days make the period that contains a given day."""
+
+    name: str
+    label: str  # for people: "UTC day", "ISO week (UTC, from Monday)"
+    first_day: Callable[[date], date | None]  # of the period holding a day; None: it has no start
+    next_first_day: Callable[[date], date | None]  # the day after it ends; None: it never ends
+    id_of: Callable[[date], str]  # the counter id of the period holding a day
+
+    def period_id(self, at: datetime) -> str:
+        return self.id_of(utc(at).date())
+
+    def start(self, at: datetime) -> datetime | None:
+        """When the period that contains `at` began (None: all time)."""
+        first = self.first_day(utc(at).date())
+        return None if first is None else datetime.combine(first, time(), UTC)
+
+    def end(self, at: datetime) -> datetime | None:
+        """When the period that contains `at` ends, exclusive (None: never)."""
+        after = self.next_first_day(utc(at).date())
+        return None if after is None else datetime.combine(after, time(), UTC)
+
+
+def _monday(day: date) -> date:
+    return day - timedelta(days=day.weekday())
+
+
+def _week_id(day: date) -> str:
+    year, week, _ = day.isocalendar()
+    return f"w{year}W{week:02d}"
+
+
+BUDGET_PERIODS: dict[str, BudgetPeriod] = {p.name: p for p in (
+    BudgetPeriod("day", "UTC day", lambda d: d, lambda d: d + timedelta(days=1), lambda d: f"d{d:%Y%m%d}"),
+    BudgetPeriod("week", "ISO week (UTC, from Monday)", _monday, lambda d: _monday(d) + timedelta(days=7),
+                 _week_id),
+    BudgetPeriod("month", "UTC month", lambda d: d.replace(day=1), _next_month, lambda d: f"m{d:%Y%m}"),
+    BudgetPeriod("total", "all time", lambda d: None, lambda d: None, lambda d: "all"),
+)}
+DEFAULT_BUDGET_PERIOD = "month"
+
+
+def budget_period(name: object) -> BudgetPeriod:
+    """The period called `name`; PeriodError for anything else (bounded in the message)."""
+    found = BUDGET_PERIODS.get(name) if isinstance(name, str) else None
+    if found is None:
+        shown = repr(name)[:40]
+        raise PeriodError(f"period must be one of {', '.join(BUDGET_PERIODS)}, got {shown}")
+    return found
+
+
 def check_budget_period(period: str) -> str:
-    if period not in BUDGET_PERIODS:
-        raise PeriodError(f"period must be one of {', '.join(BUDGET_PERIODS)}, got {period!r}")
-    return period
+    return budget_period(period).name
 
 
 def period_id(period: str, at: datetime) -> str:
-    """The counter name of the `period` that contains `at`."""
-    at = utc(at)
-    if period == "day":
-        return f"d{at:%Y%m%d}"
-    if period == "month":
-        return f"m{at:%Y%m}"
-    return "all"
+    """The counter id of the `period` that contains `at`."""
+    return budget_period(period).period_id(at)
 
 
 @dataclass(frozen=True)
@@ -81,8 +134,7 @@ def _day(text: str) -> date:
 
 def month_range(year: int, month: int) -> DateRange:
     start = date(year, month, 1)
-    end = date(year + 1, 1, 1) if month == 12 else date(year, month + 1, 1)
-    return DateRange(start, end)
+    return DateRange(start, _next_month(start))
 
 
 def parse_period(text: str) -> DateRange:

@@ -16,7 +16,7 @@ from sqlalchemy import case, func, select, text
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from loraplex.billing.budgets import counter_name
-from loraplex.billing.periods import utc
+from loraplex.billing.periods import BUDGET_PERIODS, utc
 from loraplex.billing.tables import usage_daily, usage_ledger
 
 
@@ -25,20 +25,24 @@ def _tokens():
 
 
 def _sums_query(tenant_id: int, now: datetime):
+    """Per key, the tokens of each budget period containing `now` (BUDGET_PERIODS' order): every
+    period is whole UTC days, so the rollups since its first day are exactly its usage."""
     today = utc(now).date()
     tokens = _tokens()
-    return (select(usage_daily.c.key_id, func.sum(tokens),
-                   func.sum(case((usage_daily.c.day >= today.replace(day=1), tokens), else_=0)),
-                   func.sum(case((usage_daily.c.day == today, tokens), else_=0)))
+    sums = []
+    for period in BUDGET_PERIODS.values():
+        first = period.first_day(today)
+        sums.append(func.sum(tokens if first is None else case((usage_daily.c.day >= first, tokens), else_=0)))
+    return (select(usage_daily.c.key_id, *sums)
             .where(usage_daily.c.tenant_id == tenant_id).group_by(usage_daily.c.key_id))
 
 
 def counters_from_sums(rows, now: datetime) -> dict[str, int]:
-    """(key id, all time, this month, today) rows -> every counter of the tenant and its keys."""
+    """(key id, then a sum per budget period) rows -> every counter of the tenant and its keys."""
     used: dict[str, int] = {}
     for key_id, *by_period in rows:
         for scope in ("t", f"k{key_id}"):
-            for period, value in zip(("total", "month", "day"), by_period, strict=True):
+            for period, value in zip(BUDGET_PERIODS, by_period, strict=True):
                 name = counter_name(scope, period, now)
                 used[name] = used.get(name, 0) + int(value or 0)
     return used

@@ -1,9 +1,10 @@
-"""`loraplex budgets set|list|delete`: token budgets of tenants and keys, per day, month or in total."""
+"""`loraplex budgets set|list|delete`: token budgets of tenants and keys, per day, ISO week, month (UTC) or in total."""
 
 from __future__ import annotations
 
 import argparse
 
+from loraplex.billing.periods import BUDGET_PERIODS
 from loraplex.billing.rebuild import tenant_usage
 from loraplex.billing.usage import utcnow
 from loraplex.cli.storage import positive_int, require_migrated, run_db
@@ -17,7 +18,7 @@ def add_parser(sub) -> None:
     s = bsub.add_parser("set", help="create or replace a budget (one per tenant or key and period)")
     s.add_argument("--tenant", required=True)
     s.add_argument("--limit-tokens", required=True, help="prompt + completion tokens allowed per period")
-    s.add_argument("--period", required=True, help="day, month (UTC) or total")
+    s.add_argument("--period", required=True, help=f"{', '.join(BUDGET_PERIODS)} (UTC; weeks from Monday)")
     s.add_argument("--key", help="the display prefix of one of the tenant's keys (default: the whole tenant)")
     s.add_argument("--soft-limit-tokens", help="raise an alert (metric and log) from this many tokens on")
     s.set_defaults(func=_set)

@@ -254,6 +254,8 @@ class EngineStats:
     adapter_slots: int = 0  # device slots for adapters (max_loras of each resident model)
     running_adapters: tuple[str, ...] = ()  # adapter ids of the requests running now, each once, sorted
     waiting_adapters: tuple[str, ...] = ()  # and of those waiting
+    device_adapters: tuple[str, ...] = ()  # adapter ids in device slots now, sorted
+    cpu_adapters: tuple[str, ...] = ()  # adapter ids in the CPU tier now (parsed weights), sorted
     adapter_slot_bytes: int = 0  # memory of the slot buffers (at lora_dtype) and the folded adapter copies now
     adapter_loads: int = 0
     adapter_disk_loads: int = 0  # of adapter_loads, those that read the adapter from disk (not the CPU tier)

@@ -385,6 +385,8 @@ class EngineCore:
             prefix_cached_blocks=self.pool.num_cached, prefix_query_tokens=kv.prefix_query_tokens,
             prefix_hit_tokens=kv.prefix_hit_tokens,
             adapters_loaded=len(lora.loaded()) if lora else 0, adapter_slots=self.config.max_loras,
+            device_adapters=tuple(sorted(lora.loaded())) if lora else (),
+            cpu_adapters=tuple(sorted(lora.cpu_cached())) if lora else (),
             running_adapters=_adapters_of(running_requests), waiting_adapters=_adapters_of(waiting),
             adapter_loads=lora.stats.loads if lora else 0,
             adapter_disk_loads=lora.stats.disk_loads if lora else 0,

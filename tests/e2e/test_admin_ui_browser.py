@@ -166,3 +166,122 @@ def test_the_overview_shows_the_engine_and_models(page: Page, server):
     with pytest.raises(openai.NotFoundError):  # the pool is empty again (this server's writes apply at once)
         client.chat.completions.create(model="auto", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert page.errors == []
+
+
+ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "admin-ui"  # gitignored
+
+
+def shot(page: Page, name: str) -> None:
+    """A full-page screenshot kept as a test artifact (test-artifacts/admin-ui/NAME.png)."""
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=True)
+
+
+def log_in(page: Page, server, where: str = "/admin") -> None:
+    page.goto(f"/admin/login?next={where}")
+    page.fill("input[name=token]", ADMIN)
+    page.click("button[type=submit]")
+    expect(page).to_have_url(f"{server.base_url}{where}")
+
+
+def admin_api(server, method: str, route: str, **body) -> dict:
+    r = httpx.request(method, f"{server.base_url}/admin/api{route}", json=body, timeout=60,
+                      headers={"authorization": f"Bearer {ADMIN}"})
+    assert r.status_code < 300, r.text
+    return r.json()
+
+
+def test_forms_keep_what_was_typed_confirm_changes_and_name_keys(page: Page, server):
+    admin_api(server, "POST", "/tenants", name="shop")
+    key = admin_api(server, "POST", "/tenants/shop/keys", name="web")["key"]
+    prefix = key[:12]
+    log_in(page, server, "/admin/tenants/shop")
+    option = page.locator(f'#budget-form select[name=key] option[value="{prefix}"]')
+    expect(option).to_have_text(f"key web ({prefix})")
+
+    form = page.locator("#budget-form")
+    form.locator("select[name=key]").select_option(prefix)
+    form.locator("select[name=period]").select_option("week")
+    form.locator("input[name=limit_tokens]").fill("100")
+    form.locator("input[name=soft_limit_tokens]").fill("500")  # over the limit: refused
+    form.locator("button[type=submit]").click()
+    expect(page.locator("#budget-form [role=alert]")).to_contain_text("soft_limit_tokens")
+    expect(page.locator("#budget-form input[name=limit_tokens]")).to_have_value("100")
+    expect(page.locator("#budget-form input[name=soft_limit_tokens]")).to_have_value("500")
+    expect(page.locator("#budget-form select[name=period]")).to_have_value("week")
+    expect(page.locator("#budget-form select[name=key]")).to_have_value(prefix)
+    shot(page, "budget-form-error")
+
+    page.locator("#budget-form input[name=soft_limit_tokens]").fill("50")
+    page.locator("#budget-form button[type=submit]").click()
+    expect(page.locator("#flash")).to_have_text("Budget set: key web, 100 tokens per week.")
+    expect(page.locator(f'tr[data-budget="{prefix}-week"] td').first).to_have_text(f"key web ({prefix})")
+    page.reload()
+    expect(page.locator("#flash")).to_have_count(0)  # shown once
+
+    field = page.locator("#max-tokens-form input[name=default_max_tokens]")
+    field.fill("-3")
+    page.locator("#max-tokens-form button[type=submit]").click()
+    expect(page.locator("#max-tokens-form [role=alert]")).to_contain_text("positive number")
+    expect(field).to_have_value("-3")
+    field.fill("7")
+    page.locator("#max-tokens-form button[type=submit]").click()
+    expect(page.locator("#flash")).to_contain_text("up to 7 tokens")
+    assert admin_api(server, "GET", "/tenants/shop")["default_max_tokens"] == 7
+    client = openai.OpenAI(api_key=key, base_url=f"{server.base_url}/v1", max_retries=0, timeout=60)
+    answer = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                            extra_body={"ignore_eos": True})  # no max_tokens: the tenant's
+    assert answer.usage.completion_tokens == 7
+
+    submit_confirmed(page, page.get_by_role("button", name="Disable tenant"), accept=True)
+    expect(page.locator(f'#keys tr[data-prefix="{prefix}"] .badge')).to_have_text("disabled")
+    shot(page, "disabled-tenant-keys")
+    # the only errors: Chromium logs each refused form's 400 page as a failed load
+    assert page.errors == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"] * 2
+
+
+def test_the_overview_adds_prices_lists_adapters_and_draws_live_charts(page: Page, server, tmp_path):
+    from tests.e2e.test_serve_models import peft_dir
+
+    admin_api(server, "POST", "/tenants", name="lively")
+    key = admin_api(server, "POST", "/tenants/lively/keys")["key"]
+    admin_api(server, "POST", "/tenants/lively/adapters", name="tuned", base_model=MODEL, path=peft_dir(tmp_path, 5))
+    admin_api(server, "POST", "/tenants", name="capped")
+    capped = admin_api(server, "POST", "/tenants/capped/keys")["key"]
+    admin_api(server, "POST", "/budgets", tenant="capped", period="week", limit_tokens=1)
+    log_in(page, server)
+
+    price = page.locator("#price-form")
+    price.locator("input[name=input_per_1m]").fill("abc")
+    price.locator("input[name=cached_input_per_1m]").fill("0.5")
+    price.locator("input[name=output_per_1m]").fill("2")
+    price.locator("button[type=submit]").click()
+    expect(page.locator("#price-form [role=alert]")).to_be_visible()
+    expect(page.locator("#price-form input[name=input_per_1m]")).to_have_value("abc")
+    expect(page.locator("#price-form input[name=output_per_1m]")).to_have_value("2")
+    page.locator("#price-form input[name=input_per_1m]").fill("1")
+    page.locator("#price-form button[type=submit]").click()
+    expect(page.locator("#flash")).to_contain_text(f"Price added for {MODEL}")
+
+    requests_line = page.locator('svg[data-chart="requests"] path.line')
+    expect(requests_line).to_have_count(1)  # drawn from the first poll
+    before = requests_line.get_attribute("d")
+    for _ in range(3):
+        ask(key, server), ask(key, server, "tuned")
+    with pytest.raises(openai.RateLimitError):
+        ask(capped, server)
+    # the sampler reads every 5 s and the page polls as often: the lines change without a reload
+    page.wait_for_function("([sel, before]) => document.querySelector(sel).getAttribute('d') !== before",
+                           arg=['svg[data-chart="requests"] path.line', before], timeout=30_000)
+    expect(page.locator('svg[data-chart="requests"] path.line[data-max]:not([data-max="0"])')).to_have_count(
+        1, timeout=30_000)
+    expect(page.locator('svg[data-chart="ttft"] path.line[data-series="p50"]:not([data-max="0"])')).to_have_count(1)
+    expect(page.locator('svg[data-chart="tokens"] path.line[data-series="output"]:not([data-max="0"])')) \
+        .to_have_count(1)
+    expect(page.locator('#rejections tr[data-reason="budget (tenant)"] td').nth(1)).to_have_text("1")
+    expect(page.locator("#live-status")).to_contain_text("updated")
+
+    page.reload()
+    expect(page.locator('#adapter-list tr[data-adapter="lively/tuned"] [data-residency]')).to_have_text("device")
+    shot(page, "overview-live")
+    assert page.errors == ["Failed to load resource: the server responded with a status of 400 (Bad Request)"]

@@ -126,8 +126,8 @@ def test_bad_input_is_one_line_and_changes_nothing(monkeypatch, env, tmp_path):
     refused(cli(monkeypatch, env, *budget, "--limit-tokens", "lots"), "--limit-tokens")
     refused(cli(monkeypatch, env, *budget, "--limit-tokens", "0"), "--limit-tokens")
     refused(cli(monkeypatch, env, *budget, "--limit-tokens", "5", "--soft-limit-tokens", "6"), "soft_limit_tokens")
-    refused(cli(monkeypatch, env, "budgets", "set", "--tenant", "careful", "--period", "week", "--limit-tokens", "5"),
-            "period")
+    refused(cli(monkeypatch, env, "budgets", "set", "--tenant", "careful", "--period", "fortnight",
+                "--limit-tokens", "5"), "period")
     refused(cli(monkeypatch, env, *budget, "--limit-tokens", "5", "--key", "lpx-unknown0"), "no key")
     refused(cli(monkeypatch, env, *budget, "--limit-tokens", "5", "--tenant", "nobody"), "not found")
     assert ok(cli(monkeypatch, env, "budgets", "list", "--tenant", "careful")) == ""

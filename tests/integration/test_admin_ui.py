@@ -179,9 +179,14 @@ def test_budgets_scoped_keys_and_exports_through_the_ui(ui):
     page = ui.get(f"/admin/tenants/{name}").text
     assert f'data-budget="{key[:12]}-month"' in page and 'data-budget="tenant-day"' in page
     for bad, message in (({"period": "day", "limit_tokens": ""}, "limit tokens must be a positive number"),
-                         ({"period": "week", "limit_tokens": "9"}, "period must be one of day, month, total")):
-        r = ui.post(f"/admin/tenants/{name}/budgets", data={"csrf": csrf, **bad})
-        assert r.status_code == 400 and message in r.text
+                         ({"period": "fortnight", "limit_tokens": "9"}, "period must be one of day, week, month, "
+                                                                         "total, got &#39;fortnight&#39;"),
+                         ({"period": "day", "limit_tokens": "9", "soft_limit_tokens": "12"}, "soft_limit_tokens")):
+        r = ui.post(f"/admin/tenants/{name}/budgets", data={"csrf": csrf, "key": key[:12], **bad})
+        assert r.status_code == 400 and message in r.text  # the tenant page again, the form as it was typed
+        form = re.search(r'<form[^>]+id="budget-form".*?</form>', r.text, re.S).group(0)
+        assert 'role="alert"' in form and f'value="{key[:12]}" selected' in form
+        assert f'name="limit_tokens" inputmode="numeric" size="10" required value="{bad["limit_tokens"]}"' in form
     ui.post(f"/admin/tenants/{name}/budgets/delete", data={"csrf": csrf, "period": "day"})
     assert chat(ui, key) == 200
     assert [b["period"] for b in ui.get(f"/admin/api/budgets?tenant={name}", headers=ADMIN).json()] == ["month"]
@@ -288,3 +293,14 @@ def test_the_overview_and_engine_stats_report_the_prefix_cache_and_speculation(u
     assert re.search(r'id="stat-prefix">\d+%</span>', page)
     # an engine in this process: no replicas to list
     assert ui.get("/admin/api/engine/replicas", headers=ADMIN).json() == [] and 'id="replicas"' not in page
+
+
+def test_live_json_needs_a_login_and_holds_a_bounded_history(ui):
+    ui.cookies.clear()
+    assert ui.get("/admin/live.json", follow_redirects=False).status_code == 303
+    login(ui)
+    body = ui.get("/admin/live.json").json()
+    assert body["interval_s"] == 5.0 and len(body["t"]) <= 180
+    assert {c["id"] for c in body["charts"]} == {"requests", "tokens", "ttft", "itl", "queue", "kv", "problems",
+                                                 "latency"}
+    assert all(len(s["values"]) == len(body["t"]) for c in body["charts"] for s in c["series"])

@@ -69,7 +69,9 @@ def test_two_instances_200_concurrent_requests_stay_within_the_budget(postgres_b
 def test_budget_and_price_input_is_checked_and_bad_input_writes_nothing(api):
     client = api.client
     tenant, _, key = new_tenant(client)
-    bad = [({"period": "week", "limit_tokens": 10}, "period"), ({"period": "day", "limit_tokens": 0}, "limit_tokens"),
+    bad = [({"period": "fortnight", "limit_tokens": 10}, "period"),
+           ({"period": "w" * 100_000, "limit_tokens": 10}, "period"),
+           ({"period": "day", "limit_tokens": 0}, "limit_tokens"),
            ({"period": "day", "limit_tokens": 10, "soft_limit_tokens": 11}, "soft_limit_tokens"),
            ({"period": "day", "limit_tokens": "ten"}, "limit_tokens")]
     for body, param in bad:

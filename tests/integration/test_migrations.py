@@ -92,3 +92,46 @@ def test_0003_adds_auto_max_complexity_keeping_models(empty_database):
     assert seen["after"] == [("kept", None)]
     assert seen[1.5] == seen[-0.5] == "refused"  # the check constraint, on both databases
     assert seen["down"] == [("kept",)]
+
+
+async def _budgets_across_0005(url: str) -> dict:
+    """0005 admits weekly budgets (and still refuses unknown periods and a second tenant budget of one
+    period); its downgrade deletes the weekly ones and refuses 'week' again."""
+    engine = make_engine(url)
+    seen: dict = {}
+
+    async def insert(period: str, tenant: int = 1) -> str:
+        try:
+            async with engine.begin() as conn:
+                await conn.execute(text("INSERT INTO budgets (tenant_id, period, limit_tokens, created_at, updated_at) "
+                                        "VALUES (:t, :p, 10, CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"),
+                                   {"t": tenant, "p": period})
+            return "stored"
+        except IntegrityError:
+            return "refused"
+
+    try:
+        await upgrade(engine, "0004")
+        async with engine.begin() as conn:
+            await conn.execute(text("INSERT INTO tenants (name, tier, status, created_at) "
+                                    "VALUES ('t', 'standard', 'active', CURRENT_TIMESTAMP)"))
+        seen["week at 0004"] = await insert("week")
+        seen["day at 0004"] = await insert("day")
+        await upgrade(engine, "0005")
+        seen["week at 0005"] = await insert("week")
+        seen["second week"] = await insert("week")  # the partial unique index survived the table's rebuild
+        seen["year"] = await insert("year")
+        await downgrade(engine, "0004")
+        async with engine.connect() as conn:
+            seen["kept"] = sorted(r[0] for r in (await conn.execute(text("SELECT period FROM budgets"))).all())
+        seen["week after downgrade"] = await insert("week")
+    finally:
+        await engine.dispose()
+    return seen
+
+
+def test_0005_adds_weekly_budgets_and_its_downgrade_removes_them(empty_database):
+    seen = run(_budgets_across_0005(empty_database))
+    assert seen == {"week at 0004": "refused", "day at 0004": "stored", "week at 0005": "stored",
+                    "second week": "refused", "year": "refused", "kept": ["day"],
+                    "week after downgrade": "refused"}

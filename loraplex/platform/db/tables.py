@@ -22,6 +22,7 @@ from sqlalchemy import (
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
+from loraplex.billing.periods import BUDGET_PERIODS
 from loraplex.billing.tables import metadata as billing_metadata
 
 NAMING = {
@@ -142,7 +143,7 @@ class Budget(Base):
 
     __tablename__ = "budgets"
     __table_args__ = (
-        CheckConstraint("period IN ('day', 'month', 'total')", name="period"),
+        CheckConstraint(f"period IN ({', '.join(repr(p) for p in BUDGET_PERIODS)})", name="period"),
         CheckConstraint("limit_tokens > 0", name="limit_tokens"),
         CheckConstraint("soft_limit_tokens IS NULL OR (soft_limit_tokens > 0 AND soft_limit_tokens <= limit_tokens)",
                         name="soft_limit_tokens"),
