@@ -281,6 +281,34 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class ComputePath:
+    """What runs the model on this machine: `ops` "c" (this project's C kernels), "torch" (torch's CPU ops,
+    slower; `reason` says why) or "cuda"; the instruction sets the C kernels' build targets (else the CPU's)."""
+
+    device: str
+    ops: str
+    reason: str
+    instruction_sets: tuple[str, ...]
+    threads: int
+    model_dtype: str
+    weight_dtype: str
+    kv_cache_dtype: str
+
+    def summary(self) -> str:
+        """One line, for the startup log."""
+        what = {"c": "C kernels", "torch": "torch ops (fallback)", "cuda": "CUDA"}.get(self.ops, self.ops)
+        isa = ", ".join(self.instruction_sets) or "no vector extensions"
+        return f"compute: {what} on {self.device} ({self.reason}); {isa}; {self.threads} threads"
+
+
+def cpu_compute_path(device: str = "auto") -> ComputePath:
+    """The ComputePath of an engine with default options on `device` (imports torch and may build the kernels)."""
+    from loraplex.engine.compute import describe
+
+    return describe(device)
+
+
 # EngineStats' totals since start (Prometheus counters): they must never go back, so an engine that
 # multiplexes models keeps an evicted model's share of them (ModelPool.retired); the other fields are
 # what holds now.
