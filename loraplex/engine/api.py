@@ -302,13 +302,6 @@ class ComputePath:
         return f"compute: {what} on {self.device} ({self.reason}); {isa}; {self.threads} threads"
 
 
-def cpu_compute_path(device: str = "auto") -> ComputePath:
-    """The ComputePath of an engine with default options on `device` (imports torch and may build the kernels)."""
-    from loraplex.engine.compute import describe
-
-    return describe(device)
-
-
 # EngineStats' totals since start (Prometheus counters): they must never go back, so an engine that
 # multiplexes models keeps an evicted model's share of them (ModelPool.retired); the other fields are
 # what holds now.

@@ -1,5 +1,9 @@
 """What would run the model here with the default options: the device, C kernels or torch ops (and why),
-the instruction sets, threads and default dtypes (for `loraplex doctor` and the startup log)."""
+the instruction sets, threads and default dtypes (for `loraplex doctor` and the startup log).
+
+- It imports torch and may build the kernels, so it is not in engine.api (which the platform imports
+  cheaply); the answer's type, ComputePath, is, so the platform can carry it (engine stats).
+"""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.kernels.cpu import build
 
 
-def describe(device: str = "auto") -> ComputePath:
+def local_compute_path(device: str = "auto") -> ComputePath:
     """Builds (or loads the cached) CPU kernels to say whether they run; on CUDA they do not matter."""
     config = EngineConfig(device=device)
     on_cuda = config.torch_device.type == "cuda"
