@@ -23,20 +23,20 @@ def add_parser(sub) -> None:
     cur.set_defaults(func=_current)
 
 
-def _migrate(step, revision: str) -> int:
+def _migrate(step, revision: str, create: bool = False) -> int:
     settings = Settings.from_env()
 
     async def work(engine) -> str | None:
         await step(engine, revision)
         return await current_revision(engine)
 
-    now = run_db(work, settings)
+    now = run_db(work, settings, create=create)
     print(f"database {display_url(settings.effective_database_url)} at revision {now or 'base'}")
     return 0
 
 
 def _upgrade(args: argparse.Namespace) -> int:
-    return _migrate(upgrade, args.revision)
+    return _migrate(upgrade, args.revision, create=True)
 
 
 def _downgrade(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@ from loraplex.cli import (
     billing,
     budgets,
     db,
+    doctor,
     generate,
     keys,
     models,
@@ -28,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cmd.add_parser(sub)
     serve.add_parser(sub)
     db.add_parser(sub)
+    doctor.add_parser(sub)
     tenants.add_parser(sub)
     keys.add_parser(sub)
     models.add_parser(sub)

@@ -98,10 +98,13 @@ def run(args: argparse.Namespace) -> int:
         from loraplex.cli.serve_ray import ray_engine
 
         client, plugins = ray_engine(args)
-        run_db(upgrade, settings)
+        run_db(upgrade, settings, create=True)
         return _serve(args, settings, client, plugins)
-    run_db(upgrade, settings)
+    run_db(upgrade, settings, create=True)
     engine = build_engine(args)
+    from loraplex.engine.compute import local_compute_path
+
+    log.info("%s", local_compute_path(args.device or "auto").summary())
     try:
         return _serve(args, settings, engine, [])
     finally:
