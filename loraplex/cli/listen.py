@@ -13,9 +13,11 @@ from collections.abc import Awaitable, Callable
 
 
 def add_listen_args(p: argparse.ArgumentParser, default_port: int, host_help: str | None = None) -> None:
-    p.add_argument("--host", default="127.0.0.1", help=host_help)
-    p.add_argument("--port", type=int, default=default_port)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--host", default="127.0.0.1",
+                   help=host_help or "the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=default_port, help=f"the TCP port (default {default_port})")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the least severe log records shown (default info)")
 
 
 def start_logging(args: argparse.Namespace) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -80,7 +81,8 @@ def test_budgets_prices_and_exports_with_a_live_server(monkeypatch, env, tmp_pat
         when = effective.isoformat()
         ok(cli(monkeypatch, env, "prices", "set", "--model", "synthetic:tiny", "--input-per-1m", "1.5",
                "--cached-input-per-1m", "0.5", "--output-per-1m", "6", "--effective-from", when))
-        assert "synthetic:tiny\tUSD\tinput 1.50" in ok(cli(monkeypatch, env, "prices", "list"))
+        (price,) = json.loads(ok(cli(monkeypatch, env, "prices", "list", "--json")))
+        assert price["model"] == "synthetic:tiny" and (price["currency"], price["input_per_1m"]) == ("USD", "1.50")
         # requests from now on fall under that price
         time.sleep(max(0.0, (effective - datetime.now(UTC)).total_seconds()) + 0.05)
 
