@@ -8,7 +8,6 @@ import argparse
 import asyncio
 import logging
 import socket
-import sys
 from collections.abc import Awaitable, Callable
 
 
@@ -21,8 +20,10 @@ def add_listen_args(p: argparse.ArgumentParser, default_port: int, host_help: st
 
 
 def start_logging(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """One handler and format for every logger (cli/logs.py; LORAPLEX_LOG_FORMAT)."""
+    from loraplex.cli.logs import configure_logging
+
+    configure_logging(args.log_level)
 
 
 def check_port(host: str, port: int) -> None:

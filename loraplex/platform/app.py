@@ -76,6 +76,7 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         on_startup=[startup], on_shutdown=[shutdown],
         plugins=list(plugins),
         openapi_config=openapi_config(),  # the JSON and a page of our own: nothing loads from a CDN
+        logging_config=None,  # the process's logging is set up once, by what runs the app (`serve`: cli/logs.py)
     )
 
 

@@ -132,7 +132,7 @@ def test_bad_input_is_one_line_and_changes_nothing(monkeypatch, env, tmp_path):
             "period")
     refused(cli(monkeypatch, env, *budget, "--limit-tokens", "5", "--key", "lpx-unknown0"), "no key")
     refused(cli(monkeypatch, env, *budget, "--limit-tokens", "5", "--tenant", "nobody"), "not found")
-    assert ok(cli(monkeypatch, env, "budgets", "list", "--tenant", "careful")) == ""
+    assert json.loads(ok(cli(monkeypatch, env, "budgets", "list", "--tenant", "careful", "--json"))) == []
     price = ("prices", "set", "--model", "careful-model", "--input-per-1m", "1", "--cached-input-per-1m", "1",
              "--output-per-1m", "1")
     refused(cli(monkeypatch, env, *price, "--currency", "dollars"), "currency")
@@ -140,7 +140,7 @@ def test_bad_input_is_one_line_and_changes_nothing(monkeypatch, env, tmp_path):
     refused(cli(monkeypatch, env, *price, "--effective-from", "soon"), "--effective-from")
     refused(cli(monkeypatch, env, *price[:4], "--input-per-1m", "-1", *price[6:]), "input_per_1m")
     refused(cli(monkeypatch, env, *price[:3], "nothing-like-it", *price[4:]), "not registered")
-    assert ok(cli(monkeypatch, env, "prices", "list", "--model", "careful-model")) == ""
+    assert json.loads(ok(cli(monkeypatch, env, "prices", "list", "--model", "careful-model", "--json"))) == []
     refused(cli(monkeypatch, env, "billing", "export", "--period", "2026-13"), "period")
     refused(cli(monkeypatch, env, "billing", "export", "--period", "2026-11", "--format", "xml"), "format")
     refused(cli(monkeypatch, env, "billing", "export", "--period", "2026-11", "--tenant", "nobody"), "not found")
