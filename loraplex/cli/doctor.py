@@ -45,7 +45,7 @@ def compute_checks(device: str) -> list[Check]:
     return [
         Check("compute", WARN if path.ops == "torch" else OK, f"{what} on {path.device}: {path.reason}"),
         Check("instruction sets", OK, (", ".join(path.instruction_sets) or "no vector extensions")
-              + (" (the kernels' build)" if path.ops == "c" else " (the CPU's)")),
+              + (" (the kernels' build)" if path.instruction_sets_of == "build" else " (the CPU's)")),
         Check("threads", OK, str(path.threads)),
         Check("model dtype", OK, f"{path.model_dtype} (--dtype)"),
         Check("weights", OK, f"{path.weight_dtype} (--weight-dtype)"),

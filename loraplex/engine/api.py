@@ -284,12 +284,14 @@ class EngineStats:
 @dataclass(frozen=True)
 class ComputePath:
     """What runs the model on this machine: `ops` "c" (this project's C kernels), "torch" (torch's CPU ops,
-    slower; `reason` says why) or "cuda"; the instruction sets the C kernels' build targets (else the CPU's)."""
+    slower; `reason` says why) or "cuda"; the instruction sets the C kernels' build targets, or where it cannot
+    be asked, the CPU's (`instruction_sets_of` "build" or "cpu")."""
 
     device: str
     ops: str
     reason: str
     instruction_sets: tuple[str, ...]
+    instruction_sets_of: str
     threads: int
     model_dtype: str
     weight_dtype: str

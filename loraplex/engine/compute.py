@@ -21,13 +21,15 @@ def local_compute_path(device: str = "auto") -> ComputePath:
     model_dtype = _name(config.torch_dtype)
     if on_cuda:
         ops, reason = "cuda", f"{torch.cuda.get_device_name(config.torch_device)} (Triton kernels)"
-        isa = build.cpu_instruction_sets()
+        built = None
     else:
         status = build.status()
         ops, reason = ("c" if status.loaded else "torch"), status.reason
-        isa = (build.build_instruction_sets() if status.loaded else None) or build.cpu_instruction_sets()
+        built = build.build_instruction_sets() if status.loaded else None
+    isa = built if built is not None else build.cpu_instruction_sets()
     return ComputePath(
         device=str(config.torch_device), ops=ops, reason=reason, instruction_sets=isa,
+        instruction_sets_of="cpu" if built is None else "build",
         threads=torch.get_num_threads(), model_dtype=model_dtype,
         weight_dtype=f"a GGUF's Q8_0/Q4_0/Q4_1 blocks as stored, other weights {model_dtype}",
         kv_cache_dtype=_name(config.kv_torch_dtype))
