@@ -35,8 +35,10 @@ $(CHROMIUM):
 	$(APT) install -y -qq --no-install-recommends chromium || \
 		($(APT) update -qq && $(APT) install -y -qq --no-install-recommends chromium)
 
+# Users build the C kernels without -Werror (a new compiler's warning must not cost them the kernels); the tests
+# keep it, so a warning fails here first (LORAPLEX_CPU_CFLAGS is part of the kernels' cache key).
 test: lint $(CHROMIUM)
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
+	TRITON_INTERPRET=1 LORAPLEX_CPU_CFLAGS="-Werror $(LORAPLEX_CPU_CFLAGS)" $(PY) -m pytest -q -ra
 
 bench: $(STAMP)
 	$(VENV)/bin/loraplex bench engine --json bench/results/engine.json

@@ -18,6 +18,7 @@ from sqlalchemy import select
 
 from loraplex.adapters.store import AdapterStore, file_digest
 from loraplex.cli.storage import with_session
+from loraplex.cli.table import add_json_flag, print_rows
 from loraplex.engine.api import PEFT_CONFIG_FILE, PEFT_FILES, PEFT_WEIGHTS_FILE, missing_weights_reason
 from loraplex.platform.db.tables import Adapter
 from loraplex.platform.settings import Settings
@@ -28,16 +29,17 @@ def add_parser(sub) -> None:
     asub = p.add_subparsers(dest="adapters_command", required=True)
     up = asub.add_parser("upload", help="upload a PEFT LoRA directory and register it for a tenant")
     up.add_argument("directory", help="holds adapter_config.json and adapter_model.safetensors")
-    up.add_argument("--tenant", required=True)
+    up.add_argument("--tenant", required=True, help="the tenant that owns it (only its keys can use it)")
     up.add_argument("--name", required=True, help="what the tenant's requests call it (`model`)")
-    up.add_argument("--base-model", required=True)
+    up.add_argument("--base-model", required=True, help="the served base model it was trained on")
     up.set_defaults(func=_upload)
     ls = asub.add_parser("list", help="list a tenant's adapters")
-    ls.add_argument("--tenant", required=True)
+    ls.add_argument("--tenant", required=True, help="whose adapters")
+    add_json_flag(ls)
     ls.set_defaults(func=_list)
     rm = asub.add_parser("delete", help="delete a tenant's adapter (its running requests finish)")
-    rm.add_argument("name")
-    rm.add_argument("--tenant", required=True)
+    rm.add_argument("name", help="the adapter's name")
+    rm.add_argument("--tenant", required=True, help="the tenant that owns it")
     rm.set_defaults(func=_delete)
     for q in (up, ls, rm):
         q.add_argument("--server", default=os.environ.get("LORAPLEX_SERVER_URL") or "http://127.0.0.1:8000",
@@ -110,8 +112,8 @@ def _peft_files(directory: Path) -> dict[str, Path]:
 
 
 def _list(args: argparse.Namespace) -> int:
-    for row in _Admin(args.server).call("GET", f"/tenants/{args.tenant}/adapters").json():
-        print(f"{row['name']}\t{row['base_model']}\t{row['path']}")
+    rows = _Admin(args.server).call("GET", f"/tenants/{args.tenant}/adapters").json()
+    print_rows(args, ("name", "base_model", "path"), rows)
     return 0
 
 

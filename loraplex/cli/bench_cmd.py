@@ -23,6 +23,17 @@ DEVICE_OPTIONS: list[tuple[str, dict]] = [
 ENGINE_DEVICE_OPTIONS = [*DEVICE_OPTIONS, ("--attention-backend", {
     "default": "auto", "help": "auto, torch_sdpa, cpu_c or triton_paged (EngineConfig.attention_backend)"})]
 
+# The help of options several benchmarks share, where their own entry gives none
+SHARED_HELP = {
+    "--model": "the base model (default %(default)s)",
+    "--new-tokens": "tokens generated per request (default %(default)s)",
+    "--batch": "requests decoded together (default %(default)s)",
+    "--rank": "the adapters' LoRA rank (default %(default)s)",
+    "--requests": "requests sent (default %(default)s)",
+    "--rounds": "rounds, taking turns (default %(default)s)",
+    "--seconds": "seconds of load (default %(default)s)",
+}
+
 # name -> (module, help, [(flag, kwargs)]); every benchmark also takes --json PATH.
 BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
     "engine": ("engine", "engine tokens/s vs HF transformers, with the machine's roofline", [
@@ -44,7 +55,7 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--peft-new-tokens", {"type": int, "default": None,
                                "help": "tokens per request for HF PEFT (default: --new-tokens). Fewer keep the "
                                        "run short but flatter the ratio: PEFT's prefill weighs more per token"}),
-        ("--skip-peft", {"action": "store_true"}),
+        ("--skip-peft", {"action": "store_true", "help": "measure our engine only, not HF PEFT"}),
         ("--rounds", {"type": int, "default": 3,
                       "help": "rounds, each with the patterns' engines taking turns step by step, then "
                               "HF PEFT's batch; all count"}),
@@ -98,16 +109,18 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
     "prefix": ("scheduling", "TTFT with a shared system prompt, and n choices of one prompt at once, cache on vs off", [
         ("--model", {"default": DEFAULT_MODEL}),
         ("--requests", {"type": int, "default": 32}),
-        ("--system-tokens", {"type": int, "default": 500}),
-        ("--question-tokens", {"type": int, "default": 50}),
+        ("--system-tokens", {"type": int, "default": 500, "help": "tokens of the shared system prompt"}),
+        ("--question-tokens", {"type": int, "default": 50, "help": "tokens of each request's own question"}),
         ("--choices", {"type": int, "default": 8, "help": "requests of one prompt sent at once (n choices)"}),
-        ("--choice-prompt-tokens", {"type": int, "default": 200}),
+        ("--choice-prompt-tokens", {"type": int, "default": 200,
+                                  "help": "tokens of the prompt the n choices share"}),
     ]),
     "priority": ("scheduling", "realtime TTFT under batch load, priority classes vs FCFS", [
         ("--model", {"default": DEFAULT_MODEL}),
-        ("--max-num-seqs", {"type": int, "default": 8}),
-        ("--batch-tokens", {"type": int, "default": 96}),
-        ("--realtime-requests", {"type": int, "default": 8}),
+        ("--max-num-seqs", {"type": int, "default": 8, "help": "requests the engine runs at once"}),
+        ("--batch-tokens", {"type": int, "default": 96, "help": "tokens each batch-class request generates"}),
+        ("--realtime-requests", {"type": int, "default": 8,
+                               "help": "realtime requests sent under the batch load"}),
         ("--interval", {"type": float, "default": 0.5, "help": "seconds between realtime requests"}),
     ]),
     "multiplex": ("multiplex", "model load times per tier, alternating two models vs one", [
@@ -124,17 +137,17 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
                          "strong-call share for 50%/80% of the gap vs length-only and random routing", [
         ("--data", {"required": True,
                     "help": "JSON lines: {prompt|messages, weak_correct, strong_correct, set, domain}"}),
-        ("--folds", {"type": int, "default": 5}),
+        ("--folds", {"type": int, "default": 5, "help": "cross-validation folds (whole subjects held out)"}),
         ("--bootstrap", {"type": int, "default": 200, "help": "bootstrap rounds for the 95% intervals"}),
         ("--weights", {"default": None, "help": "weights whose scoring time to measure (default: the shipped ones)"}),
     ]),
     "fleet": ("fleet", "adapter-affinity routing vs Serve's default routing over a Ray Serve deployment of engine "
                        "replicas, and the Serve hop's cost against an engine in process", [
         ("--model", {"default": DEFAULT_MODEL}),
-        ("--replicas", {"type": int, "default": 2}),
+        ("--replicas", {"type": int, "default": 2, "help": "engine replicas deployed"}),
         ("--threads", {"type": int, "default": None,
                        "help": "threads per replica (default: this machine's cores shared among the replicas)"}),
-        ("--adapters", {"type": int, "default": 24}),
+        ("--adapters", {"type": int, "default": 24, "help": "synthetic adapters registered"}),
         ("--rank", {"type": int, "default": 16}),
         ("--requests", {"type": int, "default": 96, "help": "per turn, for adapters picked uniformly at random"}),
         ("--concurrency", {"type": int, "default": 16, "help": "requests in flight (default: twice the slots)"}),
@@ -166,7 +179,8 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
                              "help": "serve the default model (smollm2-135m) instead of synthetic:tiny"}),
         ("--database-url", {"default": "postgresql://postgres@localhost:5432/postgres",
                             "help": "Postgres server for a scratch database (dropped after)"}),
-        ("--redis-url", {"default": "redis://localhost:6379/0"}),
+        ("--redis-url", {"default": "redis://localhost:6379/0",
+                         "help": "Redis for the shared counters (a scratch prefix, deleted after)"}),
     ]),
 }
 
@@ -178,7 +192,7 @@ def add_parser(sub) -> None:
         b = bsub.add_parser(name, help=help_text)
         b.add_argument("--json", dest="json_path", required=True, help="where to write the results")
         for flag, kwargs in options:
-            b.add_argument(flag, **kwargs)
+            b.add_argument(flag, **{"help": SHARED_HELP.get(flag), **kwargs})
         b.set_defaults(func=_run)
 
 

@@ -8,6 +8,7 @@ from loraplex.billing.periods import BUDGET_PERIODS
 from loraplex.billing.rebuild import tenant_usage
 from loraplex.billing.usage import utcnow
 from loraplex.cli.storage import positive_int, require_migrated, run_db
+from loraplex.cli.table import add_json_flag, print_rows
 from loraplex.platform.db.database import session_factory
 from loraplex.platform.tenancy import budgets
 
@@ -16,19 +17,20 @@ def add_parser(sub) -> None:
     p = sub.add_parser("budgets", help="token budgets of tenants and keys")
     bsub = p.add_subparsers(dest="budgets_command", required=True)
     s = bsub.add_parser("set", help="create or replace a budget (one per tenant or key and period)")
-    s.add_argument("--tenant", required=True)
+    s.add_argument("--tenant", required=True, help="the tenant the budget limits (all its keys, or --key's)")
     s.add_argument("--limit-tokens", required=True, help="prompt + completion tokens allowed per period")
     s.add_argument("--period", required=True, help=f"{', '.join(BUDGET_PERIODS)} (UTC; weeks from Monday)")
     s.add_argument("--key", help="the display prefix of one of the tenant's keys (default: the whole tenant)")
     s.add_argument("--soft-limit-tokens", help="raise an alert (metric and log) from this many tokens on")
     s.set_defaults(func=_set)
     ls = bsub.add_parser("list", help="budgets and what the ledger says is used in the current period")
-    ls.add_argument("--tenant")
+    ls.add_argument("--tenant", help="one tenant's budgets (default: every tenant's)")
+    add_json_flag(ls)
     ls.set_defaults(func=_list)
     d = bsub.add_parser("delete", help="remove a budget")
-    d.add_argument("--tenant", required=True)
-    d.add_argument("--period", required=True)
-    d.add_argument("--key")
+    d.add_argument("--tenant", required=True, help="the budget's tenant")
+    d.add_argument("--period", required=True, help="the budget's period, as it was set")
+    d.add_argument("--key", help="the key's display prefix, for a key's budget (default: the tenant's own)")
     d.set_defaults(func=_delete)
 
 
@@ -68,8 +70,10 @@ async def _one(coro):
 
 
 def _list(args: argparse.Namespace) -> int:
-    for row, used in _with_usage(lambda s: budgets.list_budgets(s, args.tenant)):
-        print(_line(row, used))
+    rows = [{"tenant": row.tenant.name, "key": row.key.prefix if row.key else None, "period": row.period,
+             "limit_tokens": row.limit_tokens, "soft_limit_tokens": row.soft_limit_tokens, "used_tokens": used}
+            for row, used in _with_usage(lambda s: budgets.list_budgets(s, args.tenant))]
+    print_rows(args, ("tenant", "key", "period", "limit_tokens", "soft_limit_tokens", "used_tokens"), rows)
     return 0
 
 

@@ -6,6 +6,7 @@ import argparse
 from datetime import timedelta
 
 from loraplex.cli.storage import with_session
+from loraplex.cli.table import add_json_flag, print_rows
 from loraplex.engine.api import PRIORITY_CLASSES
 from loraplex.platform.db.tables import utcnow
 from loraplex.platform.tenancy import keys
@@ -15,20 +16,22 @@ def add_parser(sub) -> None:
     p = sub.add_parser("keys", help="manage API keys")
     ksub = p.add_subparsers(dest="keys_command", required=True)
     c = ksub.add_parser("create", help="issue a key for a tenant (printed once, on the last line)")
-    c.add_argument("--tenant", required=True)
+    c.add_argument("--tenant", required=True, help="the tenant the key acts for")
     c.add_argument("--name", help="a label for the key")
-    c.add_argument("--expires-in-days", type=float)
-    c.add_argument("--max-priority", default="standard", choices=PRIORITY_CLASSES)
+    c.add_argument("--expires-in-days", type=float, help="refuse the key after this many days (default: never)")
+    c.add_argument("--max-priority", default="standard", choices=PRIORITY_CLASSES,
+                   help="the highest priority class its requests may ask for (default standard)")
     c.add_argument("--rpm", type=int, help="requests per minute (default: no limit)")
     c.add_argument("--tpm", type=int, help="tokens per minute (default: no limit)")
     c.add_argument("--model", action="append", dest="models", help="allowed base model (repeatable; default all)")
     c.add_argument("--adapter", action="append", dest="adapters", help="allowed adapter (repeatable; default all)")
     c.set_defaults(func=_create)
     ls = ksub.add_parser("list", help="list a tenant's keys (prefixes only)")
-    ls.add_argument("--tenant", required=True)
+    ls.add_argument("--tenant", required=True, help="whose keys")
+    add_json_flag(ls)
     ls.set_defaults(func=_list)
     r = ksub.add_parser("revoke", help="revoke the key with this display prefix")
-    r.add_argument("prefix")
+    r.add_argument("prefix", help="the key's display prefix (its first 12 characters, as `keys list` shows)")
     r.set_defaults(func=_revoke)
 
 
@@ -47,9 +50,10 @@ def _create(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    for k in with_session(lambda s: keys.list_keys(s, args.tenant)):
-        state = "revoked" if k.revoked_at else f"expires {k.expires_at:%Y-%m-%d %H:%M}" if k.expires_at else "active"
-        print(f"{k.prefix}\t{k.name or '-'}\t{k.max_priority}\t{state}")
+    rows = [{"prefix": k.prefix, "name": k.name, "max_priority": k.max_priority,
+             "state": "revoked" if k.revoked_at else "active", "expires_at": k.expires_at, "rpm": k.rpm_limit,
+             "tpm": k.tpm_limit} for k in with_session(lambda s: keys.list_keys(s, args.tenant))]
+    print_rows(args, ("prefix", "name", "max_priority", "state", "expires_at", "rpm", "tpm"), rows)
     return 0
 
 

@@ -8,19 +8,22 @@ import argparse
 import asyncio
 import logging
 import socket
-import sys
 from collections.abc import Awaitable, Callable
 
 
 def add_listen_args(p: argparse.ArgumentParser, default_port: int, host_help: str | None = None) -> None:
-    p.add_argument("--host", default="127.0.0.1", help=host_help)
-    p.add_argument("--port", type=int, default=default_port)
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument("--host", default="127.0.0.1",
+                   help=host_help or "the address to listen on (default 127.0.0.1: this machine only; 0.0.0.0: all)")
+    p.add_argument("--port", type=int, default=default_port, help=f"the TCP port (default {default_port})")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                   help="the least severe log records shown (default info)")
 
 
 def start_logging(args: argparse.Namespace) -> None:
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    """One handler and format for every logger (cli/logs.py; LORAPLEX_LOG_FORMAT)."""
+    from loraplex.cli.logs import configure_logging
+
+    configure_logging(args.log_level)
 
 
 def check_port(host: str, port: int) -> None:

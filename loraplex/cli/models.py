@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from loraplex.cli.storage import positive_int, with_session
+from loraplex.cli.table import add_json_flag, print_rows
 from loraplex.platform import complexity
 from loraplex.platform.router import calibration
 from loraplex.platform.router.requests import read_requests, request_text
@@ -22,15 +23,16 @@ def add_parser(sub) -> None:
     p = sub.add_parser("models", help="the base-model catalog")
     msub = p.add_subparsers(dest="models_command", required=True)
     ls = msub.add_parser("list", help="list registered base models (name, source, auto_max_complexity)")
+    add_json_flag(ls)
     ls.set_defaults(func=_list)
     add = msub.add_parser("add", help="register a base model")
-    add.add_argument("name")
+    add.add_argument("name", help="what requests call it (`model`)")
     add.add_argument("--source", help="what the engine loads (default: the name)")
     add.add_argument("--auto-max-complexity", metavar="X",
                      help="put it in `auto`'s pool for requests of complexity up to X (0-1)")
     add.set_defaults(func=_add)
     route = msub.add_parser("route", help="put a model in `auto`'s pool, or take it out")
-    route.add_argument("name")
+    route.add_argument("name", help="a registered model")
     which = route.add_mutually_exclusive_group(required=True)
     which.add_argument("--max-complexity", metavar="X",
                        help="`auto` may send it requests of complexity up to X (0-1)")
@@ -64,8 +66,9 @@ def _auto(value: float | None) -> str:
 
 
 def _list(args: argparse.Namespace) -> int:
-    for m in with_session(catalog.list_models):
-        print(f"{m.name}\t{m.source}\t{_auto(m.auto_max_complexity)}")
+    rows = [{"name": m.name, "source": m.source, "auto_max_complexity": m.auto_max_complexity}
+            for m in with_session(catalog.list_models)]
+    print_rows(args, ("name", "source", "auto_max_complexity"), rows)
     return 0
 
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
-import sys
 from datetime import timedelta
 from pathlib import Path
 
@@ -98,10 +97,13 @@ def run(args: argparse.Namespace) -> int:
         from loraplex.cli.serve_ray import ray_engine
 
         client, plugins = ray_engine(args)
-        run_db(upgrade, settings)
+        run_db(upgrade, settings, create=True)
         return _serve(args, settings, client, plugins)
-    run_db(upgrade, settings)
+    run_db(upgrade, settings, create=True)
     engine = build_engine(args)
+    from loraplex.engine.compute import local_compute_path
+
+    log.info("%s", local_compute_path(args.device or "auto").summary())
     try:
         return _serve(args, settings, engine, [])
     finally:
@@ -118,9 +120,8 @@ def _serve(args: argparse.Namespace, settings: Settings, engine, plugins: list) 
     if args.demo:
         print(f"demo api key: {run_db(_demo_key, settings)}", flush=True)
     served = ", ".join(m.name for m in engine.models())
-    print(f"loraplex: serving {served} on http://{args.host}:{args.port}/v1 "
-          f"(admin UI: /admin{'' if settings.admin_token else ', off until LORAPLEX_ADMIN_TOKEN is set'})",
-          file=sys.stderr, flush=True)
+    log.info("serving %s on http://%s:%d/v1 (admin UI: /admin%s)", served, args.host, args.port,
+             "" if settings.admin_token else ", off until LORAPLEX_ADMIN_TOKEN is set")
     timeout_s = args.drain_timeout
 
     async def drain() -> None:
@@ -132,6 +133,7 @@ def _serve(args: argparse.Namespace, settings: Settings, engine, plugins: list) 
         await app.state.platform.flush_usage()
 
     # After the drain nothing generates any more; what else is in flight gets a few seconds.
-    run_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    # log_config None: uvicorn's loggers hand their records to ours (cli/logs.py), one format for all
+    run_server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, log_config=None,
                               access_log=args.access_log, lifespan="on", timeout_graceful_shutdown=5), drain)
     return 0

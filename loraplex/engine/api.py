@@ -283,6 +283,29 @@ class EngineStats:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
 
 
+@dataclass(frozen=True)
+class ComputePath:
+    """What runs the model on this machine: `ops` "c" (this project's C kernels), "torch" (torch's CPU ops,
+    slower; `reason` says why) or "cuda"; the instruction sets the C kernels' build targets, or where it cannot
+    be asked, the CPU's (`instruction_sets_of` "build" or "cpu")."""
+
+    device: str
+    ops: str
+    reason: str
+    instruction_sets: tuple[str, ...]
+    instruction_sets_of: str
+    threads: int
+    model_dtype: str
+    weight_dtype: str
+    kv_cache_dtype: str
+
+    def summary(self) -> str:
+        """One line, for the startup log."""
+        what = {"c": "C kernels", "torch": "torch ops (fallback)", "cuda": "CUDA"}.get(self.ops, self.ops)
+        isa = ", ".join(self.instruction_sets) or "no vector extensions"
+        return f"compute: {what} on {self.device} ({self.reason}); {isa}; {self.threads} threads"
+
+
 # EngineStats' totals since start (Prometheus counters): they must never go back, so an engine that
 # multiplexes models keeps an evicted model's share of them (ModelPool.retired); the other fields are
 # what holds now.

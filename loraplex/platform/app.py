@@ -15,7 +15,6 @@ from litestar import Litestar
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.middleware import DefineMiddleware
-from litestar.openapi import OpenAPIConfig
 from litestar.plugins import PluginProtocol
 from sqlalchemy.exc import DBAPIError, IntegrityError
 
@@ -29,6 +28,7 @@ from loraplex.platform.errors import PlatformError, handle_exception
 from loraplex.platform.middleware import Drain, response_hook
 from loraplex.platform.openai_api import openai_router
 from loraplex.platform.ops import ops_handlers
+from loraplex.platform.schema_page import openapi_config
 from loraplex.platform.settings import Settings
 from loraplex.platform.state import Platform
 from loraplex.platform.tenancy.catalog import ensure_model
@@ -75,8 +75,8 @@ def create_app(settings: Settings | None = None, engine: EngineClient | None = N
         before_send=[response_hook(platform.metrics)],
         on_startup=[startup], on_shutdown=[shutdown],
         plugins=list(plugins),
-        openapi_config=OpenAPIConfig(title="loraplex", version="0.1.0", path="/schema",
-                                     description="OpenAI-compatible tenant API and admin API"),
+        openapi_config=openapi_config(),  # the JSON and a page of our own: nothing loads from a CDN
+        logging_config=None,  # the process's logging is set up once, by what runs the app (`serve`: cli/logs.py)
     )
 
 

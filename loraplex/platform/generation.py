@@ -266,6 +266,8 @@ class GenerationRun:
         m.tokens.labels(p.tenant, model, "cached").inc(self.cached_tokens)
         m.tokens.labels(p.tenant, model, "completion").inc(self.completion_tokens)
         adapter = self.target.adapter.name if self.target.adapter else None
+        if adapter is not None:  # (a registered adapter: the request resolved to its row)
+            m.adapter_tokens.add(p.tenant, adapter, self.prompt_tokens, self.completion_tokens)
         event = UsageEvent(
             request_id=self.request.request_id, tenant_id=p.tenant_id, tenant=p.tenant, key_id=p.key_id,
             key_prefix=p.key_prefix, model=model, adapter=adapter, routed_from=self.target.routed_from,

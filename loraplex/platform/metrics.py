@@ -3,8 +3,9 @@
 Engine figures (running, waiting, KV blocks) are read from `engine.stats()` at scrape time, and
 the ledger's and budget counters' figures (queue depth, spool size, rebuilds) from those objects.
 Labels name tenants, models, endpoints and priority classes, never a key (no prefix, no id), and
-adapters only by engine id (`adapter-<row>-<time>`, no tenant or adapter name); the operator reads
-them behind the admin token (ops.py). The gauges a Gateway API inference extension endpoint picker
+adapters by engine id (`adapter-<row>-<time>`), except loraplex_adapter_tokens_total, which names the
+tenant and its registered adapter (bounded: AdapterTokens); the operator reads them behind the admin
+token (ops.py). The gauges a Gateway API inference extension endpoint picker
 reads are in docs/serving.md ("Behind a Kubernetes inference gateway").
 """
 
@@ -215,8 +216,33 @@ class Family:
         return child
 
 
+class AdapterTokens:
+    """Prompt and completion tokens by tenant and adapter name. Only a registered adapter a request
+    resolved to is counted (an unknown name is refused before it runs, so it never makes a label), and
+    past `max_adapters` distinct adapters the rest count under the adapter label OTHER."""
+
+    OTHER = "(other)"  # no adapter can be named so (tenancy/common.py's NAME)
+
+    def __init__(self, counter: Counter, max_adapters: int):
+        self.counter, self.max_adapters = counter, max_adapters
+        self._children: dict[tuple[str, str], tuple] = {}
+
+    def add(self, tenant: str, adapter: str, prompt_tokens: int, completion_tokens: int) -> None:
+        children = self._children.get((tenant, adapter))
+        if children is None:
+            label = adapter if len(self._children) < self.max_adapters else self.OTHER
+            children = tuple(self.counter.labels(tenant, label, kind) for kind in ("prompt", "completion"))
+            if label != self.OTHER:
+                self._children[(tenant, adapter)] = children
+        children[0].inc(prompt_tokens)
+        children[1].inc(completion_tokens)
+
+
+ADAPTER_TOKENS_MAX_ADAPTERS = 1000  # distinct (tenant, adapter) label pairs of loraplex_adapter_tokens_total
+
+
 class Metrics:
-    def __init__(self, engine: EngineClient):
+    def __init__(self, engine: EngineClient, max_adapter_labels: int = ADAPTER_TOKENS_MAX_ADAPTERS):
         r = self.registry = CollectorRegistry()
         self.requests = Family(Counter("loraplex_requests", "HTTP requests by endpoint and status code",
                                        ["endpoint", "status"], registry=r))
@@ -230,6 +256,10 @@ class Metrics:
         self.tokens = Family(Counter("loraplex_tokens",
                                      "Tokens by tenant, base model and kind (prompt, cached, completion)",
                                      ["tenant", "model", "kind"], registry=r))
+        self.adapter_tokens = AdapterTokens(Counter(
+            "loraplex_adapter_tokens", "Tokens of requests for a tenant's registered adapter, by kind (prompt, "
+            "completion); past the cap of distinct adapters, under adapter=\"(other)\"", ["tenant", "adapter", "kind"],
+            registry=r), max_adapter_labels)
         self.rate_limited = Counter("loraplex_rate_limit_rejections", "Requests refused by a rate limit",
                                     ["limit"], registry=r)
         self.limiter_errors = Counter("loraplex_rate_limiter_errors", "Rate-limit store unreachable (Redis down)",

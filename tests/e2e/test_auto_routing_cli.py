@@ -4,6 +4,7 @@ the heuristic, and `models score` reads the same LORAPLEX_ROUTER)."""
 
 from __future__ import annotations
 
+import json
 import time
 
 import openai
@@ -33,8 +34,9 @@ def test_models_route_sets_the_pool_auto_chooses_from(tmp_path):
         for model, limit in ((SMALL, "0.3"), (LARGE, "1")):
             out = loraplex(env, "models", "route", model, "--max-complexity", limit)
             assert out.returncode == 0 and f"up to complexity {limit}" in out.stdout, out
-        listed = loraplex(env, "models", "list").stdout
-        assert f"{SMALL}\t{SMALL}\tauto<=0.3" in listed and f"{LARGE}\t{LARGE}\tauto<=1" in listed
+        listed = json.loads(loraplex(env, "models", "list", "--json").stdout)
+        assert {"name": SMALL, "source": SMALL, "auto_max_complexity": 0.3} in listed
+        assert {"name": LARGE, "source": LARGE, "auto_max_complexity": 1.0} in listed
 
         deadline = time.monotonic() + 15  # the server re-reads the catalog within its cache's TTL
         while "auto" not in {m.id for m in client.models.list()}:

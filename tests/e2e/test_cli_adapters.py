@@ -110,8 +110,8 @@ def test_upload_serve_delete_and_collect(cli_env, server, tenant, peft_dir):
     again = ok(loraplex(cli_env, "adapters", "upload", str(peft_dir), "--tenant", "acme", "--name", "again",
                         "--base-model", MODEL))
     assert again.count("already on the server") == 2 and ask(tenant, "again") == tuned
-    listed = dict(line.split("\t")[0::2] for line in ok(loraplex(cli_env, "adapters", "list", "--tenant",
-                                                                  "acme")).splitlines())
+    listed = {row["name"]: row["path"] for row in json.loads(ok(loraplex(cli_env, "adapters", "list", "--tenant",
+                                                                          "acme", "--json")))}
     assert listed.keys() == {"tuned", "again"} and listed["tuned"] == listed["again"]  # one stored copy
 
     assert "deleted adapter tuned" in ok(loraplex(cli_env, "adapters", "delete", "tuned", "--tenant", "acme"))
@@ -153,5 +153,5 @@ def test_bad_uploads_are_one_line_and_register_nothing(cli_env, server, peft_dir
     config = json.loads((mismatched / "adapter_config.json").read_text())
     (mismatched / "adapter_config.json").write_text(json.dumps({**config, "r": 4}))
     one_line_error(upload(mismatched), "answered 400: adapter rejected by the engine")
-    listed = ok(loraplex(cli_env, "adapters", "list", "--tenant", "acme"))
-    assert "bad" not in [line.split("\t")[0] for line in listed.splitlines()]
+    listed = ok(loraplex(cli_env, "adapters", "list", "--tenant", "acme", "--json"))
+    assert "bad" not in [row["name"] for row in json.loads(listed)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import time
 from datetime import UTC, datetime, timedelta
 
@@ -80,7 +81,8 @@ def test_budgets_prices_and_exports_with_a_live_server(monkeypatch, env, tmp_pat
         when = effective.isoformat()
         ok(cli(monkeypatch, env, "prices", "set", "--model", "synthetic:tiny", "--input-per-1m", "1.5",
                "--cached-input-per-1m", "0.5", "--output-per-1m", "6", "--effective-from", when))
-        assert "synthetic:tiny\tUSD\tinput 1.50" in ok(cli(monkeypatch, env, "prices", "list"))
+        (price,) = json.loads(ok(cli(monkeypatch, env, "prices", "list", "--json")))
+        assert price["model"] == "synthetic:tiny" and (price["currency"], price["input_per_1m"]) == ("USD", "1.50")
         # requests from now on fall under that price
         time.sleep(max(0.0, (effective - datetime.now(UTC)).total_seconds()) + 0.05)
 
@@ -130,7 +132,7 @@ def test_bad_input_is_one_line_and_changes_nothing(monkeypatch, env, tmp_path):
                 "--limit-tokens", "5"), "period")
     refused(cli(monkeypatch, env, *budget, "--limit-tokens", "5", "--key", "lpx-unknown0"), "no key")
     refused(cli(monkeypatch, env, *budget, "--limit-tokens", "5", "--tenant", "nobody"), "not found")
-    assert ok(cli(monkeypatch, env, "budgets", "list", "--tenant", "careful")) == ""
+    assert json.loads(ok(cli(monkeypatch, env, "budgets", "list", "--tenant", "careful", "--json"))) == []
     price = ("prices", "set", "--model", "careful-model", "--input-per-1m", "1", "--cached-input-per-1m", "1",
              "--output-per-1m", "1")
     refused(cli(monkeypatch, env, *price, "--currency", "dollars"), "currency")
@@ -138,7 +140,7 @@ def test_bad_input_is_one_line_and_changes_nothing(monkeypatch, env, tmp_path):
     refused(cli(monkeypatch, env, *price, "--effective-from", "soon"), "--effective-from")
     refused(cli(monkeypatch, env, *price[:4], "--input-per-1m", "-1", *price[6:]), "input_per_1m")
     refused(cli(monkeypatch, env, *price[:3], "nothing-like-it", *price[4:]), "not registered")
-    assert ok(cli(monkeypatch, env, "prices", "list", "--model", "careful-model")) == ""
+    assert json.loads(ok(cli(monkeypatch, env, "prices", "list", "--model", "careful-model", "--json"))) == []
     refused(cli(monkeypatch, env, "billing", "export", "--period", "2026-13"), "period")
     refused(cli(monkeypatch, env, "billing", "export", "--period", "2026-11", "--format", "xml"), "format")
     refused(cli(monkeypatch, env, "billing", "export", "--period", "2026-11", "--tenant", "nobody"), "not found")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -52,10 +53,14 @@ def test_two_demo_starts_leave_one_live_limited_demo_key(data_env):
         second.stop()
     listed = loraplex(data_env, "keys", "list", "--tenant", "demo")
     assert listed.returncode == 0, listed.stderr
-    rows = [line.split("\t") for line in listed.stdout.splitlines()]
-    live = [r for r in rows if r[3] != "revoked"]
-    assert len(rows) == 2 and len(live) == 1 and live[0][0] == key2[:12]
-    assert live[0][2] == "standard" and live[0][3].startswith("expires ")  # not realtime, not forever
+    header, *lines = listed.stdout.splitlines()
+    assert header.startswith("PREFIX") and "MAX PRIORITY" in header and "EXPIRES AT" in header
+    state_at = header.index("STATE")  # aligned: each row's state starts under its header
+    assert len(lines) == 2 and sorted(line[state_at:].split()[0] for line in lines) == ["active", "revoked"]
+    rows = json.loads(loraplex(data_env, "keys", "list", "--tenant", "demo", "--json").stdout)
+    live = [r for r in rows if r["state"] != "revoked"]
+    assert len(rows) == 2 and len(live) == 1 and live[0]["prefix"] == key2[:12]
+    assert live[0]["max_priority"] == "standard" and live[0]["expires_at"]  # not realtime, not forever
     budgets = loraplex(data_env, "budgets", "list", "--tenant", "demo")
     assert budgets.returncode == 0 and key2[:12] in budgets.stdout, budgets
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 from litestar.testing import TestClient
@@ -15,6 +16,25 @@ def test_health_ready_and_schema(api):
     assert ready.status_code == 200 and ready.json()["checks"]["models"] == "synthetic:tiny"
     schema = api.client.get("/schema/openapi.json").json()
     assert {"/v1/chat/completions", "/v1/completions", "/v1/models", "/admin/api/tenants"} <= set(schema["paths"])
+
+
+def _external_refs(html: str) -> list[str]:
+    """src= and href= values that name a host (http://, https:// or //host), i.e. anything loaded from elsewhere."""
+    return re.findall(r"""(?:src|href)\s*=\s*["']?((?:https?:)?//[^"'\s>]+)""", html, flags=re.IGNORECASE)
+
+
+def test_the_schema_pages_load_nothing_from_another_host(api):
+    """Litestar's Redoc and Swagger pages fetch their scripts (and a favicon) from a CDN: blank offline."""
+    for path in ("/schema", "/schema/swagger"):
+        page = api.client.get(path)
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html"), path
+        assert _external_refs(page.text) == [] and "<script" not in page.text.lower(), path
+        assert "/v1/chat/completions" in page.text and "/schema/openapi.json" in page.text
+        assert "<td class='method'>post</td><td><code>/v1/chat/completions</code>" in page.text
+    assert _external_refs("<script src='https://cdn.example/x.js'></script><link href=//cdn.example/y>") == [
+        "https://cdn.example/x.js", "//cdn.example/y"]  # the check itself finds such references
+    for path in ("/schema/redoc", "/schema/elements", "/schema/rapidoc", "/schema/stoplight"):
+        assert api.client.get(path).status_code == 404, path  # the CDN-backed UIs are not served
 
 
 def test_metrics_cover_latency_tokens_statuses_and_the_engine(api):

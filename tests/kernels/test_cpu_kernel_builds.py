@@ -41,7 +41,7 @@ LAYOUT_TESTS = [
     ("-mno-avx512f -mno-avx2 -mno-fma -mno-f16c", 24),  # no vector intrinsics: the portable loops
 ])
 def test_the_layout_dependent_kernels_pass_under_a_narrower_build(cflags, columns):
-    env = dict(os.environ, LORAPLEX_CPU_CFLAGS=cflags)
+    env = dict(os.environ, LORAPLEX_CPU_CFLAGS=f"{os.environ.get('LORAPLEX_CPU_CFLAGS', '')} {cflags}")  # (-Werror)
     probe = subprocess.run([sys.executable, "-c", "from loraplex.engine.kernels.cpu import linear; "
                             "print(linear.panel_columns())"], env=env, capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0, probe.stderr[-2000:]

@@ -7,7 +7,11 @@ OpenMP runtime and one thread pool (two runtimes would fight over the same cores
 
 The shared object is cached under `<cache dir>/kernels/`, keyed by the sources, the flags, the
 compiler and the CPU, and written atomically, so concurrent processes can build it at once. When
-there is no compiler, or LORAPLEX_CPU_KERNELS=0, `library()` is None and callers use torch ops.
+there is no compiler, the build fails, or LORAPLEX_CPU_KERNELS=0, `library()` is None and callers use
+torch ops; `status()` says which and why.
+
+- Users build without `-Werror` (a new compiler's warning must not cost them the kernels); CI adds it
+  through LORAPLEX_CPU_CFLAGS=-Werror (the Makefile's `test` target), which is part of the cache key.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch  # (loads torch's libgomp before this library, see the docstring)
@@ -31,7 +36,7 @@ log = logging.getLogger(__name__)
 SOURCE_DIR = Path(__file__).parent
 # The element types of LoRA slot buffers and their codes in the kernels' tables (lora_weights.h, LP_W_*)
 WEIGHT_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-Wall", "-Werror"]
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11", "-Wall"]
 
 
 def flags() -> list[str]:
@@ -53,7 +58,17 @@ def enabled() -> bool:
 
 
 def _compiler() -> str | None:
-    return shutil.which(os.environ.get("CC", "cc"))
+    """$CC (default `cc`) when it is on PATH and runs (`--version` succeeds), else None."""
+    cc = shutil.which(os.environ.get("CC", "cc"))
+    return cc if cc is not None and _runs(cc) else None
+
+
+@functools.cache
+def _runs(cc: str) -> bool:
+    try:
+        return subprocess.run([cc, "--version"], capture_output=True, timeout=30).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        return False
 
 
 def _cpu_id() -> str:
@@ -79,7 +94,7 @@ def build(cache_dir: Path | None = None) -> Path:
     Raises RuntimeError with the compiler's message when the build fails."""
     cc = _compiler()
     if cc is None:
-        raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')!r} is not on PATH)")
+        raise RuntimeError(f"no C compiler ({os.environ.get('CC', 'cc')!r} is not on PATH or does not run)")
     out_dir = (cache_dir or default_cache_dir()) / "kernels"
     target = out_dir / f"loraplex_cpu-{_key(cc)}.so"
     if target.exists():
@@ -90,7 +105,9 @@ def build(cache_dir: Path | None = None) -> Path:
     try:
         done = subprocess.run([cc, *flags(), *map(str, sources()), "-o", tmp], capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"building the CPU kernels failed: {done.stderr.strip()[:2000]}")
+            said = done.stderr.strip()
+            first = next((line for line in said.splitlines() if "error" in line), said[:200] or "no message")
+            raise RuntimeError(f"compile error (exit {done.returncode}): {first.strip()[:300]}\n{said[:2000]}")
         os.replace(tmp, target)  # atomic: a concurrent build loses nothing
     finally:
         if os.path.exists(tmp):
@@ -98,16 +115,77 @@ def build(cache_dir: Path | None = None) -> Path:
     return target
 
 
+@dataclass(frozen=True)
+class KernelStatus:
+    """What loading the kernels came to: `loaded`, or why torch ops run instead (`reason`, one line;
+    `detail`: the compiler's whole message, when it failed)."""
+
+    loaded: bool
+    reason: str
+    detail: str = ""
+
+
+_status = KernelStatus(False, "not loaded yet")
+
+
 @functools.cache
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None (disabled, no compiler, or a failed build: logged once)."""
+    """The loaded kernels, or None (disabled, no compiler, or a failed build: a WARNING, once)."""
+    global _status
     if not enabled():
+        _status = KernelStatus(False, "switched off by LORAPLEX_CPU_KERNELS=0")
         return None
     try:
-        return ctypes.CDLL(str(build()))
+        path = build()
+        lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError) as e:
-        log.warning("CPU kernels unavailable, using torch ops instead: %s", e)
+        message = str(e)
+        _status = KernelStatus(False, message.splitlines()[0] if message else type(e).__name__, message)
+        log.warning("CPU kernels not built (%s): falling back to torch ops, which are slower "
+                    "(`loraplex doctor` says more)", _status.reason)
         return None
+    _status = KernelStatus(True, f"built with {' '.join(flags())} ({path.name})")
+    return lib
+
+
+def status() -> KernelStatus:
+    """Loads the kernels if no one has yet, and says whether they run and why not."""
+    library()
+    return _status
+
+
+# The compiler's macros for the instruction sets the kernels have code for, and their names
+ISA_MACROS = {"__AVX512F__": "AVX-512F", "__AVX512BW__": "AVX-512BW", "__AVX512VL__": "AVX-512VL",
+              "__AVX512VNNI__": "AVX-512 VNNI", "__AVX512BF16__": "AVX-512 BF16", "__AVXVNNI__": "AVX-VNNI",
+              "__AVX2__": "AVX2", "__FMA__": "FMA", "__F16C__": "F16C"}
+# /proc/cpuinfo's names of the same, for when there is no compiler to ask
+CPUINFO_FLAGS = {"avx512f": "AVX-512F", "avx512bw": "AVX-512BW", "avx512vl": "AVX-512VL",
+                 "avx512_vnni": "AVX-512 VNNI", "avx512_bf16": "AVX-512 BF16", "avx_vnni": "AVX-VNNI",
+                 "avx2": "AVX2", "fma": "FMA", "f16c": "F16C"}
+
+
+def build_instruction_sets() -> tuple[str, ...] | None:
+    """The instruction sets a build with flags() targets (the compiler's predefined macros), or None
+    without a working compiler."""
+    cc = _compiler()
+    if cc is None:
+        return None
+    compile_flags = [f for f in flags() if f not in ("-shared", "-Werror")]
+    try:
+        done = subprocess.run([cc, *compile_flags, "-dM", "-E", "-x", "c", "-"], input="", capture_output=True,
+                              text=True, timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if done.returncode:
+        return None
+    defined = {line.split()[1] for line in done.stdout.splitlines() if line.startswith("#define ")}
+    return tuple(name for macro, name in ISA_MACROS.items() if macro in defined)
+
+
+def cpu_instruction_sets() -> tuple[str, ...]:
+    """The instruction sets this CPU reports (of those the kernels have code for)."""
+    present = set(_cpu_id().split())
+    return tuple(name for flag, name in CPUINFO_FLAGS.items() if flag in present)
 
 
 def function(name: str, restype, argtypes: list):
