@@ -17,10 +17,10 @@ from litestar.response import Redirect, Template
 from loraplex.admin_ui import session
 from loraplex.admin_ui.web import checked_form, local_page, page, platform_of, to
 from loraplex.billing.prices import PriceSpec
-from loraplex.platform.admin_api import check_admin_token
+from loraplex.platform.admin.api import check_admin_token
 from loraplex.platform.db.tables import utcnow
 from loraplex.platform.errors import invalid
-from loraplex.platform.router import calibration
+from loraplex.platform.routing.learned import calibration
 from loraplex.platform.state import PlatformDep
 from loraplex.platform.tenancy import catalog, keys, tenants
 

@@ -16,10 +16,10 @@ from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 
 from loraplex.engine.api import EngineError, ReplicaInfo
-from loraplex.platform import admin_schemas as a
-from loraplex.platform.adapter_store_api import adapter_path, adapter_store_handlers
-from loraplex.platform.auto_admin_api import auto_handlers
-from loraplex.platform.billing_schemas import TenantPatch
+from loraplex.platform.admin import schemas as a
+from loraplex.platform.admin.adapter_store_api import adapter_path, adapter_store_handlers
+from loraplex.platform.admin.auto_api import auto_handlers
+from loraplex.platform.admin.billing_schemas import TenantPatch
 from loraplex.platform.db.tables import Adapter, utcnow
 from loraplex.platform.errors import PlatformError, from_engine_error
 from loraplex.platform.state import PlatformDep

@@ -24,20 +24,21 @@ from litestar.response import Stream
 
 from loraplex.billing.usage import utcnow
 from loraplex.engine.api import GenerateRequest, InvalidRequestError, ModelNotFoundError
-from loraplex.platform import auto_route, tool_calls
-from loraplex.platform import openai_convert as conv
-from loraplex.platform import openai_format as fmt
-from loraplex.platform import schemas as s
 from loraplex.platform.admission import effective_priority
 from loraplex.platform.auth import CALLER_KEY, Caller, Principal, caller_of
 from loraplex.platform.db.tables import as_utc
 from loraplex.platform.errors import model_not_found
-from loraplex.platform.generation import GenerationRun
 from loraplex.platform.middleware import request_hex
-from loraplex.platform.routing import Target
+from loraplex.platform.openai import conversion as conv
+from loraplex.platform.openai import formatting as fmt
+from loraplex.platform.openai import schemas as s
+from loraplex.platform.openai import tool_calls
+from loraplex.platform.openai.generation import GenerationRun
+from loraplex.platform.openai.usage import usage
+from loraplex.platform.routing import auto as auto_route
+from loraplex.platform.routing.resolution import Target
 from loraplex.platform.state import Platform, PlatformDep
 from loraplex.platform.tenancy.catalog import AUTO, list_adapters, list_models
-from loraplex.platform.usage_api import usage
 
 SSE_HEADERS = {"cache-control": "no-cache", "x-accel-buffering": "no"}
 

@@ -26,7 +26,7 @@ from loraplex.platform.auth import Principal
 from loraplex.platform.background import Background
 from loraplex.platform.cache import RefreshingCache
 from loraplex.platform.errors import PlatformError, model_not_found
-from loraplex.platform.schemas import MAX_NAME_CHARS
+from loraplex.platform.openai.schemas import MAX_NAME_CHARS
 from loraplex.platform.tenancy.catalog import auto_models, existing_engine_ids, find_adapter, list_models
 
 log = logging.getLogger("loraplex.platform")

@@ -36,7 +36,7 @@ from loraplex.platform.auth import Principal
 from loraplex.platform.background import Background
 from loraplex.platform.errors import model_not_found
 from loraplex.platform.metrics import Metrics
-from loraplex.platform.routing import Target
+from loraplex.platform.routing.resolution import Target
 
 log = logging.getLogger("loraplex.platform")
 
