@@ -29,7 +29,6 @@ from loraplex.platform.background import Background
 from loraplex.platform.db.database import make_engine, session_factory
 from loraplex.platform.db.tables import Adapter, ApiKey, Budget, Model, Tenant
 from loraplex.platform.metrics import Metrics
-from loraplex.platform.openai.generation import RunContext
 from loraplex.platform.routing.learned import calibration
 from loraplex.platform.routing.learned.calibration import Calibration
 from loraplex.platform.routing.learned.scorer import Scorer, load_scorer
@@ -37,6 +36,18 @@ from loraplex.platform.routing.resolution import EngineAdapters, ModelRouter
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy import budgets, catalog, keys, tenants
 from loraplex.platform.tenancy.prices import set_price
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """The services a generation run reports to (openai/generation.py)."""
+
+    engine: EngineClient
+    admission: Admission
+    metrics: Metrics
+    usage: UsageSink
+    background: Background
+    request_timeout_s: float = 0.0  # 0: none
 
 
 @dataclass
