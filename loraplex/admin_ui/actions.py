@@ -20,10 +20,10 @@ from loraplex.admin_ui import session
 from loraplex.admin_ui.pages import one_tenant_page, overview_page, tenants_page
 from loraplex.admin_ui.web import FormError, checked_form, flash, local_page, page, platform_of, to
 from loraplex.billing.prices import PriceSpec
-from loraplex.platform.admin_api import check_admin_token
+from loraplex.platform.admin.api import check_admin_token
 from loraplex.platform.db.tables import utcnow
 from loraplex.platform.errors import invalid, platform_error_of
-from loraplex.platform.router import calibration
+from loraplex.platform.routing.learned import calibration
 from loraplex.platform.state import Platform, PlatformDep
 from loraplex.platform.tenancy import catalog, keys, tenants
 

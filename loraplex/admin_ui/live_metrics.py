@@ -72,10 +72,10 @@ def read(samples: Iterable, stats: EngineStats, at: float, wall: float) -> Readi
     other = all_429 - sum(rejections.values())
     if other > 0:
         rejections[OTHER_429] = other
-    kv = stats.kv_blocks_used / stats.kv_blocks_total if stats.kv_blocks_total else 0.0
+    kv = stats.kv.blocks_used / stats.kv.blocks_total if stats.kv.blocks_total else 0.0
     return Reading(at, wall, requests, errors, rejections, tokens["prompt"], tokens["completion"],
                    {k: tuple(sorted(v.items())) for k, v in buckets.items()},
-                   {c: stats.waiting_by_class.get(c, 0) for c in PRIORITY_CLASSES}, stats.running, kv)
+                   {c: stats.requests.waiting_by_class.get(c, 0) for c in PRIORITY_CLASSES}, stats.requests.running, kv)
 
 
 def bucket_delta(before: Buckets, after: Buckets) -> Buckets:

@@ -19,9 +19,9 @@ from loraplex.billing.daily import daily_totals
 from loraplex.billing.exports import Directory, invoice_lines
 from loraplex.billing.periods import BUDGET_PERIODS, DEFAULT_BUDGET_PERIOD, current_month
 from loraplex.billing.prices import list_prices
-from loraplex.platform.admin_billing_api import budget_status, export_response
+from loraplex.platform.admin.billing_api import budget_status, export_response
 from loraplex.platform.db.tables import ApiKey, Tenant, as_utc, utcnow
-from loraplex.platform.router.calibration import daily_shares
+from loraplex.platform.routing.learned.calibration import daily_shares
 from loraplex.platform.state import Platform, PlatformDep
 from loraplex.platform.tenancy import budgets, catalog, keys, tenants
 from loraplex.platform.tenancy.billing import load_directory

@@ -24,15 +24,15 @@ class AdapterView:
 
 
 def residency(engine_id: str, stats: EngineStats) -> str:
-    if engine_id in stats.device_adapters:
+    if engine_id in stats.adapters.device:
         return "device"
-    return "CPU" if engine_id in stats.cpu_adapters else "disk"
+    return "CPU" if engine_id in stats.adapters.cpu else "disk"
 
 
 def view(adapter: Adapter, tenant: str, stats: EngineStats) -> AdapterView:
     engine_id = adapter.engine_id
     return AdapterView(tenant, adapter.name, adapter.base_model.name, residency(engine_id, stats),
-                       engine_id in stats.running_adapters)
+                       engine_id in stats.adapters.running)
 
 
 async def every_adapter(session: AsyncSession, stats: EngineStats) -> tuple[list[AdapterView], int]:

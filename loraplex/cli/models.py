@@ -11,10 +11,10 @@ from pathlib import Path
 
 from loraplex.cli.storage import positive_int, with_session
 from loraplex.cli.table import add_json_flag, print_rows
-from loraplex.platform import complexity
-from loraplex.platform.router import calibration
-from loraplex.platform.router.requests import read_requests, request_text
-from loraplex.platform.router.scorer import HeuristicScorer, Scorer, load_scorer
+from loraplex.platform.routing import complexity
+from loraplex.platform.routing.learned import calibration
+from loraplex.platform.routing.learned.requests import read_requests, request_text
+from loraplex.platform.routing.learned.scorer import HeuristicScorer, Scorer, load_scorer
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy import catalog
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from loraplex.platform.router import training
+from loraplex.platform.routing.learned import training
 
 
 def add_parser(sub) -> None:

@@ -30,7 +30,7 @@ from loraplex.cli.storage import run_db
 from loraplex.platform.db.database import session_factory
 from loraplex.platform.db.migrate import upgrade
 from loraplex.platform.db.tables import utcnow
-from loraplex.platform.router.scorer import load_scorer
+from loraplex.platform.routing.learned.scorer import load_scorer
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy import budgets, keys, tenants
 

@@ -6,6 +6,7 @@ holds plain dataclasses and a Protocol, no torch, so the platform can import it 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -230,57 +231,153 @@ class ModelInfo:
     vocab_size: int
 
 
+# --- the engine's figures: one record per component that owns them -----------------------------
+# Each component fills its own record: the scheduler `requests`, the KV manager `kv`, the adapter slots
+# `adapters`, the core `speculation`, the model pool `models`, the memory sizing `memory`. Engines that drive
+# several models or replicas add their as_dict() forms up with add_stats and rebuild one with from_dict.
+
+
 @dataclass(frozen=True)
-class EngineStats:
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    num_steps: int = 0
-    generated_tokens: int = 0
-    prompt_tokens_computed: int = 0
+class RequestStats:
+    """The scheduler's queues now, and its totals since start."""
+
+    running: int = 0
+    waiting: int = 0
     running_by_class: dict[str, int] = field(default_factory=dict)
     waiting_by_class: dict[str, int] = field(default_factory=dict)
     preemptions_by_class: dict[str, int] = field(default_factory=dict)
-    swapped_requests: int = 0
+    swapped_requests: int = 0  # waiting with their KV blocks swapped out to CPU memory
+    num_steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens_computed: int = 0
+
+
+@dataclass(frozen=True)
+class KVCacheStats:
+    """The KV block pool, its swap space and its prefix cache."""
+
+    blocks_total: int = 0
+    blocks_used: int = 0
+    blocks_free: int = 0
     swap_blocks_used: int = 0
     swapped_out_blocks: int = 0  # totals since start
     swapped_in_blocks: int = 0
     prefix_cached_blocks: int = 0
     prefix_query_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of which served from it
-    adapters_loaded: int = 0  # adapters resident in device slots
-    adapter_slots: int = 0  # device slots for adapters (max_loras of each resident model)
-    running_adapters: tuple[str, ...] = ()  # adapter ids of the requests running now, each once, sorted
-    waiting_adapters: tuple[str, ...] = ()  # and of those waiting
-    device_adapters: tuple[str, ...] = ()  # adapter ids in device slots now, sorted
-    cpu_adapters: tuple[str, ...] = ()  # adapter ids in the CPU tier now (parsed weights), sorted
-    adapter_slot_bytes: int = 0  # memory of the slot buffers (at lora_dtype) and the folded adapter copies now
-    adapter_loads: int = 0
-    adapter_disk_loads: int = 0  # of adapter_loads, those that read the adapter from disk (not the CPU tier)
-    adapter_load_seconds: float = 0.0  # wall time of every adapter load into a device slot
-    adapter_evictions: int = 0
-    adapter_merges: int = 0  # adapters merged into a copy of the weights for steps wholly on them
-    adapter_merged_bytes: int = 0  # memory of the merged copies held now
-    spec_draft_tokens: int = 0  # speculative decoding: draft tokens verified
-    spec_accepted_tokens: int = 0  # of which the model agreed with (each saved a step)
-    models_resident: int = 0  # base models on the device (the rest wait on the CPU tier or disk)
-    # memory of the resident models' weights: as loaded, plus the CPU kernels' packed copies (at weight_dtype)
-    model_weight_bytes: int = 0
-    model_loads: int = 0
-    model_evictions: int = 0
-    # memory sizing (engine/memory.py): the KV caches' memory; on CUDA, where the KV cache was sized by
-    # measurement, the device memory for weights + KV cache + adapter slots that gpu_memory_utilization left
-    # after other memory and a maximum-size step's activations (peak_step_bytes); those three are 0 elsewhere
-    kv_cache_bytes: int = 0
-    memory_budget_bytes: int = 0
-    gpu_memory_utilization: float = 0.0
-    peak_step_bytes: int = 0
 
     @property
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_hit_tokens / self.prefix_query_tokens if self.prefix_query_tokens else 0.0
+
+
+@dataclass(frozen=True)
+class AdapterStats:
+    """The LoRA adapters' device slots and merged copies."""
+
+    loaded: int = 0  # adapters resident in device slots
+    slots: int = 0  # device slots for adapters (max_loras of each resident model)
+    running: tuple[str, ...] = ()  # adapter ids of the requests running now, each once, sorted
+    waiting: tuple[str, ...] = ()  # and of those waiting
+    device: tuple[str, ...] = ()  # adapter ids in device slots now, sorted
+    cpu: tuple[str, ...] = ()  # adapter ids in the CPU tier now (parsed weights), sorted
+    slot_bytes: int = 0  # memory of the slot buffers (at lora_dtype) and the folded adapter copies now
+    loads: int = 0
+    disk_loads: int = 0  # of loads, those that read the adapter from disk (not the CPU tier)
+    load_seconds: float = 0.0  # wall time of every adapter load into a device slot
+    evictions: int = 0
+    merges: int = 0  # adapters merged into a copy of the weights for steps wholly on them
+    merged_bytes: int = 0  # memory of the merged copies held now
+
+
+@dataclass(frozen=True)
+class SpeculationStats:
+    """Speculative decoding's drafts."""
+
+    draft_tokens: int = 0  # draft tokens verified
+    accepted_tokens: int = 0  # of which the model agreed with (each saved a step)
+
+
+@dataclass(frozen=True)
+class ModelStats:
+    """The base models: resident on the device, or waiting on the CPU tier or disk."""
+
+    resident: int = 0
+    weight_bytes: int = 0  # the resident models' weights as loaded, plus the CPU kernels' packed copies
+    loads: int = 0
+    evictions: int = 0
+
+
+@dataclass(frozen=True)
+class MemoryStats:
+    """Memory sizing (engine/memory.py): the KV caches' memory; on CUDA, where the KV cache was sized by
+    measurement, the device memory for weights + KV cache + adapter slots that gpu_memory_utilization
+    left after other memory and a maximum-size step's activations (peak_step_bytes); those three are
+    0 elsewhere."""
+
+    kv_cache_bytes: int = 0
+    budget_bytes: int = 0
+    gpu_memory_utilization: float = 0.0
+    peak_step_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    requests: RequestStats = field(default_factory=RequestStats)
+    kv: KVCacheStats = field(default_factory=KVCacheStats)
+    adapters: AdapterStats = field(default_factory=AdapterStats)
+    speculation: SpeculationStats = field(default_factory=SpeculationStats)
+    models: ModelStats = field(default_factory=ModelStats)
+    memory: MemoryStats = field(default_factory=MemoryStats)
+
+    def as_dict(self) -> dict[str, dict]:
+        """{component: {figure: value}}, as JSON shows it."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, dict]) -> EngineStats:
+        """The record of an `as_dict()` form (or a sum of them); a missing component or figure is 0."""
+        kinds = {f.name: f.default_factory for f in dataclasses.fields(cls)}
+        return cls(**{name: kind(**values.get(name, {})) for name, kind in kinds.items()})
+
+
+# Totals since start (Prometheus counters), by component: they must never go back, so an engine that
+# multiplexes models keeps an evicted model's share of them (ModelPool.retired); the other figures are
+# what holds now.
+ENGINE_COUNTERS = {
+    "requests": ("num_steps", "generated_tokens", "prompt_tokens_computed", "preemptions_by_class"),
+    "kv": ("swapped_out_blocks", "swapped_in_blocks", "prefix_query_tokens", "prefix_hit_tokens"),
+    "adapters": ("loads", "disk_loads", "load_seconds", "evictions", "merges"),
+    "speculation": ("draft_tokens", "accepted_tokens"),
+}
+# Figures that engines on several devices do not add up: a setting and a peak; their maximum stands.
+DEVICE_MAXIMA = {"memory": ("gpu_memory_utilization", "peak_step_bytes")}
+
+
+def counters_of(stats: EngineStats) -> dict[str, dict]:
+    """The ENGINE_COUNTERS figures of `stats`, in as_dict() form."""
+    values = stats.as_dict()
+    return {part: {name: values[part][name] for name in names} for part, names in ENGINE_COUNTERS.items()}
+
+
+def add_stats(total: dict, values: dict) -> None:
+    """Adds as_dict() forms `values` into `total` in place: components and per-class dicts add key
+    by key, adapter-id tuples merge as a sorted union (an adapter running on two engines is one
+    adapter), numbers add."""
+    for key, value in values.items():
+        if isinstance(value, dict):
+            add_stats(total.setdefault(key, {}), value)
+        elif isinstance(value, (tuple, list)):
+            total[key] = tuple(sorted({*total.get(key, ()), *value}))
+        else:
+            total[key] = total.get(key, 0) + value
+
+
+def keep_maxima(total: dict, parts: list[dict]) -> None:
+    """Sets DEVICE_MAXIMA figures of `total` to their largest among the as_dict() forms `parts`."""
+    for part, names in DEVICE_MAXIMA.items():
+        for name in names:
+            total.setdefault(part, {})[name] = max((p.get(part, {}).get(name, 0) for p in parts), default=0)
 
 
 @dataclass(frozen=True)
@@ -306,15 +403,6 @@ class ComputePath:
         return f"compute: {what} on {self.device} ({self.reason}); {isa}; {self.threads} threads"
 
 
-# EngineStats' totals since start (Prometheus counters): they must never go back, so an engine that
-# multiplexes models keeps an evicted model's share of them (ModelPool.retired); the other fields are
-# what holds now.
-ENGINE_COUNTERS = ("num_steps", "generated_tokens", "prompt_tokens_computed", "preemptions_by_class",
-                   "swapped_out_blocks", "swapped_in_blocks", "prefix_query_tokens", "prefix_hit_tokens",
-                   "adapter_loads", "adapter_disk_loads", "adapter_load_seconds", "adapter_evictions",
-                   "adapter_merges", "spec_draft_tokens", "spec_accepted_tokens")
-
-
 @dataclass(frozen=True)
 class ReplicaInfo:
     """One engine replica behind a client that drives several (Ray Serve), as that client last polled it."""
@@ -325,24 +413,6 @@ class ReplicaInfo:
     running: int
     waiting: int
     requests: int  # generations it has started, from every gateway
-
-
-# EngineStats fields that engines on several devices do not add up: a setting and a peak; their maximum stands
-DEVICE_MAXIMA = ("gpu_memory_utilization", "peak_step_bytes")
-
-
-def add_stats(total: dict, values: dict) -> None:
-    """Adds EngineStats fields `values` into `total` in place; per-class dicts add key by key, and
-    adapter-id tuples merge as a sorted union (an adapter running on two engines is one adapter)."""
-    for key, value in values.items():
-        if isinstance(value, dict):
-            merged = total.setdefault(key, {})
-            for k, v in value.items():
-                merged[k] = merged.get(k, 0) + v
-        elif isinstance(value, (tuple, list)):
-            total[key] = tuple(sorted({*total.get(key, ()), *value}))
-        else:
-            total[key] = total.get(key, 0) + value
 
 
 class EngineClient(Protocol):

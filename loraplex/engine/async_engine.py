@@ -20,7 +20,6 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
 from loraplex.engine.api import (
-    DEVICE_MAXIMA,
     PRIORITY_CLASSES,
     EngineStats,
     GenerateEvent,
@@ -30,6 +29,7 @@ from loraplex.engine.api import (
     ReplicaInfo,
     Usage,
     add_stats,
+    keep_maxima,
 )
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
@@ -142,24 +142,24 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """Totals over the resident models' engines, and the counters of those since evicted."""
         cores = [e.core for e in list(self.pool.models.values()) if e.core is not None]
-        total: dict = {"running": 0, "waiting": 0, "kv_blocks_total": 0, "kv_blocks_used": 0, "kv_blocks_free": 0,
-                       **{k: dict.fromkeys(PRIORITY_CLASSES, 0)
-                          for k in ("running_by_class", "waiting_by_class", "preemptions_by_class")}}
-        per_core = [vars(core.stats()) for core in cores]
+        total: dict = {"requests": {k: dict.fromkeys(PRIORITY_CLASSES, 0)
+                                    for k in ("running_by_class", "waiting_by_class", "preemptions_by_class")}}
+        per_core = [core.stats().as_dict() for core in cores]
         for stats in per_core:
             add_stats(total, stats)
         add_stats(total, self.pool.retired)  # (totals since start survive a model's eviction)
         # settings and peaks, not sums: the utilization asked, the largest step; several models share the pool's budget
-        for key in (*DEVICE_MAXIMA, "memory_budget_bytes"):
-            total[key] = max((stats[key] for stats in per_core), default=0)
-        if len(self.pool.models) > 1:
-            total["memory_budget_bytes"] = self.pool.budget
+        keep_maxima(total, per_core)
+        memory = total.setdefault("memory", {})
+        memory["budget_bytes"] = self.pool.budget if len(self.pool.models) > 1 else max(
+            (stats["memory"]["budget_bytes"] for stats in per_core), default=0)
         entries = list(self.pool.models.values())
-        total["waiting"] += sum(len(e.pending) for e in entries)
-        add_stats(total, {"waiting_adapters": [r.adapter for e in entries for r in list(e.pending) if r.adapter]})
-        total.update(models_resident=len(cores), model_loads=sum(sum(e.loads.values()) for e in entries),
-                     model_evictions=sum(e.evictions for e in entries))
-        return EngineStats(**total)
+        total["requests"]["waiting"] = total["requests"].get("waiting", 0) + sum(len(e.pending) for e in entries)
+        add_stats(total, {"adapters": {"waiting": [r.adapter for e in entries for r in list(e.pending) if r.adapter]}})
+        total["models"] = {**total.get("models", {}), "resident": len(cores),
+                           "loads": sum(sum(e.loads.values()) for e in entries),
+                           "evictions": sum(e.evictions for e in entries)}
+        return EngineStats.from_dict(total)
 
     def replicas(self) -> list[ReplicaInfo]:
         return []  # (the engine runs here)

@@ -20,12 +20,16 @@ import torch
 
 from loraplex.engine.api import (
     PRIORITY_CLASSES,
+    AdapterStats,
     EngineStats,
     GenerateEvent,
     GenerateRequest,
     InvalidRequestError,
     ModelInfo,
     ModelNotFoundError,
+    ModelStats,
+    RequestStats,
+    SpeculationStats,
     TokenLogprob,
     Usage,
 )
@@ -365,38 +369,25 @@ class EngineCore:
         return GenerateEvent(r.request_id, text, token_ids, reason, usage, error, logprobs, prompt_logprobs)
 
     def stats(self) -> EngineStats:
-        sched, counters, kv = self.scheduler, self.scheduler.counters, self.kv.stats
+        """Each component's record: the scheduler's queues, the KV manager's, the adapter slots'."""
+        sched = self.scheduler
         running = dict.fromkeys(PRIORITY_CLASSES, 0)
         running_requests, waiting = list(sched.running), list(sched.waiting)
         for r in running_requests:
             running[r.priority] += 1
-        swap = self.kv.swap_pool
-        lora, merge = self.lora, self.runner.lora_merge
-        return EngineStats(
-            running=sum(running.values()), waiting=len(waiting),
-            kv_blocks_total=self.pool.num_blocks, kv_blocks_used=self.pool.num_used,
-            kv_blocks_free=self.pool.num_free, num_steps=self.num_steps,
-            generated_tokens=self.generated_tokens, prompt_tokens_computed=self.prompt_tokens_computed,
-            running_by_class=running, waiting_by_class=sched.waiting.depth(),
-            preemptions_by_class=dict(counters.preemptions),
-            swapped_requests=sum(1 for r in waiting if r.swap_blocks),
-            swap_blocks_used=swap.num_used if swap else 0,
-            swapped_out_blocks=kv.swapped_out_blocks, swapped_in_blocks=kv.swapped_in_blocks,
-            prefix_cached_blocks=self.pool.num_cached, prefix_query_tokens=kv.prefix_query_tokens,
-            prefix_hit_tokens=kv.prefix_hit_tokens,
-            adapters_loaded=len(lora.loaded()) if lora else 0, adapter_slots=self.config.max_loras,
-            device_adapters=tuple(sorted(lora.loaded())) if lora else (),
-            cpu_adapters=tuple(sorted(lora.cpu_cached())) if lora else (),
-            running_adapters=_adapters_of(running_requests), waiting_adapters=_adapters_of(waiting),
-            adapter_loads=lora.stats.loads if lora else 0,
-            adapter_disk_loads=lora.stats.disk_loads if lora else 0,
-            adapter_load_seconds=lora.stats.load_seconds if lora else 0.0,
-            adapter_evictions=lora.stats.evictions if lora else 0,
-            adapter_merges=merge.builds if merge else 0, adapter_merged_bytes=merge.nbytes() if merge else 0,
-            adapter_slot_bytes=lora.nbytes() if lora else 0,
-            spec_draft_tokens=self.spec_draft_tokens, spec_accepted_tokens=self.spec_accepted_tokens,
-            model_weight_bytes=self.weight_bytes,
-            **self.memory.stats())  # KV cache size, measured budget and step peak (engine/memory.py)
+        requests = RequestStats(
+            running=sum(running.values()), waiting=len(waiting), running_by_class=running,
+            waiting_by_class=sched.waiting.depth(), preemptions_by_class=dict(sched.counters.preemptions),
+            swapped_requests=sum(1 for r in waiting if r.swap_blocks), num_steps=self.num_steps,
+            generated_tokens=self.generated_tokens, prompt_tokens_computed=self.prompt_tokens_computed)
+        merge = self.runner.lora_merge
+        adapters = dataclasses.replace(
+            self.lora.slot_stats() if self.lora else AdapterStats(), slots=self.config.max_loras,
+            running=_adapters_of(running_requests), waiting=_adapters_of(waiting),
+            merges=merge.builds if merge else 0, merged_bytes=merge.nbytes() if merge else 0)
+        return EngineStats(requests=requests, kv=self.kv.cache_stats(), adapters=adapters,
+                           speculation=SpeculationStats(self.spec_draft_tokens, self.spec_accepted_tokens),
+                           models=ModelStats(weight_bytes=self.weight_bytes), memory=self.memory.stats())
 
     # --- synchronous convenience -----------------------------------------------------------
 

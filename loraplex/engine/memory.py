@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from loraplex.engine.api import MemoryStats
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.kv.block_pool import allocate_kv_storage, layer_views
 from loraplex.engine.lora.peft import module_dims
@@ -48,10 +49,10 @@ class DeviceMemory:
     budget: int = 0  # for weights + KV cache + adapter slots, after other memory and a step's activations
     num_blocks: int = 0  # KV blocks of kv_cache_bytes
 
-    def stats(self) -> dict:
-        """The EngineStats fields this sizing fills."""
-        return {"kv_cache_bytes": self.kv_cache_bytes, "memory_budget_bytes": self.budget,
-                "gpu_memory_utilization": self.utilization, "peak_step_bytes": self.peak_step}
+    def stats(self) -> MemoryStats:
+        """The engine stats' memory record."""
+        return MemoryStats(kv_cache_bytes=self.kv_cache_bytes, budget_bytes=self.budget,
+                           gpu_memory_utilization=self.utilization, peak_step_bytes=self.peak_step)
 
 
 def block_bytes(config: EngineConfig, model: LlamaConfig) -> int:

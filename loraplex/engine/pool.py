@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import threading
@@ -28,13 +29,13 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from loraplex.engine.api import (
-    ENGINE_COUNTERS,
     EngineError,
     GenerateEvent,
     InvalidRequestError,
     ModelNotFoundError,
     Usage,
     add_stats,
+    counters_of,
 )
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
@@ -412,8 +413,8 @@ class ModelPool:
         if entry.core is None:
             return
         core, entry.core = entry.core, None
-        retired = {k: dict(v) if isinstance(v, dict) else v for k, v in self.retired.items()}
-        add_stats(retired, {k: v for k, v in vars(core.stats()).items() if k in ENGINE_COUNTERS})
+        retired = copy.deepcopy(self.retired)
+        add_stats(retired, counters_of(core.stats()))
         self.retired = retired  # replaced whole: stats() on another thread reads the old or the new one
         entry.evictions += 1
         self._to_host_tier(entry, core_weights(core) if keep_host else None)

@@ -5,7 +5,8 @@ else what fits in the context, capped by the tenant's default) on its budget cou
 same capped at the key's TPM in its token bucket, so that any request fits an idle key; both are
 checked and taken in one store operation (billing.quota), and settled with the tokens actually
 used when the request ends.
-Over a budget: 429 insufficient_quota; over a rate: 429 rate_limit_exceeded with retry-after.
+Over a budget: 429 insufficient_quota with x-should-retry: false; over a rate: 429 rate_limit_exceeded with
+retry-after.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ from loraplex.platform.errors import PlatformError, invalid
 from loraplex.platform.metrics import Metrics
 
 log = logging.getLogger("loraplex.platform")
+# A budget refusal stays refused until the period turns or the budget is raised: OpenAI's clients
+# read this header and do not retry it (a rate-limit 429 is retried after retry-after).
+NO_RETRY = {"x-should-retry": "false"}
 
 
 def effective_priority(max_class: str, requested: str | None) -> str:
@@ -115,7 +119,7 @@ class Admission:
                 429, f"You exceeded your token budget: the {budget_name(principal, verdict.rule)} budget allows "
                      f"{verdict.rule.limit_tokens} tokens, {verdict.held} are used or reserved, and this request "
                      f"needs up to {tokens} (prompt + max_tokens for each choice).",
-                code="insufficient_quota", type="insufficient_quota", headers=headers)
+                code="insufficient_quota", type="insufficient_quota", headers={**headers, **NO_RETRY})
         if verdict.refused:
             kind = verdict.refused
             self._metrics.rate_limited.labels(kind).inc()

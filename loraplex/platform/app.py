@@ -20,13 +20,13 @@ from sqlalchemy.exc import DBAPIError, IntegrityError
 
 from loraplex.billing.usage import UsageSink
 from loraplex.engine.api import EngineClient
-from loraplex.platform.admin_api import admin_router
-from loraplex.platform.admin_billing_api import admin_billing_router
+from loraplex.platform.admin.api import admin_router
+from loraplex.platform.admin.billing_api import admin_billing_router
 from loraplex.platform.auth_throttle import AuthThrottle, FailedAuthLimit
 from loraplex.platform.db.migrate import current_revision, head_revision
 from loraplex.platform.errors import PlatformError, handle_exception
 from loraplex.platform.middleware import Drain, response_hook
-from loraplex.platform.openai_api import openai_router
+from loraplex.platform.openai.handlers import openai_router
 from loraplex.platform.ops import ops_handlers
 from loraplex.platform.schema_page import openapi_config
 from loraplex.platform.settings import Settings

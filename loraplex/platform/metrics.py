@@ -45,8 +45,8 @@ def lora_requests_info(stats: EngineStats) -> GaugeMetricFamily:
     metric = GaugeMetricFamily("loraplex_lora_requests_info", "Adapters of the requests running and waiting "
                                "(engine ids), and the adapter slots; the value is when it was sampled",
                                labels=["running_lora_adapters", "waiting_lora_adapters", "max_lora"])
-    metric.add_metric([adapter_list_label(stats.running_adapters), adapter_list_label(stats.waiting_adapters),
-                       str(stats.adapter_slots)], time.time())
+    metric.add_metric([adapter_list_label(stats.adapters.running), adapter_list_label(stats.adapters.waiting),
+                       str(stats.adapters.slots)], time.time())
     return metric
 
 
@@ -68,11 +68,12 @@ class _PickerCollector:
 
 def picker_families(s: EngineStats):
     """Queued and running requests, KV use (0..1) and the LoRA info gauge: what an endpoint picker reads."""
-    yield GaugeMetricFamily("loraplex_engine_requests_running", "Requests the engine is running", value=s.running)
+    yield GaugeMetricFamily("loraplex_engine_requests_running", "Requests the engine is running",
+                            value=s.requests.running)
     yield GaugeMetricFamily("loraplex_engine_requests_waiting", "Requests queued in the engine (all classes)",
-                            value=s.waiting)
+                            value=s.requests.waiting)
     yield GaugeMetricFamily("loraplex_kv_cache_usage_ratio", "Fraction of KV blocks in use",
-                            value=s.kv_blocks_used / s.kv_blocks_total if s.kv_blocks_total else 0.0)
+                            value=s.kv.blocks_used / s.kv.blocks_total if s.kv.blocks_total else 0.0)
     yield lora_requests_info(s)
 
 
@@ -84,53 +85,54 @@ class EngineCollector:
         s = self._engine.stats()
         yield from picker_families(s)
         yield _by_class(GaugeMetricFamily, "loraplex_engine_queue_depth", "Requests waiting in the engine by class",
-                        s.waiting_by_class)
+                        s.requests.waiting_by_class)
         yield _by_class(GaugeMetricFamily, "loraplex_engine_running_by_class", "Requests running by class",
-                        s.running_by_class)
+                        s.requests.running_by_class)
         yield _by_class(CounterMetricFamily, "loraplex_engine_preemptions", "Requests preempted, by class",
-                        s.preemptions_by_class)
+                        s.requests.preemptions_by_class)
         yield GaugeMetricFamily("loraplex_engine_swapped_requests", "Requests swapped out to CPU memory",
-                                value=s.swapped_requests)
-        yield GaugeMetricFamily("loraplex_kv_blocks_used", "KV cache blocks in use", value=s.kv_blocks_used)
-        yield GaugeMetricFamily("loraplex_kv_blocks_total", "KV cache blocks in the pool", value=s.kv_blocks_total)
+                                value=s.requests.swapped_requests)
+        yield GaugeMetricFamily("loraplex_kv_blocks_used", "KV cache blocks in use", value=s.kv.blocks_used)
+        yield GaugeMetricFamily("loraplex_kv_blocks_total", "KV cache blocks in the pool", value=s.kv.blocks_total)
         yield GaugeMetricFamily("loraplex_prefix_cache_hit_rate", "Prompt tokens served from the prefix cache",
-                                value=s.prefix_cache_hit_rate)
+                                value=s.kv.prefix_cache_hit_rate)
         yield CounterMetricFamily("loraplex_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache",
-                                  value=s.prefix_hit_tokens)
+                                  value=s.kv.prefix_hit_tokens)
         yield GaugeMetricFamily("loraplex_adapters_loaded", "Adapters resident in device slots",
-                                value=s.adapters_loaded)
-        yield CounterMetricFamily("loraplex_adapter_loads", "Adapter loads into device slots", value=s.adapter_loads)
+                                value=s.adapters.loaded)
+        yield CounterMetricFamily("loraplex_adapter_loads", "Adapter loads into device slots", value=s.adapters.loads)
         yield CounterMetricFamily("loraplex_adapter_disk_loads", "Adapter loads into device slots that read the "
-                                  "adapter from disk (the rest came from the CPU tier)", value=s.adapter_disk_loads)
+                                  "adapter from disk (the rest came from the CPU tier)", value=s.adapters.disk_loads)
         yield CounterMetricFamily("loraplex_adapter_load_seconds", "Wall time of adapter loads into device slots "
                                   "(over loraplex_adapter_loads_total: the mean load time)",
-                                  value=s.adapter_load_seconds)
+                                  value=s.adapters.load_seconds)
         yield CounterMetricFamily("loraplex_adapter_evictions", "Adapter evictions from device slots",
-                                  value=s.adapter_evictions)
+                                  value=s.adapters.evictions)
         yield CounterMetricFamily("loraplex_adapter_merges", "Adapters merged into a copy of the weights for "
-                                  "decode steps wholly on them", value=s.adapter_merges)
+                                  "decode steps wholly on them", value=s.adapters.merges)
         yield GaugeMetricFamily("loraplex_adapter_merged_bytes", "Memory of the merged adapter weight copies",
-                                value=s.adapter_merged_bytes)
+                                value=s.adapters.merged_bytes)
         yield GaugeMetricFamily("loraplex_model_weight_bytes", "Memory of the resident base models' weights: as "
                                 "loaded, plus the CPU kernels' packed copies (at --weight-dtype)",
-                                value=s.model_weight_bytes)
+                                value=s.models.weight_bytes)
         yield GaugeMetricFamily("loraplex_adapter_slot_bytes", "Memory of the adapter slot buffers (at the slots' "
-                                "dtype) and the folded adapter copies", value=s.adapter_slot_bytes)
-        yield GaugeMetricFamily("loraplex_kv_cache_bytes", "Memory of the KV caches", value=s.kv_cache_bytes)
+                                "dtype) and the folded adapter copies", value=s.adapters.slot_bytes)
+        yield GaugeMetricFamily("loraplex_kv_cache_bytes", "Memory of the KV caches", value=s.memory.kv_cache_bytes)
         yield GaugeMetricFamily("loraplex_memory_budget_bytes", "Device memory for weights, KV cache and adapter "
                                 "slots that --gpu-memory-utilization left after other memory and a maximum-size "
-                                "step (CUDA, measured at start; 0 where not measured)", value=s.memory_budget_bytes)
+                                "step (CUDA, measured at start; 0 where not measured)", value=s.memory.budget_bytes)
         yield GaugeMetricFamily("loraplex_gpu_memory_utilization", "Fraction of the device's memory the engine "
-                                "sized itself to (0 where not measured)", value=s.gpu_memory_utilization)
+                                "sized itself to (0 where not measured)", value=s.memory.gpu_memory_utilization)
         yield GaugeMetricFamily("loraplex_peak_step_bytes", "Activation memory of a maximum-size step, profiled at "
-                                "start (CUDA; 0 where not measured)", value=s.peak_step_bytes)
+                                "start (CUDA; 0 where not measured)", value=s.memory.peak_step_bytes)
         yield CounterMetricFamily("loraplex_engine_generated_tokens", "Tokens the engine generated",
-                                  value=s.generated_tokens)
-        yield CounterMetricFamily("loraplex_engine_steps", "Engine steps run", value=s.num_steps)
+                                  value=s.requests.generated_tokens)
+        yield CounterMetricFamily("loraplex_engine_steps", "Engine steps run", value=s.requests.num_steps)
         yield CounterMetricFamily("loraplex_spec_draft_tokens", "Speculative decoding: draft tokens verified",
-                                  value=s.spec_draft_tokens)
+                                  value=s.speculation.draft_tokens)
         yield CounterMetricFamily("loraplex_spec_accepted_tokens", "Speculative decoding: draft tokens the model "
-                                  "agreed with (over the drafts: the acceptance rate)", value=s.spec_accepted_tokens)
+                                  "agreed with (over the drafts: the acceptance rate)",
+                                  value=s.speculation.accepted_tokens)
         yield from _replicas(self._engine.replicas())
 
 

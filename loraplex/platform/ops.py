@@ -16,7 +16,7 @@ from litestar.handlers import BaseRouteHandler
 from prometheus_client import CONTENT_TYPE_LATEST
 from sqlalchemy import text
 
-from loraplex.platform.admin_api import check_admin_token
+from loraplex.platform.admin.api import check_admin_token
 from loraplex.platform.errors import PlatformError
 from loraplex.platform.metrics import picker_metrics
 from loraplex.platform.state import PlatformDep

@@ -28,15 +28,26 @@ from loraplex.platform.auth_throttle import AdminAuthThrottle
 from loraplex.platform.background import Background
 from loraplex.platform.db.database import make_engine, session_factory
 from loraplex.platform.db.tables import Adapter, ApiKey, Budget, Model, Tenant
-from loraplex.platform.generation import RunContext
 from loraplex.platform.metrics import Metrics
-from loraplex.platform.router import calibration
-from loraplex.platform.router.calibration import Calibration
-from loraplex.platform.router.scorer import Scorer, load_scorer
-from loraplex.platform.routing import EngineAdapters, ModelRouter
+from loraplex.platform.routing.learned import calibration
+from loraplex.platform.routing.learned.calibration import Calibration
+from loraplex.platform.routing.learned.scorer import Scorer, load_scorer
+from loraplex.platform.routing.resolution import EngineAdapters, ModelRouter
 from loraplex.platform.settings import Settings
 from loraplex.platform.tenancy import budgets, catalog, keys, tenants
 from loraplex.platform.tenancy.prices import set_price
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """The services a generation run reports to (openai/generation.py)."""
+
+    engine: EngineClient
+    admission: Admission
+    metrics: Metrics
+    usage: UsageSink
+    background: Background
+    request_timeout_s: float = 0.0  # 0: none
 
 
 @dataclass

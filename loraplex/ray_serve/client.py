@@ -28,7 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from loraplex.engine.api import (
-    DEVICE_MAXIMA,
     EngineError,
     EngineStats,
     EngineUnavailableError,
@@ -39,6 +38,7 @@ from loraplex.engine.api import (
     ReplicaInfo,
     Usage,
     add_stats,
+    keep_maxima,
 )
 from loraplex.ray_serve.replica import AdapterSource, ReplicaStatus
 
@@ -166,18 +166,17 @@ class RayEngineClient:
 
     def stats(self) -> EngineStats:
         """Totals over the replicas (their counters since each began)."""
+        per_replica = [replica.stats.as_dict() for replica in self._replicas]
         total: dict = {}
-        for replica in self._replicas:
-            add_stats(total, vars(replica.stats))
-        if not total:
-            return EngineStats(running=0, waiting=0, kv_blocks_total=0, kv_blocks_used=0, kv_blocks_free=0)
-        for key in DEVICE_MAXIMA:
-            total[key] = max(getattr(r.stats, key) for r in self._replicas)
-        return EngineStats(**total)
+        for stats in per_replica:
+            add_stats(total, stats)
+        keep_maxima(total, per_replica)
+        return EngineStats.from_dict(total)
 
     def replicas(self) -> list[ReplicaInfo]:
         """The replicas, as the last poll found them."""
-        return [ReplicaInfo(r.replica, tuple(m.name for m in r.models), r.adapters, r.stats.running, r.stats.waiting,
+        return [ReplicaInfo(r.replica, tuple(m.name for m in r.models), r.adapters,
+                            r.stats.requests.running, r.stats.requests.waiting,
                             r.requests) for r in self._replicas]
 
     # --- generation ----------------------------------------------------------------------------------

@@ -90,7 +90,7 @@ def test_the_server_runs_bf16_base_weights(server):
 
     def weight_bytes(weight_dtype: str) -> int:
         cfg = EngineConfig(model=MODEL, device="cpu", num_kv_blocks=8, weight_dtype=weight_dtype)
-        return EngineCore(cfg).stats().model_weight_bytes
+        return EngineCore(cfg).stats().models.weight_bytes
 
     assert gauge(server, "loraplex_model_weight_bytes") == weight_bytes("bfloat16") < weight_bytes("auto")
 

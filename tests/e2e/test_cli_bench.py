@@ -197,7 +197,7 @@ def test_bench_soak_loses_nothing_and_comes_back_to_baseline(tmp_path):
     assert all(phase["ttft_ms"]["p99"] >= phase["ttft_ms"]["p50"] > 0 for phase in (clean, hostile))
     assert {"ttft_p99_ratio", "rss", "engine", "ledger"} <= set(r) and r["rss"]["end_mb"] > 0
     assert r["engine"]["back_at_baseline"] is True, r["engine"]
-    assert r["engine"]["end"]["running"] == r["engine"]["end"]["waiting"] == 0
+    assert r["engine"]["end"]["requests"]["running"] == r["engine"]["end"]["requests"]["waiting"] == 0
     assert r["ledger"]["missing"] == [] and r["ledger"]["rows_for_refused_or_unknown"] == []
     assert r["ledger"]["equal"] is True and r["ledger"]["rows"] >= r["completed"]
     assert r["server_exit_code"] == 0

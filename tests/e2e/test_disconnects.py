@@ -63,7 +63,7 @@ def _disconnects(server) -> float:
 def test_sixteen_clients_leaving_mid_stream_free_every_block_and_slot(server, tenant):
     auth, adapters = tenant
     baseline, left_before = _stats(server), _disconnects(server)
-    assert baseline["running"] == baseline["waiting"] == 0
+    assert baseline["requests"]["running"] == baseline["requests"]["waiting"] == 0
     models = [adapters[i % SLOTS] if i % 2 else "synthetic:tiny" for i in range(CLIENTS)]  # half on 4 adapters
     all_streaming = threading.Barrier(CLIENTS, timeout=60)
 
@@ -82,10 +82,11 @@ def test_sixteen_clients_leaving_mid_stream_free_every_block_and_slot(server, te
     with ThreadPoolExecutor(CLIENTS) as pool:
         assert list(pool.map(leave_mid_stream, models)) == [3] * CLIENTS
     deadline = time.monotonic() + 5
-    while (now := _stats(server))["running"] or now["waiting"] or now["kv_blocks_used"] > baseline["kv_blocks_used"]:
+    while (now := _stats(server))["requests"]["running"] or now["requests"]["waiting"] \
+            or now["kv"]["blocks_used"] > baseline["kv"]["blocks_used"]:
         assert time.monotonic() < deadline, f"not freed within 5 s: {now}"
         time.sleep(0.05)
-    assert now["kv_blocks_used"] == baseline["kv_blocks_used"] == 0
+    assert now["kv"]["blocks_used"] == baseline["kv"]["blocks_used"] == 0
     assert _disconnects(server) == left_before + CLIENTS  # each ended by its client leaving, not by finishing
     for model in adapters:  # ADAPTERS > SLOTS: each needs a slot the earlier requests left
         done = httpx.post(f"{server.base_url}/v1/chat/completions", json=_chat(model, 4, False), headers=auth,

@@ -90,7 +90,7 @@ def test_past_the_drain_timeout_requests_are_aborted_and_billed_what_they_genera
                 lines = r.iter_lines()
                 assert next(lines).startswith("data: ")
                 deadline = time.monotonic() + 20
-                while admin_request(server, ADMIN, "GET", "/engine/stats").json()["running"] < 2:
+                while admin_request(server, ADMIN, "GET", "/engine/stats").json()["requests"]["running"] < 2:
                     assert time.monotonic() < deadline and not whole.done(), "the second request never ran"
                     time.sleep(0.02)
                 server.proc.send_signal(signal.SIGTERM)

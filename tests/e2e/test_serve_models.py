@@ -65,7 +65,7 @@ def test_both_models_answer_through_one_api_one_resident_at_a_time(server, tenan
     assert first != second  # two models, differently seeded
     assert (ask(client, FIRST), ask(client, SECOND)) == (first, second)
     stats = admin(server, "GET", "/engine/stats").json()
-    assert stats["models_resident"] == 1 and stats["model_evictions"] >= 3 and stats["model_loads"] >= 4
+    assert stats["models"]["resident"] == 1 and stats["models"]["evictions"] >= 3 and stats["models"]["loads"] >= 4
 
 
 def test_an_adapter_serves_on_its_own_base_model(server, tenant, tmp_path):
@@ -87,7 +87,7 @@ def test_an_adapter_deleted_mid_stream_finishes_that_stream_then_is_gone(server,
         stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     chunks = [next(stream), next(stream), next(stream)]
     admin(server, "DELETE", f"/tenants/{name}/adapters/leaving")
-    assert admin(server, "GET", "/engine/stats").json()["running"] == 1  # deleted while its request runs
+    assert admin(server, "GET", "/engine/stats").json()["requests"]["running"] == 1  # deleted while its request runs
     with pytest.raises(openai.NotFoundError) as info:
         ask(client, "leaving")
     assert info.value.code == "model_not_found"

@@ -72,7 +72,7 @@ def test_chat_streaming_usage_and_replicas(gateway, tenant):
     assert len(listed) == 2 and all(w["models"] == [MODEL] and w["adapters"] == [] for w in listed)
     assert sum(w["requests"] for w in listed) >= 2
     stats = admin(gateway, "GET", "/engine/stats").json()
-    assert stats["generated_tokens"] >= 20 and stats["kv_blocks_total"] > 0  # summed over both replicas
+    assert stats["requests"]["generated_tokens"] >= 20 and stats["kv"]["blocks_total"] > 0  # summed over both replicas
     assert httpx.get(f"{gateway.base_url}/ready").status_code == 200
     with httpx.Client(base_url=gateway.base_url) as browser:  # the admin overview lists them too
         assert browser.post("/admin/login", data={"token": ADMIN, "next": "/admin"}).status_code == 303

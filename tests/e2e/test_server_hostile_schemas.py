@@ -50,7 +50,7 @@ def engine_idle(server) -> dict:
     """Engine stats once nothing runs (polled: a finished request's blocks return within a step)."""
     for _ in range(100):
         stats = admin_request(server, ADMIN, "GET", "/engine/stats").json()
-        if stats["running"] == 0 and stats["waiting"] == 0 and stats["kv_blocks_used"] == 0:
+        if stats["requests"]["running"] == 0 and stats["requests"]["waiting"] == 0 and stats["kv"]["blocks_used"] == 0:
             return stats
         time.sleep(0.1)
     raise AssertionError(f"the engine did not come back to idle: {stats}")

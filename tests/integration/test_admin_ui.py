@@ -281,12 +281,13 @@ def test_the_overview_and_engine_stats_report_the_prefix_cache_and_speculation(u
     body = {"model": "synthetic:tiny", "prompt": phrase * 10, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
     assert ui.post("/v1/completions", json=body, headers={"authorization": f"Bearer {key}"}).status_code == 200
     after = ui.get("/admin/api/engine/stats", headers=ADMIN).json()
-    drafted = after["spec_draft_tokens"] - before["spec_draft_tokens"]
-    kept = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    drafted = after["speculation"]["draft_tokens"] - before["speculation"]["draft_tokens"]
+    kept = after["speculation"]["accepted_tokens"] - before["speculation"]["accepted_tokens"]
     assert drafted > 0 and 0 <= kept <= drafted
-    assert after["prefix_query_tokens"] - before["prefix_query_tokens"] == 50
+    assert after["kv"]["prefix_query_tokens"] - before["kv"]["prefix_query_tokens"] == 50
     # memory sizing: a configured KV cache on the CPU (its blocks' bytes), nothing measured there
-    assert after["kv_cache_bytes"] > 0 and after["memory_budget_bytes"] == 0 and after["peak_step_bytes"] == 0
+    memory = after["memory"]
+    assert memory["kv_cache_bytes"] > 0 and memory["budget_bytes"] == 0 and memory["peak_step_bytes"] == 0
     login(ui)
     page = ui.get("/admin").text
     assert re.search(r'id="stat-spec">\d+%</span><span class="label">of [\d,]+ speculative drafts kept', page)

@@ -84,7 +84,7 @@ def test_a_client_that_leaves_mid_stream_is_charged_what_was_generated(postgres_
         platform = platform_of(client)
 
         async def leave_after_two_tokens():
-            from loraplex.platform.openai_format import TextFormat, stream
+            from loraplex.platform.openai.formatting import TextFormat, stream
 
             run = await _run(platform, key, n)
             body = stream(run, [TextFormat("x", 0, FAKE_MODEL, index=i) for i in range(n)], False)
@@ -107,8 +107,8 @@ async def _run(platform, key, n=1):
 
     from loraplex.billing.usage import utcnow
     from loraplex.engine.api import GenerateRequest, SamplingParams
-    from loraplex.platform.generation import GenerationRun
-    from loraplex.platform.routing import Target
+    from loraplex.platform.openai.generation import GenerationRun
+    from loraplex.platform.routing.resolution import Target
 
     principal = await platform.auth.authenticate(f"Bearer {key}")
     request = GenerateRequest(f"req_{secrets.token_hex(12)}", FAKE_MODEL, prompt="hello",

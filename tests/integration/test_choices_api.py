@@ -72,13 +72,13 @@ def test_choices_compute_their_prompt_once_and_bill_it_once(backend):
         tenant, tenant_id, key = new_tenant(client, "choices")
         set_budget(client, tenant, 10_000)
         engine = platform_of(client).engine
-        hits = engine.stats().prefix_hit_tokens
+        hits = engine.stats().kv.prefix_hit_tokens
         r = complete(client, key, prompt=prompt, n=4, max_tokens=5, ignore_eos=True)
         assert r.status_code == 200, r.text
         usage = r.json()["usage"]
         assert usage["prompt_tokens"] == len(prompt) and usage["completion_tokens"] == 20
         assert usage["prompt_tokens_details"]["cached_tokens"] == 0
-        assert engine.stats().prefix_hit_tokens - hits == 3 * 64  # 4 full blocks of 16, for 3 choices
+        assert engine.stats().kv.prefix_hit_tokens - hits == 3 * 64  # 4 full blocks of 16, for 3 choices
         (row,) = assert_counters_match_ledger(client, tenant, tenant_id)
         assert (row.prompt_tokens, row.cached_tokens, row.completion_tokens) == (len(prompt), 0, 20)
         assert row.request_id == r.headers["x-request-id"]

@@ -18,7 +18,7 @@ from litestar.testing import TestClient
 from loraplex.platform.auth import AuthCache
 from loraplex.platform.db.database import make_engine, session_factory
 from loraplex.platform.errors import PlatformError
-from loraplex.platform.schemas import MAX_JSON_DEPTH, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_TOOLS
+from loraplex.platform.openai.schemas import MAX_JSON_DEPTH, MAX_LOGIT_BIAS, MAX_MESSAGES, MAX_TOOLS
 from loraplex.platform.tenancy.keys import create_key
 from loraplex.platform.tenancy.tenants import create_tenant
 from tests.integration.conftest import ADMIN_TOKEN, Api, run

@@ -14,7 +14,7 @@ def test_metrics_show_the_lora_requests_info_gauge(api):
     text = api.client.get("/metrics", headers=api.admin).text
     (family,) = [f for f in text_string_to_metric_families(text) if f.name == "loraplex_lora_requests_info"]
     (sample,) = family.samples
-    slots = api.backend.engine.inner.stats().adapter_slots
+    slots = api.backend.engine.inner.stats().adapters.slots
     assert sample.labels == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": str(slots)}
     assert slots > 0 and before <= sample.value <= time.time()
 

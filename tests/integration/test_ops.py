@@ -55,7 +55,7 @@ def test_metrics_cover_latency_tokens_statuses_and_the_engine(api):
         assert name in text, name
     stats = api.backend.engine.inner.stats()  # the KV cache's memory, as the engine reports it
     exported = [float(line.split()[1]) for line in text.splitlines() if line.startswith("loraplex_kv_cache_bytes ")]
-    assert stats.kv_cache_bytes > 0 and exported == [stats.kv_cache_bytes]
+    assert stats.memory.kv_cache_bytes > 0 and exported == [stats.memory.kv_cache_bytes]
     assert f'loraplex_tokens_total{{kind="completion",model="synthetic:tiny",tenant="{tenant}"}}' in text
     assert 'loraplex_requests_total{endpoint="/v1/chat/completions",status="404"}' in text
 

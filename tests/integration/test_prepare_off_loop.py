@@ -116,4 +116,4 @@ def test_a_huge_prompt_is_refused_fast_while_health_answers(postgres_backend, ti
                 assert time.monotonic() - started < 30
             time.sleep(0.2)
         assert probe.answers and all(a == 200 for a in probe.answers), probe.answers
-        assert tiny.stats().running == tiny.stats().waiting == 0
+        assert tiny.stats().requests.running == tiny.stats().requests.waiting == 0

@@ -9,7 +9,7 @@ import pytest
 
 from loraplex.admin_ui import session
 from loraplex.admin_ui.charts import HEIGHT, Series, stacked_bars
-from loraplex.platform.admin_api import admin_token_ok
+from loraplex.platform.admin.api import admin_token_ok
 
 
 def bars(svg: str) -> list[dict[str, str]]:

@@ -26,7 +26,7 @@ def engine():
 async def _wait_idle(engine: AsyncEngine) -> None:
     for _ in range(500):
         s = engine.stats()
-        if s.running == s.waiting == 0 and s.kv_blocks_used == 0:
+        if s.requests.running == s.requests.waiting == 0 and s.kv.blocks_used == 0:
             return
         await asyncio.sleep(0.01)
     raise AssertionError(f"engine did not return to idle: {engine.stats()}")
@@ -214,4 +214,4 @@ def test_a_fault_in_the_forward_pass_ends_every_request_and_the_engine_goes_on(e
         assert last.usage.completion_tokens == sum(len(e.token_ids) for e in events) >= 2  # billed what it got
         assert last.usage.prompt_tokens == 4
     assert after[-1].finish_reason == "length" and after[-1].usage.completion_tokens == 5
-    assert engine.stats().kv_blocks_used == 0
+    assert engine.stats().kv.blocks_used == 0

@@ -74,7 +74,7 @@ def run(arrivals, mode: str, adapter_dirs=(), **overrides):
             if ev.finished:
                 got[ev.request_id] = (tokens, ev.finish_reason, (ev.usage.prompt_tokens, ev.usage.completion_tokens))
         step += 1
-    assert core.stats().kv_blocks_used == 0 and not core.requests  # nothing held at the end
+    assert core.stats().kv.blocks_used == 0 and not core.requests  # nothing held at the end
     return core, got, sum(overlapped)
 
 
@@ -106,7 +106,7 @@ def test_async_scheduling_gives_the_tokens_of_the_plain_engine(pool):
     if pool != "roomy":
         assert core.scheduler.num_preemptions > 0
     if pool == "swap":
-        assert core.kv.stats.swapped_out_blocks > 0 and core.stats().swap_blocks_used == 0
+        assert core.kv.stats.swapped_out_blocks > 0 and core.stats().kv.swap_blocks_used == 0
     if pool == "roomy":  # (a tight pool evicts r0's blocks before r5 comes)
         assert core.kv.stats.prefix_hit_tokens > 0
 
@@ -159,7 +159,7 @@ def test_abort_with_a_step_in_flight_frees_everything_and_bills_what_was_sent():
         for ev in core.step():
             assert ev.request_id == "b"  # the aborted request's in-flight token is dropped
             sent["b"] += len(ev.token_ids)
-    assert sent["b"] == 40 and core.stats().kv_blocks_used == 0
+    assert sent["b"] == 40 and core.stats().kv.blocks_used == 0
 
 
 def test_a_failed_launch_with_a_step_in_flight_leaks_nothing():
@@ -182,7 +182,7 @@ def test_a_failed_launch_with_a_step_in_flight_leaks_nothing():
     for rid in list(core.requests):
         core.abort(rid)  # (what the model pool does after a failed step)
     stats = core.stats()
-    assert stats.kv_blocks_used == 0 and stats.running == 0 and not core.has_work()
+    assert stats.kv.blocks_used == 0 and stats.requests.running == 0 and not core.has_work()
 
 
 def test_async_scheduling_setting():

@@ -87,9 +87,9 @@ def test_greedy_tokens_identical_across_backends(adapters):
     want, ref = _run_mixed("torch_sdpa", adapters)
     assert ref.runner.model.attention.name == "torch_sdpa"
     stats = ref.stats()
-    assert stats.prefix_hit_tokens > 0 and stats.spec_draft_tokens > 0  # the batch held hits and drafts
+    assert stats.kv.prefix_hit_tokens > 0 and stats.speculation.draft_tokens > 0  # the batch held hits and drafts
     for name in ("cpu_c", "triton_paged") if on_cpu() else ("triton_paged",):
         got, core = _run_mixed(name, adapters)
         assert core.runner.model.attention is BACKENDS[name]
         assert got == want, name
-        assert core.stats().prefix_hit_tokens == stats.prefix_hit_tokens
+        assert core.stats().kv.prefix_hit_tokens == stats.kv.prefix_hit_tokens

@@ -8,8 +8,8 @@ from datetime import UTC, datetime
 import pytest
 
 from loraplex.billing.prices import Price
-from loraplex.platform.auto_route import Candidate, choose, request_text
-from loraplex.platform.complexity import WEIGHTS, RequestText, score
+from loraplex.platform.routing.auto import Candidate, choose, request_text
+from loraplex.platform.routing.complexity import WEIGHTS, RequestText, score
 
 REVIEW = ("Review this code and explain why it fails, compare two fixes and justify the trade-off:\n"
           "```python\ndef f(x):\n    return x[0]\n```\n1. What is the bug?\n2. How would you test it?\n"

@@ -158,6 +158,6 @@ def test_stats_count_the_loaded_weights_and_the_packed_copies_at_their_dtype():
     bf16 = EngineCore(config(weight_dtype="bfloat16"))
     loaded = fp32.runner.model.weight_bytes()
     assert bf16.runner.model.weight_bytes() == loaded  # (fp32 tensors holding the rounded values)
-    packed32 = fp32.stats().model_weight_bytes - loaded
+    packed32 = fp32.stats().models.weight_bytes - loaded
     assert packed32 == fp32.runner.model.packed_bytes() > 0
-    assert bf16.stats().model_weight_bytes == loaded + packed32 // 2
+    assert bf16.stats().models.weight_bytes == loaded + packed32 // 2

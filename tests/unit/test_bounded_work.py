@@ -10,14 +10,14 @@ import time
 import pytest
 
 from loraplex.billing.periods import PeriodError, parse_period
-from loraplex.platform import complexity
 from loraplex.platform.auth import Refusals
 from loraplex.platform.cache import RefreshingCache
-from loraplex.platform.complexity import SCAN_CHARS, RequestText, score
 from loraplex.platform.errors import PlatformError
-from loraplex.platform.schemas import too_deep
+from loraplex.platform.openai.schemas import too_deep
+from loraplex.platform.openai.tool_auto import parse_calls
+from loraplex.platform.routing import complexity
+from loraplex.platform.routing.complexity import SCAN_CHARS, RequestText, score
 from loraplex.platform.tenancy.common import check_name
-from loraplex.platform.tool_auto import parse_calls
 
 HOSTILE_TEXTS = {
     "newlines and spaces": "\n " * 16_000,

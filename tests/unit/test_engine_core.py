@@ -71,7 +71,7 @@ def test_every_block_is_free_after_finish_and_abort():
     events = [core.abort(f"x{i}") for i in range(4)]
     assert all(e.finish_reason == "abort" for e in events)
     assert core.pool.num_free == total
-    assert core.stats().running == core.stats().waiting == 0
+    assert core.stats().requests.running == core.stats().requests.waiting == 0
     assert core.abort("x0") is None  # already gone
 
 

@@ -106,7 +106,7 @@ def test_an_adapter_with_rank_and_alpha_patterns_matches_its_merged_weights_fold
         for ev in core.step():
             tokens.setdefault(ev.request_id, []).extend(ev.token_ids)
     assert core.lora.r_max == 16
-    assert (core.lora._folds and core.stats().adapter_merges >= 1) or not on_cpu()
+    assert (core.lora._folds and core.stats().adapters.merges >= 1) or not on_cpu()
     ref, base_alone = merged_core(path), make_core()
     for r in (*early, late):
         want = (ref if r.adapter else base_alone).run([req("w", r.prompt_token_ids, None, r.sampling.max_tokens)])
@@ -133,7 +133,7 @@ def test_16_bit_slots_match_the_merged_weights_of_the_rounded_adapters(tmp_path,
     assert core.lora.dtype == dtype and (core.lora._folds or not on_cpu())
     assert {t.dtype for layer in (*core.lora.lora_a, *core.lora.lora_b) for t in layer.values()} == {dtype}
     alone = core.run([req(f"m{i}", p, "h1", max_tokens=12) for i, p in enumerate(prompts[:3])])
-    assert core.stats().adapter_merges >= 1 or not on_cpu()
+    assert core.stats().adapters.merges >= 1 or not on_cpu()
     refs, base_alone = {f"h{i}": merged_core(p, rounded_to=dtype) for i, p in enumerate(paths)}, make_core()
     for i, (p, a) in enumerate(zip(prompts, adapters, strict=True)):
         want = (refs[a] if a else base_alone).run([req(f"w{i}", p, None)])[0].token_ids
@@ -212,9 +212,9 @@ def test_more_adapters_than_slots_all_complete_correctly(adapter_dirs):
         want = merged_core(adapter_dirs[i % 6]).run([req("w", p, None)])[0].token_ids
         assert got[i].token_ids == want
     stats = core.stats()  # what /metrics reports: slot loads, how many read the disk, their time
-    assert stats.adapter_evictions > 0 and stats.adapter_loads >= 6 and stats.adapter_load_seconds > 0
+    assert stats.adapters.evictions > 0 and stats.adapters.loads >= 6 and stats.adapters.load_seconds > 0
     # registering parsed all six into the CPU tier (32 by default): no slot load read the disk
-    assert stats.adapter_disk_loads == 0 and stats.adapter_loads == core.lora.stats.cpu_hits
+    assert stats.adapters.disk_loads == 0 and stats.adapters.loads == core.lora.stats.cpu_hits
     assert core.pool.num_free == core.pool.num_blocks
 
 
@@ -384,14 +384,14 @@ def test_an_adapter_id_registered_again_with_other_weights_never_reuses_the_old_
     first = core.run([req("old", prompt, "x")])[0].token_ids
     core.remove_adapter("x")
     core.add_adapter("x", str(adapter_dirs[2]))
-    hits_before = core.stats().prefix_hit_tokens
+    hits_before = core.stats().kv.prefix_hit_tokens
     got = core.run([req("new", prompt, "x")])[0].token_ids
     fresh = make_core()
     fresh.add_adapter("x", str(adapter_dirs[2]))
     want = fresh.run([req("want", prompt, "x")])[0].token_ids
     assert got == want
     assert got != first  # the two adapters differ on this prompt, so a stale hit would show
-    assert core.stats().prefix_hit_tokens == hits_before
+    assert core.stats().kv.prefix_hit_tokens == hits_before
     # the new registration's own KV is cached as usual: the same prompt now hits it
     again = core.run([req("again", prompt, "x")])[0].token_ids
-    assert again == want and core.stats().prefix_hit_tokens > hits_before
+    assert again == want and core.stats().kv.prefix_hit_tokens > hits_before

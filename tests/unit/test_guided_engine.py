@@ -85,9 +85,9 @@ def test_preempted_guided_requests_resume_where_they_were(mode):
     roomy = make_core(enable_prefix_caching=False).run(reqs)
     tight = make_core(num_kv_blocks=14, preemption_mode=mode)
     got = tight.run(reqs)
-    assert sum(tight.stats().preemptions_by_class.values()) > 0
+    assert sum(tight.stats().requests.preemptions_by_class.values()) > 0
     assert [(c.token_ids, c.finish_reason) for c in got] == [(c.token_ids, c.finish_reason) for c in roomy]
-    assert tight.stats().kv_blocks_used == 0
+    assert tight.stats().kv.blocks_used == 0
 
 
 def test_bad_schemas_are_refused_before_anything_is_queued():

@@ -124,7 +124,7 @@ def test_max_tokens_0_scores_the_prompt_and_generates_nothing():
     assert event.finish_reason == "length" and event.token_ids == () and event.text == ""
     assert event.usage.completion_tokens == 0 and event.usage.prompt_tokens == len(prompt)
     assert [(e.token_id, e.logprob) for e in event.prompt_logprobs] == [(e.token_id, e.logprob) for e in want]
-    assert core.stats().kv_blocks_used == 0
+    assert core.stats().kv.blocks_used == 0
 
 
 def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_preemption():
@@ -140,7 +140,7 @@ def test_prompt_logprobs_bypass_the_prefix_cache_and_survive_preemption():
     roomy = events_of(make_core(enable_prefix_caching=False), reqs)
     tight = make_core(num_kv_blocks=14, preemption_mode="recompute")
     squeezed = events_of(tight, reqs)
-    assert sum(tight.stats().preemptions_by_class.values()) > 0
+    assert sum(tight.stats().requests.preemptions_by_class.values()) > 0
     for r in reqs:
         assert squeezed[r.request_id][0].prompt_logprobs == roomy[r.request_id][0].prompt_logprobs
 

@@ -34,7 +34,7 @@ def step_until_one_runs(core) -> EngineStats:
     for _ in range(500):
         core.step()
         stats = core.stats()
-        if stats.running:
+        if stats.requests.running:
             return stats
         time.sleep(0.01)
     raise AssertionError("no request ran")
@@ -47,24 +47,23 @@ def test_stats_name_the_adapters_running_and_waiting_each_once(adapter_dir):
     asked = ["a", "b", "b"]
     for i, adapter in enumerate(asked):
         core.add_request(req(f"r{i}", adapter))
-    assert core.stats().waiting_adapters == ("a", "b")
+    assert core.stats().adapters.waiting == ("a", "b")
     stats = step_until_one_runs(core)
-    (running,) = stats.running_adapters  # (which runs first is the scheduler's choice)
+    (running,) = stats.adapters.running  # (which runs first is the scheduler's choice)
     asked.remove(running)
     waiting = ",".join(sorted(set(asked)))
-    assert ",".join(stats.waiting_adapters) == waiting
+    assert ",".join(stats.adapters.waiting) == waiting
     assert labels(stats) == {"running_lora_adapters": running, "waiting_lora_adapters": waiting, "max_lora": "2"}
     while core.has_work():
         core.step()
     stats = core.stats()
-    assert (stats.running_adapters, stats.waiting_adapters) == ((), ())
+    assert (stats.adapters.running, stats.adapters.waiting) == ((), ())
     assert labels(stats) == {"running_lora_adapters": "", "waiting_lora_adapters": "", "max_lora": "2"}
 
 
 def test_the_gauge_value_is_the_sampling_time():
     before = time.time()
-    (sample,) = lora_requests_info(EngineStats(running=0, waiting=0, kv_blocks_total=1, kv_blocks_used=0,
-                                               kv_blocks_free=1)).samples
+    (sample,) = lora_requests_info(EngineStats()).samples
     assert before <= sample.value <= time.time()
 
 
@@ -76,9 +75,9 @@ def test_many_adapters_queued_name_only_the_first_64(adapter_dir):
         core.add_adapter(name, str(adapter_dir))
         core.add_request(req(f"r{i}", name))
     stats = step_until_one_runs(core)
-    (running,) = stats.running_adapters
+    (running,) = stats.adapters.running
     waiting = [name for name in names if name != running]
-    assert stats.waiting_adapters == tuple(waiting)
+    assert stats.adapters.waiting == tuple(waiting)
     assert labels(stats)["waiting_lora_adapters"] == ",".join(waiting[:LORA_INFO_MAX_ADAPTERS])
 
 

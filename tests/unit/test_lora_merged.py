@@ -41,8 +41,8 @@ def test_merged_adapter_matches_the_reference_and_follows_its_slot(adapter_dirs)
     assert merge.builds == 1 and merge.nbytes() > 0  # 11 decode steps all on a2: merged after 3
     assert merge.steps >= 8  # and run merged from then on
     stats = core.stats()
-    assert stats.adapter_merges == 1 and stats.adapter_merged_bytes == merge.nbytes()
-    assert stats.adapter_slot_bytes == core.lora.nbytes() > 0
+    assert stats.adapters.merges == 1 and stats.adapters.merged_bytes == merge.nbytes()
+    assert stats.adapters.slot_bytes == core.lora.nbytes() > 0
 
     # A mixed step (a2 with base requests) runs with LoRA work; the copy stays for a2's next run.
     merged_steps = merge.steps

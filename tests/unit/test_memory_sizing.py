@@ -93,8 +93,8 @@ def test_the_cpu_sizes_the_kv_cache_as_before():
     assert core.pool.num_blocks == DEFAULT_KV_CACHE_BYTES // per_block
     assert core.frontend.kv_capacity == core.pool.num_blocks * config.block_size
     s = core.stats()
-    assert s.kv_cache_bytes == core.pool.num_blocks * per_block
-    assert (s.memory_budget_bytes, s.gpu_memory_utilization, s.peak_step_bytes) == (0, 0.0, 0)  # not measured
+    assert s.memory.kv_cache_bytes == core.pool.num_blocks * per_block
+    assert (s.memory.budget_bytes, s.memory.gpu_memory_utilization, s.memory.peak_step_bytes) == (0, 0.0, 0)
 
 
 def test_the_pool_budget_on_the_cpu_is_unchanged():
@@ -127,7 +127,8 @@ def test_the_measured_path_sizes_the_engine(monkeypatch):
     assert core.pool.num_blocks == (budget - core.weight_bytes - reserved) // per_block
     assert core.frontend.kv_capacity == core.pool.num_blocks * cfg.block_size
     s = core.stats()
-    assert (s.kv_cache_bytes, s.memory_budget_bytes, s.gpu_memory_utilization, s.peak_step_bytes) == (
+    m = s.memory
+    assert (m.kv_cache_bytes, m.budget_bytes, m.gpu_memory_utilization, m.peak_step_bytes) == (
         core.pool.num_blocks * per_block, budget, 0.75, 3 * MIB)
 
 

@@ -191,7 +191,7 @@ def test_a_model_reloads_without_reading_its_adapters_and_a_broken_one_fails_onl
     failed = got["g2"][-1]
     assert failed.finish_reason == "error" and "adapter 'gone'" in failed.error and "not a directory" in failed.error
     core = pool.models["m1"].core
-    assert core.stats().adapter_disk_loads == 1  # "good", on its request; the reload itself read none
+    assert core.stats().adapters.disk_loads == 1  # "good", on its request; the reload itself read none
     shutil.move(tmp_path / "elsewhere", gone)  # the same files back: the adapter serves again
     assert run(pool, [req("g3", "m1", adapter="gone")])["g3"] == want["g"]
 
@@ -291,8 +291,8 @@ def test_engine_counters_survive_a_models_eviction(tmp_path):
             engine.shutdown()
 
     seen = asyncio.run(go())
-    assert pool.stats()["m1"]["tier"] != "device" and seen[-1].model_evictions >= 1  # m1 and its slots left
-    assert [s.generated_tokens for s in seen] == [8, 16, 24, 32]
-    assert all(s.adapter_loads == 1 and s.adapter_load_seconds > 0 for s in seen)
-    steps = [s.num_steps for s in seen]
+    assert pool.stats()["m1"]["tier"] != "device" and seen[-1].models.evictions >= 1  # m1 and its slots left
+    assert [s.requests.generated_tokens for s in seen] == [8, 16, 24, 32]
+    assert all(s.adapters.loads == 1 and s.adapters.load_seconds > 0 for s in seen)
+    steps = [s.requests.num_steps for s in seen]
     assert steps == sorted(steps) and len(set(steps)) == 4

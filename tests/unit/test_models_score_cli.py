@@ -8,9 +8,9 @@ import json
 import pytest
 
 from loraplex.cli.main import main
-from loraplex.platform.complexity import RequestText
-from loraplex.platform.router import requests
-from loraplex.platform.router.scorer import LearnedScorer
+from loraplex.platform.routing.complexity import RequestText
+from loraplex.platform.routing.learned import requests
+from loraplex.platform.routing.learned.scorer import LearnedScorer
 
 SHIPPED = LearnedScorer.load()
 LINES = [

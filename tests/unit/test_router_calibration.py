@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from loraplex.platform.errors import PlatformError
-from loraplex.platform.router import calibration
+from loraplex.platform.routing.learned import calibration
 
 POOL = {"small": 0.3, "medium": 0.6, "large": 1.0}
 

@@ -11,10 +11,10 @@ import time
 import numpy as np
 import pytest
 
-from loraplex.platform.complexity import RequestText
-from loraplex.platform.router import features
-from loraplex.platform.router.requests import request_text
-from loraplex.platform.router.scorer import HeuristicScorer, LearnedScorer, WeightsError, load_scorer
+from loraplex.platform.routing.complexity import RequestText
+from loraplex.platform.routing.learned import features
+from loraplex.platform.routing.learned.requests import request_text
+from loraplex.platform.routing.learned.scorer import HeuristicScorer, LearnedScorer, WeightsError, load_scorer
 
 SHIPPED = LearnedScorer.load()
 MATH = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many?"
@@ -33,8 +33,8 @@ def test_both_scorers_answer_0_to_1_and_the_same_for_the_same_request():
 
 def test_the_score_is_the_same_in_another_process():
     """No per-process hash seed: a fresh interpreter (another PYTHONHASHSEED) gives the same score."""
-    code = ("import sys, json; from loraplex.platform.router.scorer import LearnedScorer; "
-            "from loraplex.platform.complexity import RequestText; t = sys.argv[1]; "
+    code = ("import sys, json; from loraplex.platform.routing.learned.scorer import LearnedScorer; "
+            "from loraplex.platform.routing.complexity import RequestText; t = sys.argv[1]; "
             "print(json.dumps(LearnedScorer.load().score(RequestText(t, len(t)))))")
     out = subprocess.run([sys.executable, "-c", code, MATH], capture_output=True, text=True, check=True,
                          env={"PYTHONHASHSEED": "12345", "PATH": "/usr/bin"})

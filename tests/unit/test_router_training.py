@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from loraplex.cli.main import main
-from loraplex.platform.router import evaluation, metrics, training
-from loraplex.platform.router.requests import BadLine
-from loraplex.platform.router.scorer import LearnedScorer
+from loraplex.platform.routing.learned import evaluation, metrics, training
+from loraplex.platform.routing.learned.requests import BadLine
+from loraplex.platform.routing.learned.scorer import LearnedScorer
 
 WEAK = np.array([1, 0, 1, 0, 1, 1, 0, 1], float)
 STRONG = np.array([1, 1, 1, 1, 0, 1, 1, 1], float)

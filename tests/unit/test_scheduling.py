@@ -46,7 +46,7 @@ def test_a_step_that_fails_while_swapping_in_leaks_no_swap_space():
     for rid in list(core.requests):
         core.abort(rid)
     stats = core.stats()
-    assert stats.kv_blocks_used == 0 and stats.swap_blocks_used == 0
+    assert stats.kv.blocks_used == 0 and stats.kv.swap_blocks_used == 0
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -58,10 +58,10 @@ def test_tiny_pool_preempts_and_outputs_match_a_roomy_pool(mode):
     got = tight.run(reqs)
     assert [c.token_ids for c in got] == [c.token_ids for c in roomy]
     stats = tight.stats()
-    assert sum(stats.preemptions_by_class.values()) > 0
+    assert sum(stats.requests.preemptions_by_class.values()) > 0
     if mode == "swap":
-        assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks == stats.swapped_out_blocks
-    assert stats.kv_blocks_used == 0 and stats.swap_blocks_used == 0
+        assert stats.kv.swapped_out_blocks > 0 and stats.kv.swapped_in_blocks == stats.kv.swapped_out_blocks
+    assert stats.kv.blocks_used == 0 and stats.kv.swap_blocks_used == 0
 
 
 def test_lowest_class_newest_first_is_preempted():
@@ -69,8 +69,8 @@ def test_lowest_class_newest_first_is_preempted():
     core.add_request(req("rt", [1] * 40, max_tokens=80, priority="realtime"))
     core.add_request(req("b-old", [2] * 40, max_tokens=80, priority="batch"))
     core.add_request(req("b-new", [3] * 40, max_tokens=80, priority="batch"))
-    while core.stats().preemptions_by_class["batch"] == 0:
-        assert core.stats().preemptions_by_class["realtime"] == 0
+    while core.stats().requests.preemptions_by_class["batch"] == 0:
+        assert core.stats().requests.preemptions_by_class["realtime"] == 0
         core.step()
     victims = [r.request_id for r in core.requests.values() if r.num_preemptions]
     assert victims == ["b-new"]
@@ -143,11 +143,11 @@ def test_stats_report_queue_depth_per_class():
     for cls, n in (("realtime", 1), ("standard", 2), ("batch", 3)):
         for i in range(n):
             core.add_request(req(f"{cls}{i}", [1, 2, 3], priority=cls))
-    assert core.stats().waiting_by_class == {"realtime": 1, "standard": 2, "batch": 3}
+    assert core.stats().requests.waiting_by_class == {"realtime": 1, "standard": 2, "batch": 3}
     core.step()
     s = core.stats()
-    assert s.running_by_class == {"realtime": 1, "standard": 0, "batch": 0}
-    assert s.waiting_by_class == {"realtime": 0, "standard": 2, "batch": 3}
+    assert s.requests.running_by_class == {"realtime": 1, "standard": 0, "batch": 0}
+    assert s.requests.waiting_by_class == {"realtime": 0, "standard": 2, "batch": 3}
 
 
 # --- prefix caching -------------------------------------------------------------------------------
@@ -171,8 +171,8 @@ def test_prefix_cache_pairs(tmp_path):
     (adapter_again,) = core.run([req("5", prompt, salt="tenant-a", adapter="ad")])
     assert adapter_again.usage.cached_tokens == 80 and adapter_again.token_ids == adapter_a.token_ids
     stats = core.stats()
-    assert stats.prefix_hit_tokens == 160 and stats.prefix_cached_blocks > 0
-    assert 0 < stats.prefix_cache_hit_rate < 1
+    assert stats.kv.prefix_hit_tokens == 160 and stats.kv.prefix_cached_blocks > 0
+    assert 0 < stats.kv.prefix_cache_hit_rate < 1
 
 
 def test_shared_prefix_with_different_questions_reuses_only_the_prefix():
@@ -188,7 +188,7 @@ def test_prefix_cache_can_be_switched_off():
     core = make_core(enable_prefix_caching=False)
     core.run([req("1", SYSTEM + [1])])
     (again,) = core.run([req("2", SYSTEM + [1])])
-    assert again.usage.cached_tokens == 0 and core.stats().prefix_cached_blocks == 0
+    assert again.usage.cached_tokens == 0 and core.stats().kv.prefix_cached_blocks == 0
 
 
 def test_cached_blocks_are_evicted_lru_and_blocks_in_use_never():
@@ -223,7 +223,7 @@ def test_a_prompt_arriving_several_times_at_once_is_computed_once(chunk):
             if ev.finished:
                 cached[ev.request_id] = ev.usage.cached_tokens
     assert cached == {"c0": 0, "c1": 80, "c2": 80, "c3": 80}
-    assert core.stats().prefix_hit_tokens == 240
+    assert core.stats().kv.prefix_hit_tokens == 240
     alone = make_core(enable_prefix_caching=False).run([req("a", prompt, max_tokens=8)])[0].token_ids
     assert all(tokens == alone for tokens in done.values())
 
@@ -275,8 +275,8 @@ def test_abort_returns_pools_to_baseline(where):
     for r in list(core.requests):
         core.abort(r)
     stats = core.stats()
-    assert stats.kv_blocks_used == 0 and stats.swap_blocks_used == 0
-    assert stats.running == stats.waiting == 0
+    assert stats.kv.blocks_used == 0 and stats.kv.swap_blocks_used == 0
+    assert stats.requests.running == stats.requests.waiting == 0
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
@@ -297,7 +297,7 @@ def test_realtime_preempts_a_running_batch_request_which_still_ends_the_same(mod
     core.add_request(req("rt", [9] * 20, max_tokens=3, priority="realtime"))
     step()
     assert "rt" in {r.request_id for r in core.scheduler.running}  # admitted at once
-    assert core.stats().preemptions_by_class["batch"] == 1
+    assert core.stats().requests.preemptions_by_class["batch"] == 1
     while core.has_work():
         step()
     assert [got[w.request_id] for w in want] == [w.token_ids for w in want]

@@ -57,10 +57,11 @@ def test_drafts_give_the_tokens_of_one_token_at_a_time_in_fewer_steps(k):
     spec = make_core(speculative_tokens=k, speculative_max_seqs=4)
     assert _run(spec, reqs) == want
     stats = spec.stats()
-    assert stats.spec_draft_tokens > 0 and 0 < stats.spec_accepted_tokens <= stats.spec_draft_tokens
-    assert stats.num_steps < plain.stats().num_steps
-    assert stats.generated_tokens == plain.stats().generated_tokens == 160
-    assert stats.kv_blocks_used == 0
+    spec = stats.speculation
+    assert spec.draft_tokens > 0 and 0 < spec.accepted_tokens <= spec.draft_tokens
+    assert stats.requests.num_steps < plain.stats().requests.num_steps
+    assert stats.requests.generated_tokens == plain.stats().requests.generated_tokens == 160
+    assert stats.kv.blocks_used == 0
 
 
 def test_only_small_batches_of_greedy_requests_speculate():
@@ -71,13 +72,13 @@ def test_only_small_batches_of_greedy_requests_speculate():
     penalized = [greedy("p", prompts[2], max_tokens=20, frequency_penalty=0.5)]
     core = make_core(speculative_tokens=4, speculative_max_seqs=4)
     core.run(sampled + penalized)
-    assert core.stats().spec_draft_tokens == 0
+    assert core.stats().speculation.draft_tokens == 0
     crowded = make_core(speculative_tokens=4, speculative_max_seqs=2)
     crowded.run([greedy(f"g{i}", p, max_tokens=20) for i, p in enumerate(prompts)])
-    assert crowded.stats().spec_draft_tokens == 0  # six running: above the limit every step
+    assert crowded.stats().speculation.draft_tokens == 0  # six running: above the limit every step
     default = make_core()  # on by default
     default.run([greedy("g", prompts[0], max_tokens=48)])
-    assert default.stats().spec_draft_tokens > 0
+    assert default.stats().speculation.draft_tokens > 0
 
 
 def test_no_request_speculates_beside_one_without_drafts():
@@ -90,10 +91,10 @@ def test_no_request_speculates_beside_one_without_drafts():
         max_tokens=3, temperature=0.7, seed=1, ignore_eos=True)))  # sampled: it never has drafts
     while "fresh" in core.requests:
         core.step()
-        assert core.stats().spec_draft_tokens == 0
+        assert core.stats().speculation.draft_tokens == 0
     while core.has_work():
         core.step()
-    assert core.stats().spec_draft_tokens > 0  # alone, the quoting request speculates
+    assert core.stats().speculation.draft_tokens > 0  # alone, the quoting request speculates
 
 
 def test_logprobs_stop_tokens_and_max_tokens_are_those_of_plain_decoding():
@@ -120,7 +121,7 @@ def test_logprobs_stop_tokens_and_max_tokens_are_those_of_plain_decoding():
             assert [e.token_id for e in mine] == [e.token_id for e in ref]
             assert all(abs(x.logprob - y.logprob) < 1e-4 and [t for t, _, _ in x.top] == [t for t, _, _ in y.top]
                        for x, y in zip(mine, ref, strict=True))
-    assert got.stats().spec_accepted_tokens > 0
+    assert got.stats().speculation.accepted_tokens > 0
 
 
 def _events(core, req):
@@ -152,8 +153,8 @@ def test_preemption_under_speculation_still_gives_the_same_tokens(mode):
     tight = make_core(num_kv_blocks=12, preemption_mode=mode, speculative_tokens=4, speculative_max_seqs=4)
     assert _run(tight, reqs) == want
     stats = tight.stats()
-    assert sum(stats.preemptions_by_class.values()) > 0 and stats.spec_accepted_tokens > 0
-    assert stats.kv_blocks_used == 0 and stats.swap_blocks_used == 0
+    assert sum(stats.requests.preemptions_by_class.values()) > 0 and stats.speculation.accepted_tokens > 0
+    assert stats.kv.blocks_used == 0 and stats.kv.swap_blocks_used == 0
 
 
 def test_adapter_requests_speculate_and_keep_their_tokens(tmp_path):
@@ -171,7 +172,7 @@ def test_adapter_requests_speculate_and_keep_their_tokens(tmp_path):
         for i, path in enumerate(paths):
             core.add_adapter(f"a{i}", str(path))
     assert _run(cores[4], reqs) == _run(cores[0], reqs)
-    assert cores[4].stats().spec_accepted_tokens > 0
+    assert cores[4].stats().speculation.accepted_tokens > 0
 
 
 @pytest.mark.parametrize("path", [pytest.param("fused", marks=pytest.mark.cpu_kernels),
@@ -269,8 +270,8 @@ def test_unseeded_sampled_requests_speculate_and_seeded_ones_do_not():
     generated = 0
     while core.has_work():
         generated += sum(len(ev.token_ids) for ev in core.step())
-    assert generated == 48 and core.stats().spec_draft_tokens > 0
+    assert generated == 48 and core.stats().speculation.draft_tokens > 0
     core = make_core()
     (alone,) = core.run([seeded])
-    assert core.stats().spec_draft_tokens == 0
+    assert core.stats().speculation.draft_tokens == 0
     assert alone.token_ids == make_core(speculative_tokens=0).run([seeded])[0].token_ids

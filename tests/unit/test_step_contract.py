@@ -98,14 +98,14 @@ def test_execute_writes_nothing_onto_requests_and_the_tokens_are_a_plain_runs(mo
             assert [i for i, _ in have] == [i for i, _ in should]
             assert [lp for _, lp in have] == pytest.approx([lp for _, lp in should], abs=1e-4)
     stats = core.stats()
-    assert stats.prefix_hit_tokens >= 48 and 0 < stats.spec_accepted_tokens < stats.spec_draft_tokens
+    assert stats.kv.prefix_hit_tokens >= 48 and 0 < stats.speculation.accepted_tokens < stats.speculation.draft_tokens
     assert any(sum(out.num_rejected) for out in outputs)  # drafts were rejected
     assert any(out.prompt_logprobs for out in outputs)
     assert len(got["scored"][2]) == len(_phases()[1][1].prompt_token_ids) - 1 and got["hit"][1]
     assert any(not out.tokens for out in outputs)  # a step of prefill chunks alone sampled nothing
     if mode == "swap":
-        assert stats.swapped_out_blocks > 0 and stats.swapped_in_blocks > 0
-    assert stats.kv_blocks_used == 0 and stats.swap_blocks_used == 0
+        assert stats.kv.swapped_out_blocks > 0 and stats.kv.swapped_in_blocks > 0
+    assert stats.kv.blocks_used == 0 and stats.kv.swap_blocks_used == 0
 
 
 # --- KVManager -------------------------------------------------------------------------------------

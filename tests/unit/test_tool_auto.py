@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from loraplex.platform.tool_auto import AutoToolFormat, parse_calls
+from loraplex.platform.openai.tool_auto import AutoToolFormat, parse_calls
 
 NAMES = frozenset({"add", "weather"})
 

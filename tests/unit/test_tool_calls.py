@@ -9,8 +9,8 @@ import random
 
 import pytest
 
-from loraplex.platform import schemas as s
-from loraplex.platform.tool_calls import CallText, call_schema
+from loraplex.platform.openai import schemas as s
+from loraplex.platform.openai.tool_calls import CallText, call_schema
 from tests.unit.test_guided_grammar import accepts
 
 NODE = {"type": "object", "required": ["v", "next"],

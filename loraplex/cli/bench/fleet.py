@@ -112,11 +112,12 @@ async def _turn(client, tag: str, paths: list[Path], choices: list[int], model: 
     after, replicas = client.stats(), sorted(client.replicas(), key=lambda r: r.replica)
     return {"tokens": sum(tokens for _, _, tokens in sent), "seconds": round(wall, 3),
             "ttfts": [first for first, _, _ in sent if first is not None],
-            "adapter_loads": after.adapter_loads - before.adapter_loads,
-            "disk_loads": after.adapter_disk_loads - before.adapter_disk_loads,
-            "merges": after.adapter_merges - before.adapter_merges,
+            "adapter_loads": after.adapters.loads - before.adapters.loads,
+            "disk_loads": after.adapters.disk_loads - before.adapters.disk_loads,
+            "merges": after.adapters.merges - before.adapters.merges,
             "requests_per_replica": [r.requests - started.get(r.replica, 0) for r in replicas],
-            "adapters_per_replica": [len(r.adapters) for r in replicas], "steps": after.num_steps - before.num_steps}
+            "adapters_per_replica": [len(r.adapters) for r in replicas],
+            "steps": after.requests.num_steps - before.requests.num_steps}
 
 
 async def _hop(replica: EngineClient, local: EngineClient, count: int) -> dict:

@@ -29,7 +29,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from loraplex.engine.api import EngineStats, GenerateEvent, GenerateRequest, ModelInfo, Usage
+from loraplex.engine.api import EngineStats, GenerateEvent, GenerateRequest, KVCacheStats, ModelInfo, Usage
 
 MODEL = "bench-model"
 AUTO_POOL = {MODEL: 1.0, f"{MODEL}-small": 0.3, f"{MODEL}-medium": 0.6}  # name -> auto_max_complexity
@@ -84,7 +84,7 @@ class FixedEngine:
         return []
 
     def stats(self) -> EngineStats:
-        return EngineStats(running=0, waiting=0, kv_blocks_total=1, kv_blocks_used=0, kv_blocks_free=1)
+        return EngineStats(kv=KVCacheStats(blocks_total=1, blocks_free=1))
 
 
 # --- the gateway process -------------------------------------------------------------------------

@@ -341,10 +341,10 @@ def memory_one(ctx: CheckContext, preset: str) -> dict:
     loaded = ctx.model(preset, ctx.perf_dtype)
     core = ctx.engine(loaded, ctx.perf_dtype, num_kv_blocks=None)  # kv_cache_bytes None: the default sizing
     s = core.stats()
-    f = {"model": loaded.name, "weights": s.model_weight_bytes, "kv_cache_bytes": s.kv_cache_bytes,
-         "memory_budget_bytes": s.memory_budget_bytes, "peak_step_bytes": s.peak_step_bytes,
-         "gpu_memory_utilization": s.gpu_memory_utilization, "kv_blocks": s.kv_blocks_total,
-         "kv_tokens": s.kv_blocks_total * core.config.block_size,
+    f = {"model": loaded.name, "weights": s.models.weight_bytes, "kv_cache_bytes": s.memory.kv_cache_bytes,
+         "memory_budget_bytes": s.memory.budget_bytes, "peak_step_bytes": s.memory.peak_step_bytes,
+         "gpu_memory_utilization": s.memory.gpu_memory_utilization, "kv_blocks": s.kv.blocks_total,
+         "kv_tokens": s.kv.blocks_total * core.config.block_size,
          "max_num_batched_tokens": core.config.max_num_batched_tokens}
     if ctx.cuda:
         free1, _ = torch.cuda.mem_get_info(ctx.device)

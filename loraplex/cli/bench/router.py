@@ -7,8 +7,8 @@ import time
 
 import numpy as np
 
-from loraplex.platform.router import evaluation, training
-from loraplex.platform.router.scorer import LearnedScorer
+from loraplex.platform.routing.learned import evaluation, training
+from loraplex.platform.routing.learned.scorer import LearnedScorer
 
 
 def _latency(examples: list[training.Example], weights: str | None, rounds: int = 3) -> dict:

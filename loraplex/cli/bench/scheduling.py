@@ -69,7 +69,7 @@ def run_prefix_bench(model: str, requests: int, system_tokens: int, question_tok
         for i, q in enumerate(questions):
             (done,) = core.run([GenerateRequest(f"{label}{i}", model, prompt_token_ids=tuple(system + q), sampling=sp)])
             ttft[label].append(done.usage.ttft_s * 1000)
-        results.setdefault("cached_prompt_tokens_total", {})[label] = core.stats().prefix_hit_tokens
+        results.setdefault("cached_prompt_tokens_total", {})[label] = core.stats().kv.prefix_hit_tokens
         burst[label] = _burst(fresh_core(), model, [choice_prompt] * choices, choice_sp)
     results["ttft_ms"] = {f"{k}_p50": round(statistics.median(v), 2) for k, v in ttft.items()}
     ms = results["ttft_ms"]
@@ -83,16 +83,16 @@ def _burst(core: EngineCore, model: str, prompts: list[list[int]], sp: SamplingP
     """Every prompt at once into a cold cache: wall time until all finished, TTFT p50,
     the prompt tokens the engine computed rather than took from the cache, and the most KV blocks
     they held at once."""
-    hits = core.stats().prefix_hit_tokens
+    hits = core.stats().kv.prefix_hit_tokens
     t0 = time.perf_counter()
     for i, p in enumerate(prompts):
         core.add_request(GenerateRequest(f"burst{i}", model, prompt_token_ids=tuple(p), sampling=sp))
     ttft, peak_blocks = [], 0
     while core.has_work():
         ttft += [ev.usage.ttft_s * 1000 for ev in core.step() if ev.finished]
-        peak_blocks = max(peak_blocks, core.stats().kv_blocks_used)
+        peak_blocks = max(peak_blocks, core.stats().kv.blocks_used)
     wall = time.perf_counter() - t0
-    computed = sum(len(p) for p in prompts) - (core.stats().prefix_hit_tokens - hits)
+    computed = sum(len(p) for p in prompts) - (core.stats().kv.prefix_hit_tokens - hits)
     return {"wall_ms": round(wall * 1000, 1), "ttft_p50_ms": round(statistics.median(ttft), 1),
             "prompt_tokens_computed": computed, "peak_kv_blocks": peak_blocks}
 
@@ -148,7 +148,7 @@ def run_priority_bench(model: str, max_num_seqs: int, batch_tokens: int, realtim
             engine.shutdown()
         results["realtime_ttft_ms"][f"{label}_p50"] = round(statistics.median(ttfts), 1)
         results["realtime_ttft_ms"][f"{label}_p99"] = round(_percentile(ttfts, 99), 1)
-        results[f"{label}_preemptions"] = stats.preemptions_by_class
+        results[f"{label}_preemptions"] = stats.requests.preemptions_by_class
     r = results["realtime_ttft_ms"]
     results["ratio_p99_priority_over_fcfs"] = round(r["with_priority_p99"] / r["fcfs_p99"], 3)
     return results

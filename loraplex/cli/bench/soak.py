@@ -125,13 +125,18 @@ async def _stats(http: httpx.AsyncClient, server) -> dict:
     return r.json()
 
 
+def _kept(stats: dict, keep: dict[str, tuple[str, ...]]) -> dict:
+    """The figures `keep` names of an engine stats body, nested as it is."""
+    return {part: {name: stats[part][name] for name in names} for part, names in keep.items()}
+
+
 def _at_rest(stats: dict, baseline: dict | None) -> bool:
     """Nothing running or waiting, and (given a baseline) KV blocks and adapter slots back at it."""
-    idle = stats["running"] == 0 and stats["waiting"] == 0
+    idle = stats["requests"]["running"] == 0 and stats["requests"]["waiting"] == 0
     if baseline is None:
         return idle
-    return idle and stats["kv_blocks_used"] <= baseline["kv_blocks_used"] \
-        and stats["adapters_loaded"] <= baseline["adapters_loaded"]
+    return idle and stats["kv"]["blocks_used"] <= baseline["kv"]["blocks_used"] \
+        and stats["adapters"]["loaded"] <= baseline["adapters"]["loaded"]
 
 
 async def _settled(http: httpx.AsyncClient, server, baseline: dict | None) -> float | None:
@@ -171,7 +176,7 @@ def _report(warm, clean, hostile, baseline: dict, end: dict, settled: float | No
     phases = {"clean": _phase(clean), "hostile": _phase(hostile)}
     p99s = [phases[k]["ttft_ms"]["p99"] for k in ("clean", "hostile")]
     rss0, rss1 = baseline["rss_bytes"], end["rss_bytes"]
-    keep = ("running", "waiting", "kv_blocks_used", "kv_blocks_free", "adapters_loaded")
+    keep = {"requests": ("running", "waiting"), "kv": ("blocks_used", "blocks_free"), "adapters": ("loaded",)}
     return {
         "phases": phases,
         "completed": clean.completed + hostile.completed,
@@ -180,7 +185,7 @@ def _report(warm, clean, hostile, baseline: dict, end: dict, settled: float | No
         "rss": {"after_warmup_mb": round(rss0 / 2**20, 1),
                 "after_clean_mb": round(baseline["rss_after_clean_bytes"] / 2**20, 1), "end_mb": round(rss1 / 2**20, 1),
                 "drift_pct": round(100 * (rss1 - rss0) / rss0, 2) if rss0 else None},
-        "engine": {"baseline": {k: baseline["engine"][k] for k in keep}, "end": {k: end["engine"][k] for k in keep},
+        "engine": {"baseline": _kept(baseline["engine"], keep), "end": _kept(end["engine"], keep),
                    "back_at_baseline": settled is not None, "settle_seconds": settled},
         "targets": {"ttft_p99_ratio_max": 1.5, "rss_drift_pct_max": 10.0},
         "_answered": {**warm.answered, **clean.answered, **hostile.answered},

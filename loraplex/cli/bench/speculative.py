@@ -69,9 +69,9 @@ def _compare(make_core, reqs: list[GenerateRequest], k: int, rounds: int) -> dic
         for name in figures:
             figures[name].append(tok_s[name])
     after = {name: core.stats() for name, core in cores.items()}
-    drafted = after["spec"].spec_draft_tokens - before["spec"].spec_draft_tokens
-    kept = after["spec"].spec_accepted_tokens - before["spec"].spec_accepted_tokens
-    generated = {name: after[name].generated_tokens - before[name].generated_tokens for name in cores}
+    drafted = after["spec"].speculation.draft_tokens - before["spec"].speculation.draft_tokens
+    kept = after["spec"].speculation.accepted_tokens - before["spec"].speculation.accepted_tokens
+    generated = {name: after[name].requests.generated_tokens - before[name].requests.generated_tokens for name in cores}
     best = {name: max(values) for name, values in figures.items()}
     return {
         "requests": len(reqs), "plain_tok_s": round(best["plain"], 2), "spec_tok_s": round(best["spec"], 2),

@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from loraplex.engine.api import KVCacheStats
 from loraplex.engine.kv.block_pool import BlockPool
 from loraplex.engine.kv.prefix_cache import chain_hashes, root_hash
 from loraplex.engine.sched.request import Request
@@ -51,6 +52,15 @@ class KVManager:
         self.registration = registration
         self.block_size = pool.block_size
         self.stats = KVStats()
+
+    def cache_stats(self) -> KVCacheStats:
+        """The engine stats' KV record: the pools now, the counters since start."""
+        pool, swap, counted = self.pool, self.swap_pool, self.stats
+        return KVCacheStats(
+            blocks_total=pool.num_blocks, blocks_used=pool.num_used, blocks_free=pool.num_free,
+            swap_blocks_used=swap.num_used if swap else 0, swapped_out_blocks=counted.swapped_out_blocks,
+            swapped_in_blocks=counted.swapped_in_blocks, prefix_cached_blocks=pool.num_cached,
+            prefix_query_tokens=counted.prefix_query_tokens, prefix_hit_tokens=counted.prefix_hit_tokens)
 
     # --- allocation -----------------------------------------------------------------------------
 

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import torch
 
+from loraplex.engine.api import AdapterStats
 from loraplex.engine.kernels.cpu.build import WEIGHT_CODES
 from loraplex.engine.kernels.cpu.copy_blocks import copy_blocks, copy_blocks_available, scale_bits_column
 from loraplex.engine.kernels.lora_ops import LoraBatchIndex, apply_lora, bgmv_shrink_expand, stacked_b
@@ -224,6 +225,14 @@ class LoraSlots(CpuTiers):
                 torch.addmm(base[off:off + width], b[off:off + width, :rank].to(base.dtype),
                             a[s * r_max:s * r_max + rank].to(base.dtype), out=out[off:off + width])
             return True
+
+    def slot_stats(self) -> AdapterStats:
+        """The engine stats' adapter record, as far as the slots know it (the core adds the requests' adapters)."""
+        counted = self.stats
+        return AdapterStats(loaded=len(self.loaded()), slots=self.max_loras, device=tuple(sorted(self.loaded())),
+                            cpu=tuple(sorted(self.cpu_cached())), slot_bytes=self.nbytes(),
+                            loads=counted.loads, disk_loads=counted.disk_loads, load_seconds=counted.load_seconds,
+                            evictions=counted.evictions)
 
     def nbytes(self) -> int:
         """Device memory of the slot buffers (at their rank now) and the folded copies."""

@@ -39,11 +39,11 @@ from loraplex.billing.prices import Price
 from loraplex.billing.usage import utcnow
 from loraplex.engine.api import ContextLengthExceededError, EngineClient, GenerateRequest, ModelNotFoundError
 from loraplex.platform.auth import Principal
-from loraplex.platform.complexity import RequestText
 from loraplex.platform.errors import model_not_found
-from loraplex.platform.router.requests import request_text as request_text  # (callers import it from here)
-from loraplex.platform.router.scorer import Scorer
-from loraplex.platform.routing import ModelRouter, Target, model_allowed
+from loraplex.platform.routing.complexity import RequestText
+from loraplex.platform.routing.learned.requests import request_text as request_text  # (callers import it from here)
+from loraplex.platform.routing.learned.scorer import Scorer
+from loraplex.platform.routing.resolution import ModelRouter, Target, model_allowed
 from loraplex.platform.tenancy.catalog import AUTO
 
 # Scoring reads the request's text: it runs here, never on the event loop; two threads at most, so a

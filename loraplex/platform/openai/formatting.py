@@ -15,9 +15,9 @@ import msgspec
 from msgspec import UNSET
 
 from loraplex.engine.api import GenerateEvent, TokenLogprob
-from loraplex.platform import schemas as s
 from loraplex.platform.errors import PlatformError
-from loraplex.platform.generation import GenerationRun
+from loraplex.platform.openai import schemas as s
+from loraplex.platform.openai.generation import GenerationRun
 
 DONE = b"data: [DONE]\n\n"
 

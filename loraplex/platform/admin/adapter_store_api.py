@@ -15,7 +15,7 @@ from litestar import Request, get, put
 from litestar.params import FromPath
 
 from loraplex.adapters.store import StoreError
-from loraplex.platform.admin_schemas import AdapterIn, BlobOut
+from loraplex.platform.admin.schemas import AdapterIn, BlobOut
 from loraplex.platform.errors import PlatformError, invalid, not_found
 from loraplex.platform.state import Platform, PlatformDep
 

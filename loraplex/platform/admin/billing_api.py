@@ -15,8 +15,8 @@ from loraplex.billing.counters import CountersUnavailable
 from loraplex.billing.prices import PriceSpec, list_prices
 from loraplex.billing.rebuild import tenant_usage
 from loraplex.billing.usage import utcnow
-from loraplex.platform.admin_api import admin_guard
-from loraplex.platform.billing_schemas import BudgetIn, BudgetOut, PriceIn, PriceOut, budget_out, price_out
+from loraplex.platform.admin.api import admin_guard
+from loraplex.platform.admin.billing_schemas import BudgetIn, BudgetOut, PriceIn, PriceOut, budget_out, price_out
 from loraplex.platform.db.tables import Budget
 from loraplex.platform.state import Platform, PlatformDep
 from loraplex.platform.tenancy import budgets

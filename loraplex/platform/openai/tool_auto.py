@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import json
 
-from loraplex.platform import schemas as s
-from loraplex.platform.openai_format import ChatFormat, Logprobs
-from loraplex.platform.schemas import too_deep
+from loraplex.platform.openai import schemas as s
+from loraplex.platform.openai.formatting import ChatFormat, Logprobs
+from loraplex.platform.openai.schemas import too_deep
 
 AUTO_PROMPT = ("You can call these functions. To call one, answer with only a JSON object {\"name\": <the "
                "function's name>, \"arguments\": <an object of its parameters>}{several}; to answer without calling "

@@ -15,11 +15,11 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 
-from loraplex.engine.api import EngineError, ReplicaInfo
-from loraplex.platform import admin_schemas as a
-from loraplex.platform.adapter_store_api import adapter_path, adapter_store_handlers
-from loraplex.platform.auto_admin_api import auto_handlers
-from loraplex.platform.billing_schemas import TenantPatch
+from loraplex.engine.api import EngineError, EngineStats, ReplicaInfo
+from loraplex.platform.admin import schemas as a
+from loraplex.platform.admin.adapter_store_api import adapter_path, adapter_store_handlers
+from loraplex.platform.admin.auto_api import auto_handlers
+from loraplex.platform.admin.billing_schemas import TenantPatch
 from loraplex.platform.db.tables import Adapter, utcnow
 from loraplex.platform.errors import PlatformError, from_engine_error
 from loraplex.platform.state import PlatformDep
@@ -178,14 +178,9 @@ async def delete_adapter(platform: PlatformDep, name: FromPath[str], adapter: Fr
 
 
 @get("/engine/stats")
-async def engine_stats(platform: PlatformDep) -> a.EngineStatsOut:
-    s = platform.engine.stats()
-    return a.EngineStatsOut(s.running, s.waiting, s.kv_blocks_total, s.kv_blocks_used, s.kv_blocks_free,
-                            s.num_steps, s.generated_tokens, s.prompt_tokens_computed, s.adapters_loaded,
-                            s.adapter_loads, s.models_resident, s.model_loads, s.model_evictions,
-                            s.prefix_hit_tokens, s.prefix_query_tokens, s.spec_draft_tokens, s.spec_accepted_tokens,
-                            s.model_weight_bytes, s.kv_cache_bytes, s.memory_budget_bytes,
-                            s.gpu_memory_utilization, s.peak_step_bytes)
+async def engine_stats(platform: PlatformDep) -> EngineStats:
+    """The engine's figures as its components report them: requests, kv, adapters, speculation, models, memory."""
+    return platform.engine.stats()
 
 
 @get("/engine/replicas")

@@ -29,7 +29,6 @@ MAX_STOP_CHARS = 1024  # one stop string
 # MAX_LOGIT_BIAS (engine.api): OpenAI's 300; keys are token ids written canonically ("1", not "01")
 MAX_CHOICES = 16  # n and best_of: each choice is a sequence in the engine's batch
 MAX_JSON_DEPTH = 64  # nesting of a tool's parameters, a response_format schema, a call's arguments
-MAX_NAME_CHARS = 256  # a model or adapter name; a longer one answers 404 without a lookup
 
 NonNegInt = Annotated[int, Meta(ge=0)]
 PositiveInt = Annotated[int, Meta(ge=1)]

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loraplex.platform.router.features import DENSE, HASH_BITS, Features
+from loraplex.platform.routing.learned.features import DENSE, HASH_BITS, Features
 
 
 @dataclass(frozen=True)

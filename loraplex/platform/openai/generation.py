@@ -24,33 +24,19 @@ import logging
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from datetime import datetime
 
 import anyio
 
-from loraplex.billing.usage import UsageEvent, UsageSink
-from loraplex.engine.api import EngineClient, EngineError, GenerateEvent, GenerateRequest, ModelNotFoundError
-from loraplex.platform.admission import Admission, Ticket
+from loraplex.billing.usage import UsageEvent
+from loraplex.engine.api import EngineError, GenerateEvent, GenerateRequest, ModelNotFoundError
+from loraplex.platform.admission import Ticket
 from loraplex.platform.auth import Principal
-from loraplex.platform.background import Background
 from loraplex.platform.errors import model_not_found
-from loraplex.platform.metrics import Metrics
-from loraplex.platform.routing import Target
+from loraplex.platform.routing.resolution import Target
+from loraplex.platform.state import RunContext
 
 log = logging.getLogger("loraplex.platform")
-
-
-@dataclass(frozen=True)
-class RunContext:
-    """The services a run reports to."""
-
-    engine: EngineClient
-    admission: Admission
-    metrics: Metrics
-    usage: UsageSink
-    background: Background
-    request_timeout_s: float = 0.0  # 0: none
 
 
 # How a stream that ran to its end ended, by the engine's finish reason.

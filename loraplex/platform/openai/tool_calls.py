@@ -17,11 +17,11 @@ from dataclasses import dataclass
 
 from msgspec import UNSET
 
-from loraplex.platform import schemas as s
 from loraplex.platform.errors import invalid, shown
-from loraplex.platform.openai_format import ChatFormat, Logprobs
-from loraplex.platform.schemas import too_deep
-from loraplex.platform.tool_auto import AutoToolFormat, auto_prompt, call_id
+from loraplex.platform.openai import schemas as s
+from loraplex.platform.openai.formatting import ChatFormat, Logprobs
+from loraplex.platform.openai.schemas import too_deep
+from loraplex.platform.openai.tool_auto import AutoToolFormat, auto_prompt, call_id
 
 TOOLS_PROMPT = ("Call one of these functions. Answer with a JSON object {\"name\": <the function's name>, "
                 "\"arguments\": <an object of its parameters>} and nothing else.\n")

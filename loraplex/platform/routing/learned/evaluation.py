@@ -15,8 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from loraplex.platform.router import linear, metrics, training
-from loraplex.platform.router.training import Example
+from loraplex.platform.routing.learned import linear, metrics, training
+from loraplex.platform.routing.learned.training import Example
 
 
 def folds(examples: Sequence[Example], k: int) -> np.ndarray:

@@ -19,10 +19,10 @@ from typing import Protocol
 
 import numpy as np
 
-from loraplex.platform import complexity
-from loraplex.platform.complexity import RequestText
-from loraplex.platform.router import features
-from loraplex.platform.router.features import DENSE, DENSE_NAMES, HASH_BITS
+from loraplex.platform.routing import complexity
+from loraplex.platform.routing.complexity import RequestText
+from loraplex.platform.routing.learned import features
+from loraplex.platform.routing.learned.features import DENSE, DENSE_NAMES, HASH_BITS
 
 FORMAT = "loraplex-router/1"
 MAX_WEIGHTS_BYTES = 16 << 20

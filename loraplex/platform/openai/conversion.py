@@ -6,10 +6,10 @@ import json
 import re
 
 from loraplex.engine.api import MAX_LOGPROBS, SamplingParams
-from loraplex.platform import schemas as s
-from loraplex.platform import tool_calls
 from loraplex.platform.errors import invalid, shown
-from loraplex.platform.schemas import too_deep
+from loraplex.platform.openai import schemas as s
+from loraplex.platform.openai import tool_calls
+from loraplex.platform.openai.schemas import too_deep
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat has none
 JSON_OBJECT_SCHEMA = '{"type": "object"}'  # OpenAI's JSON mode: the output is one JSON object

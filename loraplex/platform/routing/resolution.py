@@ -26,10 +26,10 @@ from loraplex.platform.auth import Principal
 from loraplex.platform.background import Background
 from loraplex.platform.cache import RefreshingCache
 from loraplex.platform.errors import PlatformError, model_not_found
-from loraplex.platform.schemas import MAX_NAME_CHARS
 from loraplex.platform.tenancy.catalog import auto_models, existing_engine_ids, find_adapter, list_models
 
 log = logging.getLogger("loraplex.platform")
+MAX_NAME_CHARS = 256  # a model or adapter name; a longer one answers 404 without a lookup
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class Target:
     requested: str
     base_model: str
     adapter: AdapterRef | None = None
-    complexity: float | None = None  # the score, when `auto` chose the model (auto_route.py)
+    complexity: float | None = None  # the score, when `auto` chose the model (routing/auto.py)
 
     @property
     def routed_from(self) -> str | None:

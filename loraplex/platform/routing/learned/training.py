@@ -19,10 +19,10 @@ from typing import IO
 
 import numpy as np
 
-from loraplex.platform.complexity import RequestText
-from loraplex.platform.router import features, linear
-from loraplex.platform.router.requests import BadLine, json_lines, parse_request
-from loraplex.platform.router.scorer import LearnedScorer
+from loraplex.platform.routing.complexity import RequestText
+from loraplex.platform.routing.learned import features, linear
+from loraplex.platform.routing.learned.requests import BadLine, json_lines, parse_request
+from loraplex.platform.routing.learned.scorer import LearnedScorer
 
 L2 = 1e-4  # on the hashed features
 L2_DENSE = 1e-4

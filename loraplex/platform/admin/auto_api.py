@@ -10,7 +10,7 @@ from litestar.params import FromQuery, JSONBody
 from msgspec import Meta, Struct
 
 from loraplex.billing.usage import utcnow
-from loraplex.platform.router import calibration
+from loraplex.platform.routing.learned import calibration
 from loraplex.platform.state import PlatformDep
 
 Share = Annotated[float, Meta(ge=0, le=1)]

@@ -13,7 +13,7 @@ import json
 from collections.abc import Iterator
 from typing import IO
 
-from loraplex.platform.complexity import RequestText
+from loraplex.platform.routing.complexity import RequestText
 
 MAX_LINE_BYTES = 4 << 20
 MAX_LINES = 1_000_000

@@ -102,31 +102,6 @@ class BlobOut(Struct):
     size: int
 
 
-class EngineStatsOut(Struct):
-    running: int
-    waiting: int
-    kv_blocks_total: int
-    kv_blocks_used: int
-    kv_blocks_free: int
-    num_steps: int
-    generated_tokens: int
-    prompt_tokens_computed: int
-    adapters_loaded: int  # in device slots now
-    adapter_loads: int
-    models_resident: int  # base models on the device now
-    model_loads: int
-    model_evictions: int
-    prefix_hit_tokens: int  # prompt tokens served from the prefix cache
-    prefix_query_tokens: int  # prompt tokens looked up in it
-    spec_draft_tokens: int  # speculative decoding: drafts verified
-    spec_accepted_tokens: int  # of which kept
-    model_weight_bytes: int  # the resident models' weights, with the CPU kernels' packed copies
-    kv_cache_bytes: int  # the KV caches' size (measured on CUDA, configured elsewhere)
-    memory_budget_bytes: int  # CUDA: for weights, KV cache and adapter slots, as measured at start (else 0)
-    gpu_memory_utilization: float  # CUDA: the fraction of the device that budget was taken from (else 0)
-    peak_step_bytes: int  # CUDA: a maximum-size step's activations, profiled at start (else 0)
-
-
 def tenant_out(t: Tenant) -> TenantOut:
     return TenantOut(t.id, t.name, t.tier, t.status, as_utc(t.created_at), t.default_max_tokens)
 

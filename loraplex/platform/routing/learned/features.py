@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loraplex.platform import complexity
-from loraplex.platform.complexity import RequestText
+from loraplex.platform.routing import complexity
+from loraplex.platform.routing.complexity import RequestText
 
 SCAN_CHARS = 2_048
 HEURISTIC_CHARS = 1_024  # what complexity.py's signals read of the scanned text

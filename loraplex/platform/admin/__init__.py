@@ -1,0 +1,1 @@
+"""The admin API: tenants, keys, models, adapters and blobs, budgets, prices, engine stats, `auto` calibration."""

@@ -1,0 +1,1 @@
+"""The tenant API in OpenAI's shapes: handlers, schemas, conversion, formatting, tool calls, usage."""
