@@ -449,6 +449,11 @@ class EngineClient(Protocol):
 
     def stats(self) -> EngineStats: ...
 
+    def compute_path(self) -> ComputePath | None:
+        """What runs the model where the engine runs (it may build the CPU kernels once: call it off the event
+        loop); None when the engine runs elsewhere (replicas: `loraplex doctor` on their machines)."""
+        ...
+
     def replicas(self) -> list[ReplicaInfo]:
         """The engine replicas this client drives; empty for an engine in this process."""
         ...

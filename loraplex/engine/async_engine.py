@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from loraplex.engine.api import (
     PRIORITY_CLASSES,
+    ComputePath,
     EngineStats,
     GenerateEvent,
     GenerateRequest,
@@ -31,6 +32,7 @@ from loraplex.engine.api import (
     add_stats,
     keep_maxima,
 )
+from loraplex.engine.compute import local_compute_path
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.frontend import FrontendSpec
@@ -59,6 +61,7 @@ class AsyncEngine:
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._removals: list[tuple[str, str, asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._stopping = False
+        self._compute_path: ComputePath | None = None
         self._preparer = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="loraplex-prepare")
         self._thread = threading.Thread(target=self._run, name="loraplex-engine", daemon=True)
         self._thread.start()
@@ -160,6 +163,11 @@ class AsyncEngine:
                            "loads": sum(sum(e.loads.values()) for e in entries),
                            "evictions": sum(e.evictions for e in entries)}
         return EngineStats.from_dict(total)
+
+    def compute_path(self) -> ComputePath:
+        if self._compute_path is None:  # (cached: the answer holds for the process)
+            self._compute_path = local_compute_path(str(self.pool.device))
+        return self._compute_path
 
     def replicas(self) -> list[ReplicaInfo]:
         return []  # (the engine runs here)

@@ -173,6 +173,9 @@ class RayEngineClient:
         keep_maxima(total, per_replica)
         return EngineStats.from_dict(total)
 
+    def compute_path(self) -> None:
+        return None  # (the replicas run the engine, each on its own machine)
+
     def replicas(self) -> list[ReplicaInfo]:
         """The replicas, as the last poll found them."""
         return [ReplicaInfo(r.replica, tuple(m.name for m in r.models), r.adapters,

@@ -123,6 +123,9 @@ class RecordingEngine:
     def replicas(self):
         return self.inner.replicas()
 
+    def compute_path(self):
+        return self.inner.compute_path()
+
 
 def tiny_engine() -> RecordingEngine:
     from loraplex.engine.async_engine import AsyncEngine

@@ -288,6 +288,10 @@ def test_the_overview_and_engine_stats_report_the_prefix_cache_and_speculation(u
     # memory sizing: a configured KV cache on the CPU (its blocks' bytes), nothing measured there
     memory = after["memory"]
     assert memory["kv_cache_bytes"] > 0 and memory["budget_bytes"] == 0 and memory["peak_step_bytes"] == 0
+    # which compute path runs the engine in this process, and why
+    compute = after["compute"]
+    assert compute["device"] == "cpu" and compute["ops"] in ("c", "torch") and compute["reason"]
+    assert compute["threads"] >= 1 and compute["kv_cache_dtype"]
     login(ui)
     page = ui.get("/admin").text
     assert re.search(r'id="stat-spec">\d+%</span><span class="label">of [\d,]+ speculative drafts kept', page)

@@ -83,6 +83,9 @@ class FixedEngine:
     def replicas(self) -> list:
         return []
 
+    def compute_path(self) -> None:
+        return None  # (no model runs)
+
     def stats(self) -> EngineStats:
         return EngineStats(kv=KVCacheStats(blocks_total=1, blocks_free=1))
 

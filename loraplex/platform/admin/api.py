@@ -6,6 +6,8 @@ without a configured token the admin API refuses everything.
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import hmac
 from datetime import timedelta
 
@@ -15,7 +17,7 @@ from litestar.connection import ASGIConnection
 from litestar.handlers import BaseRouteHandler
 from litestar.params import FromPath, JSONBody
 
-from loraplex.engine.api import EngineError, EngineStats, ReplicaInfo
+from loraplex.engine.api import EngineError, ReplicaInfo
 from loraplex.platform.admin import schemas as a
 from loraplex.platform.admin.adapter_store_api import adapter_path, adapter_store_handlers
 from loraplex.platform.admin.auto_api import auto_handlers
@@ -178,9 +180,11 @@ async def delete_adapter(platform: PlatformDep, name: FromPath[str], adapter: Fr
 
 
 @get("/engine/stats")
-async def engine_stats(platform: PlatformDep) -> EngineStats:
-    """The engine's figures as its components report them: requests, kv, adapters, speculation, models, memory."""
-    return platform.engine.stats()
+async def engine_stats(platform: PlatformDep) -> dict:
+    """The engine's figures as its components report them (requests, kv, adapters, speculation, models, memory),
+    and the compute path that runs it (None with replicas elsewhere; found off the event loop, once)."""
+    path = await asyncio.to_thread(platform.engine.compute_path)
+    return {**platform.engine.stats().as_dict(), "compute": None if path is None else dataclasses.asdict(path)}
 
 
 @get("/engine/replicas")
