@@ -3,7 +3,7 @@ and scripts, SVG charts drawn on the server and live ones redrawn from /admin/li
 same platform functions as the admin API.
 
 `AdminUI()` is a Litestar plugin; `create_app(..., plugins=[AdminUI()])` mounts it (`loraplex serve`
-does). The platform does not import this package: the UI sits above it (DESIGN.md's import rule).
+does). The platform does not import this package: the UI sits above it (the layers contract in pyproject.toml).
 """
 
 from __future__ import annotations

@@ -192,7 +192,7 @@ async def set_auto_route(request: Request, platform: PlatformDep) -> Redirect:
 
 @post("/models/calibrate")
 async def calibrate_auto(request: Request, platform: PlatformDep) -> Response:
-    """auto's limits for a share of the window's traffic to the most capable model (router/calibration.py)."""
+    """auto's limits for a share of the window's traffic to the most capable model (routing/learned/calibration.py)."""
     async def work(form: dict) -> Response:
         raw = form.get("strong_share", "").strip()
         try:

@@ -6,7 +6,7 @@ Labels name tenants, models, endpoints and priority classes, never a key (no pre
 adapters by engine id (`adapter-<row>-<time>`), except loraplex_adapter_tokens_total, which names the
 tenant and its registered adapter (bounded: AdapterTokens); the operator reads them behind the admin
 token (ops.py). The gauges a Gateway API inference extension endpoint picker
-reads are in docs/serving.md ("Behind a Kubernetes inference gateway").
+reads are in docs/scale-out.md ("Behind a Kubernetes inference gateway").
 """
 
 from __future__ import annotations

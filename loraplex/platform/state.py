@@ -132,7 +132,7 @@ class Platform:
 
     async def calibrate_auto(self, window: timedelta, strong_share: float | None = None,
                              shares: dict[str, float] | None = None, apply: bool = True) -> Calibration:
-        """Sets auto's thresholds for a traffic share over the window's recorded scores (router/calibration.py)."""
+        """Sets auto's thresholds for a traffic share over the window's recorded scores (learned/calibration.py)."""
         async with self.sessions() as session:
             result = await calibration.calibrate_pool(session, window, strong_share, shares, apply)
         if apply:

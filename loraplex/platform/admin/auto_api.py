@@ -1,5 +1,5 @@
 """Admin API for `auto`'s calibration: set the pool's limits for a traffic share, and the share
-each model actually got per day (router/calibration.py)."""
+each model actually got per day (routing/learned/calibration.py)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Runs the Alembic migrations in migrations/ on an open async engine (no alembic.ini needed).
 
-The migrations live at the repository root, where DESIGN.md puts them; this finds them next to
+The migrations live at the repository root (migrations/); this finds them next to
 the `loraplex` package of a source checkout or an editable install.
 """
 

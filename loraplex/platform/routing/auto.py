@@ -1,8 +1,8 @@
-"""`model: "auto"`: the cheapest base model that can take the request (DESIGN section 3).
+"""`model: "auto"`: the cheapest base model that can take the request.
 
 An operator puts a base model in auto's pool by giving it `auto_max_complexity` (0-1; admin API,
 admin UI, `loraplex models route`, or `models calibrate` for a share of traffic): the highest score
-(router/scorer.py: the learned scorer's probability that the strong model is needed, or
+(routing/learned/scorer.py: the learned scorer's probability that the strong model is needed, or
 complexity.py's heuristic) it should take.
 A request for "auto" goes, among the pool's models this instance serves and the key
 may use, to:

@@ -1,4 +1,4 @@
-"""Model resolution (DESIGN section 3) over a short-lived cache of the catalog, and adapter loading.
+"""Model resolution over a short-lived cache of the catalog, and adapter loading.
 
 `model` is "<base>", "<base>:<adapter>" or "<adapter>"; adapters are looked up in the caller's
 tenant only, and whatever the key may not use answers exactly as a model that does not exist.

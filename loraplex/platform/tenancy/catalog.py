@@ -1,5 +1,5 @@
 """Base models (name, source, auto_max_complexity) and the adapters tenants register on them (name,
-base model, path). "auto" names the complexity router (auto_route.py), so no model or adapter may
+base model, path). "auto" names the complexity router (routing/auto.py), so no model or adapter may
 take that name."""
 
 from __future__ import annotations
