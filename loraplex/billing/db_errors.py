@@ -1,13 +1,13 @@
-"""Which database errors are an outage and which are the database refusing what it was sent.
+"""Which database errors are an outage (keep and retry) and which are the database refusing what it was sent.
 
-An outage (the connection refused, reset or timed out, the server shutting down or out of
-connections, a deadlock) passes: the same statement succeeds later, so whatever failed is kept
-and retried. A refusal (SQLSTATE class 22, data exception: a value out of range, a string too
-long for its column; class 23, integrity: a failed check) fails the same way every time, so
-retrying it would block everything behind it: the ledger isolates and quarantines such events.
-asyncpg reports values it cannot encode (an int beyond int4) as SQLSTATE 22000 too; SQLite has
-no SQLSTATE (its IntegrityError is a refusal) and raises a bare OverflowError for an integer
-beyond int8. Anything not known to be a refusal counts as an outage: kept, never dropped.
+- Outage: the connection refused, reset or timed out, the server shutting down or out of connections, a deadlock.
+  The same statement succeeds later, so whatever failed is kept and retried.
+- Refusal: SQLSTATE class 22 (data exception: a value out of range, a string too long for its column) or class 23
+  (integrity: a failed check). It fails the same way every time, so retrying it would block everything behind it:
+  the ledger isolates and quarantines such events.
+- asyncpg reports values it cannot encode (an int beyond int4) as SQLSTATE 22000 too. SQLite has no SQLSTATE: its
+  IntegrityError is a refusal, and it raises a bare OverflowError for an integer beyond int8.
+- Anything not known to be a refusal counts as an outage: kept, never dropped.
 """
 
 from __future__ import annotations

@@ -1,30 +1,24 @@
-"""The batched, asynchronous ledger writer: the platform's UsageSink.
+"""The platform's UsageSink: usage events written to the ledger in batches, off the request path, spooled when it can't.
 
-`emit` only appends to an in-memory queue. A background task writes the queue in batches with
-ledger_db.write_events: a full batch (`batch_size`) at once, anything less every
-`flush_interval_s`. A flush writes what was queued when it began (and full batches that filled
-meanwhile), never the trickle that arrives while it writes: a write costs the event loop about
-the same whether it holds 3 rows or 200, so chasing each write with the next one would keep the
-writer busy all the time under a steady load, in small batches, on the requests' event loop.
-
-Faults (db_errors.py tells them apart):
-- The database is down (an outage, or a write that takes longer than `write_timeout_s`, as one
-  behind a network that drops packets does): the batch goes to the durable spool (spool.py), and
-  so does what the queue holds beyond `max_queue`; while it is down, batches go straight to the
-  spool and a write is retried every `retry_s`; once one succeeds the spool is replayed. Written
-  twice is harmless (the request_id is unique), lost is not.
-- The database refuses a batch for its content (a value out of range, a string too long): the
-  batch is split until the events it refuses are alone; the others land, those are quarantined
-  (spool.QUARANTINE, counted in `events_quarantined`, logged once) and never block the queue or
-  a replay.
-- The spool cannot be written (disk full, I/O error): the events stay queued in memory and the
-  spool is retried every `retry_s` (counted in `spool_failures`); the database is still tried
-  first. The memory holds at most `max_queue + max_held` events: beyond that, new events are
-  dropped, counted in `events_dropped` and logged (at most every 10 s) — the one way usage is lost
-  besides a kill while events are queued.
-
-All spool file work (append, fsync, rename, read, delete) runs on one thread of its own, in the
-order it was asked for, never on the event loop. A normal shutdown writes or spools the queue.
+- `emit` only appends to an in-memory queue. A background task writes the queue with ledger_db.write_events: a full
+  batch (`batch_size`) at once, anything less every `flush_interval_s`.
+- A flush writes what was queued when it began (and full batches that filled meanwhile), never the trickle that
+  arrives while it writes: a write costs the event loop about the same for 3 rows as for 200, so chasing each write
+  with the next would keep the writer busy in small batches, on the requests' event loop, under a steady load.
+- Database down (an outage, or a write slower than `write_timeout_s`, as behind a network that drops packets): the
+  batch goes to the durable spool (spool.py), and so does what the queue holds beyond `max_queue`; while it is down,
+  batches go straight to the spool and a write is retried every `retry_s`; once one succeeds the spool is replayed.
+  Written twice is harmless (the request_id is unique), lost is not.
+- Database refuses a batch for its content (a value out of range, a string too long; db_errors.py tells this from an
+  outage): the batch is split until the refused events are alone; the others land, those are quarantined
+  (spool.QUARANTINE, counted in `events_quarantined`, logged once) and never block the queue or a replay.
+- Spool unwritable (disk full, I/O error): the events stay queued in memory and the spool is retried every `retry_s`
+  (counted in `spool_failures`); the database is still tried first. Memory holds at most `max_queue + max_held`
+  events; beyond that new events are dropped, counted in `events_dropped` and logged (at most every 10 s): the one
+  way usage is lost besides a kill while events are queued.
+- All spool file work (append, fsync, rename, read, delete) runs on one thread of its own, in the order asked, never
+  on the event loop.
+- A normal shutdown writes or spools the queue.
 """
 
 from __future__ import annotations

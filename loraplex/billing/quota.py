@@ -1,18 +1,17 @@
-"""Budgets and rate limits for one process: admission, settlement, and keeping the counters equal
-to the ledger whatever happens to Redis.
+"""Budgets and rate limits for one process: admission, settlement, and counters kept equal to the ledger.
 
-Admission is one store operation (one Lua script in Redis): the key's RPM/TPM buckets and the six
-budget counters, checked and reserved together. Settlement replaces the reservation by the tokens
-used. Both name the epoch they expect; when the counters were lost (flush, restart, expiry, a dead
-process) the first process to notice rebuilds them from the ledger under a lock, with a
-high-water mark, and every process then *adopts* the new epoch: it adds its charges that the
-ledger did not hold at the mark (reservations in flight, usage not yet written). Nothing is
-counted twice and nothing is missed (tail.py, rebuild.py). When in doubt (Redis failed mid-call,
-so we cannot know whether a script ran) the tenant is marked dirty and its counters are rebuilt.
-The platform emits a request's usage event when it ends and settles it just after, so its ledger
-row may be committed before its settlement ran: a rebuild that counts the row drops the charge,
-and the settlement then has nothing left to change in the counters (what its TPM bucket lent
-comes back as the bucket refills, as for a settlement that could not reach Redis).
+- Admission is one store operation (one Lua script in Redis): the key's RPM/TPM buckets and the six budget counters,
+  checked and reserved together. Settlement replaces the reservation by the tokens used.
+- Both name the epoch they expect. When the counters were lost (flush, restart, expiry, a dead process), the first
+  process to notice rebuilds them from the ledger under a lock, with a high-water mark, and every process then
+  *adopts* the new epoch: it adds its charges that the ledger did not hold at the mark (reservations in flight, usage
+  not yet written). Nothing is counted twice and nothing is missed (tail.py, rebuild.py).
+- When in doubt (Redis failed mid-call, so whether a script ran is unknown), the tenant is marked dirty and its
+  counters are rebuilt.
+- The platform emits a request's usage event when it ends and settles it just after, so its ledger row may be
+  committed before its settlement ran: a rebuild that counts the row drops the charge, and the settlement then has
+  nothing left to change in the counters (what its TPM bucket lent comes back as the bucket refills, as for a
+  settlement that could not reach Redis).
 """
 
 from __future__ import annotations

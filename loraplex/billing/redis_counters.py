@@ -1,22 +1,21 @@
-"""Budget counters and RPM/TPM buckets in Redis: every operation is one Lua script, so admission
-(both buckets and all six budget counters) is one round trip and atomic across app instances.
+"""Budget counters and RPM/TPM buckets in Redis, so that admission is one atomic round trip across app instances.
 
-Keys, with `P` the prefix and `T` the tenant id:
-  P gen                     the generation; bumped when a process dies (see heartbeat)
-  P instances               hash: process -> last heartbeat (Redis clock, ms)
-  P{tT}:epoch               the tenant's marker "<gen>|<epoch id>|<hwm>", expires after EPOCH_TTL_S
-  P{tT}:rebuilding          lock of the process rebuilding the tenant's counters
-  P{tT}:c:<epoch id>        hash of the epoch's counters: fields "<name>:u" (used), "<name>:r"
-                            (reserved); a new epoch has a new hash, the old one expires
-  P{tT}:rl:k<key>:req|tok   the key's RPM/TPM buckets
-Counter names and limits travel as one space-separated argument each, and admission and
-settlement answer with one space-separated string: on the hot path, what a call costs is mostly
-the number of arguments and reply elements packed and parsed. Every call goes through one
-pipelined connection (redis_pipe.py): concurrent calls share a round trip, and Redis runs this
-process's calls in the order they were made. A tenant's keys share a hash tag; `gen` and
-`instances` do not, so this runs on one Redis server (or a primary with replicas), not on a
-cluster. Redis must not evict keys (maxmemory-policy noeviction): counters evicted inside a live
-epoch would read as zero.
+- Every operation is one Lua script: admission checks and reserves both buckets and all six budget counters at once.
+- Keys, with `P` the prefix and `T` the tenant id:
+    P gen                     the generation; bumped when a process dies (see heartbeat)
+    P instances               hash: process -> last heartbeat (Redis clock, ms)
+    P{tT}:epoch               the tenant's marker "<gen>|<epoch id>|<hwm>", expires after EPOCH_TTL_S
+    P{tT}:rebuilding          lock of the process rebuilding the tenant's counters
+    P{tT}:c:<epoch id>        hash of the epoch's counters: fields "<name>:u" (used), "<name>:r"
+                              (reserved); a new epoch has a new hash, the old one expires
+    P{tT}:rl:k<key>:req|tok   the key's RPM/TPM buckets
+- Counter names and limits travel as one space-separated argument each, and admission and settlement answer with
+  one space-separated string: on the hot path, a call costs mostly the arguments and reply elements packed and parsed.
+- Every call goes through one pipelined connection (redis_pipe.py): concurrent calls share a round trip, and Redis
+  runs this process's calls in the order they were made.
+- One Redis server (or a primary with replicas), not a cluster: a tenant's keys share a hash tag, `gen` and
+  `instances` do not.
+- Redis must not evict keys (maxmemory-policy noeviction): counters evicted inside a live epoch would read as zero.
 """
 
 from __future__ import annotations

@@ -1,17 +1,15 @@
-"""One pipelined Redis connection for the budget counters' scripts.
+"""One pipelined Redis connection for the budget counters' scripts: one round trip for many calls, run in order.
 
-Every call is queued; one writer task sends whatever is queued in one write, reads the replies
-in order and hands each to its caller, and meanwhile the next calls queue up. So N requests
-that reach Redis together cost one round trip (one send, one read wake-up) instead of N, which
-on a busy gateway is most of what a script call costs its event loop; and Redis runs this
-process's calls in the order they were made: a settlement queued before an admission is applied
-before it, whatever the event loop does in between.
-
-Commands are packed here (EVALSHA of a known script, or a plain command), not by redis-py's
-per-command machinery; redis-py still makes the connection (URL, AUTH, SELECT, TLS) and parses
-the replies. A call is never retried: a script whose reply was lost may have run, which only the
-caller can sort out (quota.py rebuilds the tenant's counters). A script Redis does not know
-(NOSCRIPT: restarted or flushed) has not run: it is loaded and that call queued again.
+- Every call is queued; one writer task sends whatever is queued in one write, reads the replies in order and hands
+  each to its caller, while the next calls queue up. So N requests that reach Redis together cost one round trip (one
+  send, one read wake-up) instead of N, which on a busy gateway is most of what a script call costs its event loop.
+- Redis runs this process's calls in the order they were made: a settlement queued before an admission is applied
+  before it, whatever the event loop does in between.
+- Commands are packed here (EVALSHA of a known script, or a plain command), not by redis-py's per-command machinery;
+  redis-py still makes the connection (URL, AUTH, SELECT, TLS) and parses the replies.
+- A call is never retried: a script whose reply was lost may have run, which only the caller can sort out (quota.py
+  rebuilds the tenant's counters). A script Redis does not know (NOSCRIPT: restarted or flushed) has not run: it is
+  loaded and that call queued again.
 """
 
 from __future__ import annotations

@@ -1,18 +1,19 @@
 """How much device memory the KV cache and the model pool get: measured on CUDA, configured elsewhere.
 
-On CUDA, unless the user sized the KV cache (`kv_cache_bytes`, `num_kv_blocks`), the engine profiles a
-maximum-size step once the weights are on the device and gives the KV cache what is left of
-`gpu_memory_utilization` x the device's memory:
+- On CUDA, unless the user sized the KV cache (`kv_cache_bytes`, `num_kv_blocks`), the engine profiles a maximum-size
+  step once the weights are on the device and gives the KV cache what is left of `gpu_memory_utilization` x the
+  device's memory:
 
-    budget   = total * utilization - (in_use - weights) - peak_step   (weights + KV cache + adapter slots)
-    kv_cache = budget - weights - adapter slots - decode graphs
+      budget   = total * utilization - (in_use - weights) - peak_step   (weights + KV cache + adapter slots)
+      kv_cache = budget - weights - adapter slots - decode graphs
 
-where `in_use` is what `torch.cuda.mem_get_info()` says is taken (the weights, the CUDA context, other
-processes), `peak_step` the activations of the largest step and `decode graphs` what static decode keeps
-for its CUDA graphs, captured after the KV cache exists: the largest bucket's activations (profiled the
-same way; the buckets share one graph pool, captured largest first) and its static logits buffer. The
-CPU keeps a configured size (`kv_cache_bytes`, default 512 MiB). `plan_memory` and `blocks_for_bytes`
-are the arithmetic of both paths, pure so that tests run them with given numbers.
+  - `in_use`: what `torch.cuda.mem_get_info()` says is taken (the weights, the CUDA context, other processes);
+  - `peak_step`: the activations of the largest step;
+  - `decode graphs`: what static decode keeps for its CUDA graphs, captured after the KV cache exists: the largest
+    bucket's activations (profiled the same way; the buckets share one graph pool, captured largest first) and its
+    static logits buffer.
+- The CPU keeps a configured size (`kv_cache_bytes`, default 512 MiB).
+- `plan_memory` and `blocks_for_bytes` are the arithmetic of both paths, pure so that tests run them with given numbers.
 """
 
 from __future__ import annotations

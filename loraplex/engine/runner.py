@@ -1,16 +1,15 @@
 """Turns a scheduled batch into tensors, runs the model over the paged KV cache, samples.
 
-The batch is flat: every scheduled token of every request, in batch order, no padding; all-decode steps
-may instead run over static bucket-padded buffers (static_decode.py: CUDA graphs on CUDA), with the same
-result. The runner reads the requests and writes nothing onto them: `launch` lays the step out, runs it
-and starts the copy of its tokens to the host, returning a LaunchedStep whose `output()` is the step's
-StepOutput (sampled tokens, their log-probabilities, rejected drafts, prompt log-probabilities), which
-`Scheduler.update` and the core apply. `execute` is both at once.
-
-Asynchronous scheduling: a step may be launched while the previous one is still in flight. A request
-that step sampled then has a pending token (Request.num_pending), the input of its next row: the
-layout leaves a placeholder there and the launch fills it on the device from the previous step's
-sampled tokens, so no step waits for the host to see a token.
+- The batch is flat: every scheduled token of every request, in batch order, no padding; all-decode steps may
+  instead run over static bucket-padded buffers (static_decode.py: CUDA graphs on CUDA), with the same result.
+- The runner reads the requests and writes nothing onto them: `launch` lays the step out, runs it and starts the copy
+  of its tokens to the host, returning a LaunchedStep whose `output()` is the step's StepOutput (sampled tokens, their
+  log-probabilities, rejected drafts, prompt log-probabilities), which `Scheduler.update` and the core apply.
+  `execute` is both at once.
+- Asynchronous scheduling: a step may be launched while the previous one is still in flight. A request that step
+  sampled then has a pending token (Request.num_pending), the input of its next row: the layout leaves a placeholder
+  there and the launch fills it on the device from the previous step's sampled tokens, so no step waits for the host
+  to see a token.
 """
 
 from __future__ import annotations

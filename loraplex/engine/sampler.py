@@ -3,8 +3,7 @@
 - Order (sampling_ops.py): logit bias, penalties and guided masks, then for sampled rows temperature,
   top-k, top-p and min-p with per-row parameter tensors built once per step (neutral where a row has no
   filter), then one draw.
-- Greedy rows are one argmax (on the CPU in C, kernels/cpu/argmax.c: torch's took 1.3-1.9 ms of a 32-row
-  decode step).
+- Greedy rows are one argmax (on the CPU in C, kernels/cpu/argmax.c, in place of torch's slower one).
 - A sampled row's noise is a hash of (its request's seed, its output position, the token id), so a seeded
   request gives the same tokens whatever shares its batch; an unseeded request's key is the random seed
   its generator took at admission.

@@ -1,12 +1,12 @@
 """Admission: the priority class a request runs at, and its budget and RPM/TPM reservation.
 
-A request reserves its prompt (once) plus the most its n choices may generate (each max_tokens,
-else what fits in the context, capped by the tenant's default) on its budget counters, and the
-same capped at the key's TPM in its token bucket, so that any request fits an idle key; both are
-checked and taken in one store operation (billing.quota), and settled with the tokens actually
-used when the request ends.
-Over a budget: 429 insufficient_quota with x-should-retry: false; over a rate: 429 rate_limit_exceeded with
-retry-after.
+- A request reserves its prompt (once) plus the most its n choices may generate (each max_tokens, else what fits in
+  the context, capped by the tenant's default) on its budget counters, and the same capped at the key's TPM in its
+  token bucket, so that any request fits an idle key.
+- Both are checked and taken in one store operation (billing.quota), and settled with the tokens actually used when
+  the request ends.
+- Over a budget: 429 insufficient_quota with x-should-retry: false; over a rate: 429 rate_limit_exceeded with
+  retry-after.
 """
 
 from __future__ import annotations

@@ -1,15 +1,15 @@
-"""Bearer-key authentication with a short in-process cache (cache.py).
+"""Bearer-key authentication with a short in-process cache (cache.py), so revocation spreads without a message bus.
 
-A key is served from the cache for at most `ttl_s` (default 0.5 s) after its row was read, so a
-key revoked on any instance, or a tenant disabled there, is refused everywhere within that time
-without a message bus; a key in use is re-read in the background before that, so requests do
-not wait for the database. Expiry is checked on every request against the cached time, so it is
-exact. Only valid keys enter that cache, so no number of bad keys can push a good one out:
-refusals (unknown, revoked, disabled) go to a small bounded cache of their own, so a client
-retrying one bad key costs one query per TTL, and a flood of distinct bad keys is throttled per
-address (auth_throttle.py). Concurrent misses for the same key share one query. The principal
-carries the budgets of its tenant and key, so budget changes also reach every instance within
-the TTL. While the database is down, cached keys keep working for `outage_grace_s` (outage.py).
+- A key is served from the cache for at most `ttl_s` (default 0.5 s) after its row was read, so a key revoked, or a
+  tenant disabled, on any instance is refused everywhere within that time. A key in use is re-read in the
+  background before that, so requests do not wait for the database.
+- Expiry is checked on every request against the cached time, so it is exact.
+- Only valid keys enter that cache, so no number of bad keys can push a good one out. Refusals (unknown, revoked,
+  disabled) go to a small bounded cache of their own, so a client retrying one bad key costs one query per TTL; a
+  flood of distinct bad keys is throttled per address (auth_throttle.py).
+- Concurrent misses for the same key share one query.
+- The principal carries the budgets of its tenant and key, so budget changes also reach every instance within the TTL.
+- While the database is down, cached keys keep working for `outage_grace_s` (outage.py).
 """
 
 from __future__ import annotations

@@ -1,17 +1,16 @@
-"""Failed authentication per client address: after `max_failures` within `window_s`, the address is
-refused (429 with retry-after) until the oldest of those failures leaves the window, even with the
-right credentials, so guessing costs `window_s` per `max_failures` tries and a flood of made-up
-keys costs the database nothing once its address is locked.
+"""Failed authentication per client address, so that guessing credentials is slow and a flood of bad keys is cheap.
 
-Two limits use it: wrong admin tokens (the admin API's bearer check and the admin UI's login; a
-success clears the address's count) and failed tenant authentication on the tenant API (every 401
-there counts, through `FailedAuthLimit`, an ASGI middleware that answers a locked address before
-anything of its request is read). The counts live in this process: with N instances behind a
-balancer, a guesser gets N times the tries. Behind a reverse proxy every client shares the
-proxy's address, so one client's failures also lock the others out for the window;
-`LORAPLEX_ADMIN_AUTH_MAX_FAILURES=0` / `LORAPLEX_AUTH_MAX_FAILURES=0` turn the limits off where that
-matters more. Memory is bounded: at most MAX_ADDRESSES addresses, each with at most `max_failures`
-times.
+- After `max_failures` within `window_s`, the address is refused (429 with retry-after) until the oldest of those
+  failures leaves the window, even with the right credentials: guessing costs `window_s` per `max_failures` tries,
+  and a flood of made-up keys costs the database nothing once its address is locked.
+- Two limits use it: wrong admin tokens (the admin API's bearer check and the admin UI's login; a success clears the
+  address's count) and failed tenant authentication on the tenant API (every 401 there counts, through
+  `FailedAuthLimit`, an ASGI middleware that answers a locked address before anything of its request is read).
+- The counts live in this process: with N instances behind a balancer, a guesser gets N times the tries.
+- Behind a reverse proxy every client shares the proxy's address, so one client's failures also lock the others out
+  for the window; `LORAPLEX_ADMIN_AUTH_MAX_FAILURES=0` / `LORAPLEX_AUTH_MAX_FAILURES=0` turn the limits off where that
+  matters more.
+- Memory is bounded: at most MAX_ADDRESSES addresses, each with at most `max_failures` times.
 """
 
 from __future__ import annotations

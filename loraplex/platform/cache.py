@@ -1,21 +1,17 @@
 """A short-lived cache of database reads that requests in use never wait for.
 
-An entry is served while it is younger than `ttl_s`, counted from when its read began, and never
-after: that is the whole staleness bound (a key revoked on another instance is refused within
-it). Once an entry is `refresh_at` of its TTL old, the next hit starts one read in the background
-and is answered from the entry meanwhile, so an entry that requests keep using is replaced before
-it expires and none of them waits for the database, which a request whose cache entry had just
-expired used to (several ms, about one request in a hundred at 200 requests/s). An entry that
-nobody used for a while is read in line, as before. Concurrent reads of one entry share one
-query. `invalidate()` forgets every entry and every read in flight, so a change made through this
-instance is seen by the next request. While the database is down, entries keep serving for
-`grace_s` (outage.py); once a read has found it down, an entry past its TTL is answered at once
-while one read in the background checks whether it is back.
-
-Memory stays bounded whatever the keys are: at most `max_entries`, the least recently stored
-dropped first; an entry past its TTL and the outage grace is dropped as newer ones are stored;
-and a value `keep` refuses (a miss: a key or model that does not exist) is answered but never
-stored, so strings a client invents take no room.
+- Staleness bound: an entry is served while it is younger than `ttl_s`, counted from when its read began, and never
+  after (a key revoked on another instance is refused within it).
+- Refresh ahead: once an entry is `refresh_at` of its TTL old, the next hit starts one read in the background and is
+  answered from the entry meanwhile, so an entry that requests keep using is replaced before it expires and none of
+  them waits for the database. An entry nobody used for a while is read in line.
+- Concurrent reads of one entry share one query. `invalidate()` forgets every entry and every read in flight, so a
+  change made through this instance is seen by the next request.
+- Outage: while the database is down, entries keep serving for `grace_s` (outage.py); once a read has found it down,
+  an entry past its TTL is answered at once while one read in the background checks whether it is back.
+- Memory stays bounded whatever the keys are: at most `max_entries`, the least recently stored dropped first; an
+  entry past its TTL and the outage grace is dropped as newer ones are stored; and a value `keep` refuses (a miss: a
+  key or model that does not exist) is answered but never stored, so strings a client invents take no room.
 """
 
 from __future__ import annotations

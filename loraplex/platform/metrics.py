@@ -1,12 +1,13 @@
 """Prometheus metrics, in a registry per app (several apps can live in one process: tests, bench).
 
-Engine figures (running, waiting, KV blocks) are read from `engine.stats()` at scrape time, and
-the ledger's and budget counters' figures (queue depth, spool size, rebuilds) from those objects.
-Labels name tenants, models, endpoints and priority classes, never a key (no prefix, no id), and
-adapters by engine id (`adapter-<row>-<time>`), except loraplex_adapter_tokens_total, which names the
-tenant and its registered adapter (bounded: AdapterTokens); the operator reads them behind the admin
-token (ops.py). The gauges a Gateway API inference extension endpoint picker
-reads are in docs/scale-out.md ("Behind a Kubernetes inference gateway").
+- Engine figures (running, waiting, KV blocks) are read from `engine.stats()` at scrape time, and the ledger's and
+  budget counters' figures (queue depth, spool size, rebuilds) from those objects.
+- Labels name tenants, models, endpoints and priority classes, never a key (no prefix, no id), and adapters by engine
+  id (`adapter-<row>-<time>`), except loraplex_adapter_tokens_total, which names the tenant and its registered
+  adapter (bounded: AdapterTokens).
+- The operator reads them behind the admin token (ops.py).
+- The gauges a Gateway API inference extension endpoint picker reads are in docs/scale-out.md ("Behind a Kubernetes
+  inference gateway").
 """
 
 from __future__ import annotations

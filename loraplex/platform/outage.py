@@ -1,16 +1,13 @@
-"""Serving from what is cached while the database is unreachable.
+"""Serving from what is cached while the database is unreachable, instead of answering every request 503.
 
-The key and catalog caches re-read the database every fraction of a second; when that read fails
-with the database down, the last answer keeps being used for up to `grace_s`, so requests go on
-being served (their usage goes to the ledger's spool) instead of every one answering 503.
-
-A database that refuses connections fails a read at once; one behind a network that drops
-packets does not answer at all, and the read would wait for the connect timeout (2 s), or on a
-pooled connection for the command timeout (30 s). So a read that has a cached answer to fall
-back on waits at most `stale_after_s` (1 s: a key or catalog read takes milliseconds) for the
-database, then the cached answer is used and the read is cancelled. A read with nothing to fall
-back on waits for the database's own timeouts.
-Only an outage (billing.db_errors.is_outage) falls back: any other error is raised.
+- The key and catalog caches re-read the database every fraction of a second; when that read fails with the database
+  down, the last answer keeps being used for up to `grace_s` (usage goes to the ledger's spool meanwhile).
+- A database that refuses connections fails a read at once; one behind a network that drops packets does not answer,
+  and the read would wait for the connect timeout (2 s), or on a pooled connection for the command timeout (30 s).
+  So a read with a cached answer to fall back on waits at most `stale_after_s` (1 s: a key or catalog read takes
+  milliseconds), then the cached answer is used and the read is cancelled. A read with nothing to fall back on waits
+  for the database's own timeouts.
+- Only an outage (billing.db_errors.is_outage) falls back: any other error is raised.
 """
 
 from __future__ import annotations

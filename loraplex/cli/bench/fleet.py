@@ -1,30 +1,29 @@
 """Adapter-affinity routing against Ray Serve's default routing, over a Ray Serve deployment of engine replicas.
 
-One local Ray cluster starts in this process. `replicas` engine replicas (each on `threads` threads, so together
-they use this machine's cores; the cluster's CPUs shared among them) each hold few adapters: `max_loras` device
-slots and a CPU tier of `max_cpu_loras`. Requests for `adapters` rank-`rank` adapters, picked uniformly at random
-(or, with `popularity` zipf:<s>, adapter k with weight 1 / (k + 1)^s), are kept `concurrency` in flight, each
-prepared and generated through RayEngineClient, as the platform does.
-- affinity: AffinityRouter (loraplex/ray_serve/router.py): an adapter's requests on its rendezvous replica, within
-  a load bound.
-- serve_default: Serve's default router (power of two choices, preferring replicas that have reported holding the
-  request's adapter, which they do seconds after its first requests): Serve's own multiplexing affinity.
-- serve_untagged: Serve's default router over requests that carry no multiplexed id: placement by load alone,
-  what a deployment without adapter affinity gets (the issue's baseline).
-
-The policies take turns, `rounds` times. Each turn deploys the application afresh (deleted after the turn, so the
-replicas start cold), warms its replicas with a few base-model requests, and registers its adapters under new ids.
-
-Reported per policy, over all its turns: tokens/s, TTFT p50 and p95 (from before prepare), and per request the
-adapter loads into device slots and those of them read from disk (not the CPU tier), summed over the replicas;
-per turn the requests each replica started, the adapters registered on each, and the steps of all.
-`ratios` puts affinity over each other policy (tokens/s) and each over affinity (TTFT); `targets` sets the
-issue's targets (for 2 replicas, 24 adapters, 4 slots each, 16 in flight) beside the figures: recorded, not asserted.
-
-`hop`: what the Serve hop itself costs. One replica serves HOP_MODEL (tiny: its compute is negligible), and the same
-model runs in this process; `hop_requests` requests, one at a time, taking turns between the two, each prepared and
-generated, with 1 new token and with HOP_TOKENS; p50 latency of each side, and the difference per request and per
-further token.
+- Setup: one local Ray cluster starts in this process. `replicas` engine replicas (each on `threads` threads, so
+  together they use this machine's cores; the cluster's CPUs shared among them) each hold few adapters: `max_loras`
+  device slots and a CPU tier of `max_cpu_loras`.
+- Load: requests for `adapters` rank-`rank` adapters, picked uniformly at random (or, with `popularity` zipf:<s>,
+  adapter k with weight 1 / (k + 1)^s), kept `concurrency` in flight, each prepared and generated through
+  RayEngineClient, as the platform does.
+- Policies:
+  - affinity: AffinityRouter (loraplex/ray_serve/router.py): an adapter's requests on its rendezvous replica, within
+    a load bound.
+  - serve_default: Serve's default router (power of two choices, preferring replicas that have reported holding the
+    request's adapter, which they do seconds after its first requests): Serve's own multiplexing affinity.
+  - serve_untagged: Serve's default router over requests that carry no multiplexed id: placement by load alone, what
+    a deployment without adapter affinity gets (the issue's baseline).
+- The policies take turns, `rounds` times. Each turn deploys the application afresh (deleted after the turn, so the
+  replicas start cold), warms its replicas with a few base-model requests, and registers its adapters under new ids.
+- Reported per policy, over all its turns: tokens/s, TTFT p50 and p95 (from before prepare), and per request the
+  adapter loads into device slots and those of them read from disk (not the CPU tier), summed over the replicas; per
+  turn the requests each replica started, the adapters registered on each, and the steps of all.
+- `ratios` puts affinity over each other policy (tokens/s) and each over affinity (TTFT); `targets` sets the issue's
+  targets (for 2 replicas, 24 adapters, 4 slots each, 16 in flight) beside the figures: recorded, not asserted.
+- `hop`: what the Serve hop itself costs. One replica serves HOP_MODEL (tiny: its compute is negligible), and the same
+  model runs in this process; `hop_requests` requests, one at a time, taking turns between the two, each prepared and
+  generated, with 1 new token and with HOP_TOKENS; p50 latency of each side, and the difference per request and per
+  further token.
 """
 
 from __future__ import annotations

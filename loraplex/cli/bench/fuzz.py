@@ -1,19 +1,19 @@
-"""`loraplex bench fuzz`: schemathesis over the server's own OpenAPI (/schema/openapi.json), the tenant
-API (/v1) with a valid tenant key and the admin API (/admin/api) with the admin token.
+"""`loraplex bench fuzz`: schemathesis over the server's own OpenAPI, so no request gets a 5xx or an off-format error.
 
-Each operation gets a share of the cases (the generation endpoints the most), half of them valid
-by the schema and half not (where it has a body or a query). Steering, so that the fuzzer reaches
-past the 404s and 400s: a share of the tenant bodies name a model the tenant can use (the base
-model, its adapter, `auto`), some keep only the core fields or get messages with real roles; a
-share of the paths name the fuzz tenant, its adapter and the served model; and one case in five
-puts a classic hostile string (NASTY: NUL, control characters, a trailing newline...) in the model
-or in every path and name-like query parameter. Every answer is held to two checks: no 5xx, and
-every error body in the documented format (fuzz_checks.py). Nothing is excluded; the three
-operations that would end the run on the fuzz tenant's own names (disable the tenant, revoke a key,
-delete the adapter) never get them.
-
-The server runs on loopback with the synthetic tiny model and a short context (max_tokens cannot
-ask for more than it holds), so generations stay short whatever max_tokens the fuzzer sends.
+- Reads /schema/openapi.json; covers the tenant API (/v1) with a valid tenant key and the admin API (/admin/api) with
+  the admin token.
+- Each operation gets a share of the cases (the generation endpoints the most), half of them valid by the schema and
+  half not (where it has a body or a query).
+- Steering, so that the fuzzer reaches past the 404s and 400s: a share of the tenant bodies name a model the tenant
+  can use (the base model, its adapter, `auto`), some keep only the core fields or get messages with real roles; a
+  share of the paths name the fuzz tenant, its adapter and the served model; and one case in five puts a classic
+  hostile string (NASTY: NUL, control characters, a trailing newline...) in the model or in every path and
+  name-like query parameter.
+- Every answer is held to two checks (fuzz_checks.py): no 5xx, and every error body in the documented format.
+- Nothing is excluded; the three operations that would end the run on the fuzz tenant's own names (disable the
+  tenant, revoke a key, delete the adapter) never get them.
+- The server runs on loopback with the synthetic tiny model and a short context (max_tokens cannot ask for more than
+  it holds), so generations stay short whatever max_tokens the fuzzer sends.
 """
 
 from __future__ import annotations

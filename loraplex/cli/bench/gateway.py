@@ -1,17 +1,16 @@
 """`loraplex bench gateway`: what the platform adds to a request, over an engine that costs nothing.
 
-The fake engine answers every request with a fixed number of tokens at once, so what is measured
-is the whole request path (HTTP, auth, model resolution, rate limits in Redis, usage emission,
-metrics, JSON) and not the model. The same engine is also called directly, in the same run and at
-the same open-loop rate, and the difference of the latency percentiles is the added latency.
-The gateway runs as one uvicorn worker in its own process (one core); the load generator is a
-plain keep-alive HTTP/1.1 client on the other core, so its own cost stays small. The gateway
-process's CPU time per request during the max_rps run is reported too: on a shared machine it
-moves far less from run to run than the latencies do.
-
-`--auto` measures, against the same gateway process, requests for `model: "auto"` too, over a pool
-of three models (limits 0.3, 0.6 and 1): what scoring the request and preparing (tokenizing) its prompt for
-each model costs, reported beside the named model's figures and as their ratio.
+- The fake engine answers every request with a fixed number of tokens at once, so what is measured is the whole
+  request path (HTTP, auth, model resolution, rate limits in Redis, usage emission, metrics, JSON), not the model.
+- The same engine is also called directly, in the same run and at the same open-loop rate; the difference of the
+  latency percentiles is the added latency.
+- The gateway runs as one uvicorn worker in its own process (one core); the load generator is a plain keep-alive
+  HTTP/1.1 client on the other core, so its own cost stays small.
+- The gateway process's CPU time per request during the max_rps run is reported too: on a shared machine it moves
+  far less from run to run than the latencies do.
+- `--auto` also measures, against the same gateway process, requests for `model: "auto"` over a pool of three models
+  (limits 0.3, 0.6 and 1): what scoring the request and preparing (tokenizing) its prompt for each model costs,
+  reported beside the named model's figures and as their ratio.
 """
 
 from __future__ import annotations

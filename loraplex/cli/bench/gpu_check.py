@@ -1,8 +1,8 @@
-"""`make gpu-check`: one script that checks and measures the engine on a GPU machine (no network, < 10 min),
-prints a summary table and writes one JSON file; `--quick --device cpu` smokes the same code on the CPU
-(tiny shapes, Triton in its interpreter) under `make test`.
+"""`make gpu-check`: one script that checks and measures the engine on a GPU machine (no network, < 10 min).
 
-Steps, in order, each timed, each failure caught and reported without stopping the rest:
+- It prints a summary table and writes one JSON file; `--quick --device cpu` smokes the same code on the CPU (tiny
+  shapes, Triton in its interpreter) under `make test`.
+- Steps, in order, each timed, each failure caught and reported without stopping the rest:
     1 versions          python, torch, triton, transformers, CUDA, the device
     2 kernels           tests/kernels natively on the device (pytest in subprocesses, sharded)
     3 quant             int8 (Triton W8A16) and FP8 weight GEMMs vs reference, timed vs bf16
@@ -16,11 +16,11 @@ Steps, in order, each timed, each failure caught and reported without stopping t
    11 sampled           64 sampled requests: tok/s vs greedy; seeded ones in the batch = alone
    12 adapter_load      32 requests decoding: step p99 while an unread adapter loads vs without
    13 memory            default KV sizing on the card (small, llama3-8b) and a maximum-size step
-
-Statuses: pass, fail (a check did not hold), error (the step raised), skip. The exit code is 1 when any
-step failed or raised. The JSON (rewritten after each step; "complete" once all ran): {"tool", "schema",
-"complete", "ok", "started_at", "total_s", "args", "device", "versions",
-"steps": {name: {"index", "title", "status", "seconds", "summary", "figures", "error"}}}.
+- Statuses: pass, fail (a check did not hold), error (the step raised), skip. The exit code is 1 when any step failed
+  or raised.
+- The JSON (rewritten after each step; "complete" once all ran): {"tool", "schema", "complete", "ok", "started_at",
+  "total_s", "args", "device", "versions",
+  "steps": {name: {"index", "title", "status", "seconds", "summary", "figures", "error"}}}.
 """
 
 from __future__ import annotations

@@ -1,12 +1,12 @@
 """Guided decoding (`response_format`): what holding the output to a JSON Schema costs, in one run.
 
-The same chat prompts (describe a person as JSON) run guided and free. Each free request generates
-exactly as many tokens as its guided twin did (end-of-sequence ignored), so both runs have the same
-batch shapes step by step and the ratio is the cost of the masks alone. The two engines take turns
-step by step (engine.step_interleaved) and swap sides every round (two engine instances of one model
-can differ by several percent on the same free requests, measured up to 8%: each side meets both);
-every round counts, reported as the best round's ratio and the median of paired ratios (use an even
-number of rounds).
+- The same chat prompts (describe a person as JSON) run guided and free. Each free request generates exactly as many
+  tokens as its guided twin did (end-of-sequence ignored), so both have the same batch shapes step by step and the
+  ratio is the cost of the masks alone.
+- The two engines take turns step by step (engine.step_interleaved) and swap sides every round, since two engine
+  instances of one model can differ by several percent on the same free requests: each side meets both.
+- Every round counts, reported as the best round's ratio and the median of paired ratios (use an even number of
+  rounds).
 
 vocab_build_ms   build llguidance's view of the tokenizer (once per tokenizer, at model load)
 cold             the first guided run of a schema: its compile and llguidance's lexer states built on the

@@ -1,28 +1,26 @@
-"""Multi-LoRA throughput: one batch over 1, zipf-many or all-distinct adapters, against the base
-model alone and against HF PEFT's mixed-adapter batch, in one run. One more pattern, zipf_rank64_fleet,
-runs zipf's batch in an engine whose fleet also holds a rank-64 adapter (so its slot buffers are of rank
-64): what a mixed-rank fleet costs the rank-16 adapters. Two more, zipf_bf16_slots and
-distinct_bf16_slots, run those batches with bf16 slot buffers under an fp32 model (EngineConfig.lora_dtype;
-not run under a 16-bit model, whose slots are 16-bit already): half the adapter bytes a step reads, each
-adapter's weights rounded to bf16 once. What the rounding costs in output is reported beside their speed:
-of the first round's greedy tokens, how many requests match the fp32 slots' tokens exactly, and the share
-of tokens generated before a request's first difference.
+"""Multi-LoRA throughput: one batch over 1, zipf-many or all-distinct adapters, against the base model and HF PEFT.
 
-The adapters are made by PEFT itself (rank 16 on all seven projections, random non-zero A and B),
-saved to a temporary directory, and loaded by both systems from there. Everything runs on one device and
-dtype (--device, --dtype): the engines, HF PEFT and the adapter slots of the load and swap timings.
-
-Each pattern (and the base model) runs on its own engine over the same loaded weights, and the
-engines take turns step by step (step_interleaved): on a shared VM whose speed drifts over seconds,
-whole runs taking turns left a fast or slow phase to one side and moved the ratios by up to 0.15
-(bench/RESULTS.md); steps tens of milliseconds apart meet the same phases. A pattern's tok/s is its
-tokens over the time spent in its own steps, over all rounds. HF PEFT's batch runs once per round,
-right after that round's steps, so it meets the machine's phases in turn with ours (a single PEFT
-run after all rounds measured 13.8 and 17.0 tok/s on the same VM a session apart, which moved the
-ratio by a fifth). Its tok/s is the harmonic mean of its rounds, as ours are. Every engine and PEFT are
-warmed up on the whole batch first (the engines for one step past lora_merge_after_steps), so the rounds
-measure the steady state: with two requests of four tokens, the first round also paid the first full
-prefill and the identical pattern's merge, and ran 15-25% slower than the next on a Zen 5 EPYC.
+- Patterns: `identical` (one adapter), `zipf`, `distinct`, and `base` (no adapter), against HF PEFT's mixed-adapter
+  batch, in one run.
+- zipf_rank64_fleet runs zipf's batch in an engine whose fleet also holds a rank-64 adapter (so its slot buffers are of
+  rank 64): what a mixed-rank fleet costs the rank-16 adapters.
+- zipf_bf16_slots and distinct_bf16_slots run those batches with bf16 slot buffers under an fp32 model
+  (EngineConfig.lora_dtype; not run under a 16-bit model, whose slots are 16-bit already): half the adapter bytes a
+  step reads, each adapter's weights rounded to bf16 once. What the rounding costs is reported beside their speed: of
+  the first round's greedy tokens, how many requests match the fp32 slots' tokens exactly, and the share of tokens
+  generated before a request's first difference.
+- The adapters are made by PEFT itself (rank 16 on all seven projections, random non-zero A and B), saved to a
+  temporary directory, and loaded by both systems from there. Everything runs on one device and dtype (--device,
+  --dtype): the engines, HF PEFT and the adapter slots of the load and swap timings.
+- Each pattern (and the base model) runs on its own engine over the same loaded weights, and the engines take turns
+  step by step (step_interleaved), so that steps tens of milliseconds apart meet the same phases of a shared VM whose
+  speed drifts over seconds (whole runs taking turns left a fast or slow phase to one side). A pattern's tok/s is its
+  tokens over the time spent in its own steps, over all rounds.
+- HF PEFT's batch runs once per round, right after that round's steps, so it meets the machine's phases in turn with
+  ours; its tok/s is the harmonic mean of its rounds, as ours are.
+- Every engine and PEFT are warmed up on the whole batch first (the engines for one step past
+  lora_merge_after_steps), so the rounds measure the steady state, not the first full prefill or the identical
+  pattern's merge.
 """
 
 from __future__ import annotations

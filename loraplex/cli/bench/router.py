@@ -1,5 +1,5 @@
 """`loraplex bench router`: the learned scorer's held-out APGR against length-only and random routing
-(loraplex/platform/router/evaluation.py), and its scoring time per request."""
+(loraplex/platform/routing/learned/evaluation.py), and its scoring time per request."""
 
 from __future__ import annotations
 

@@ -1,24 +1,24 @@
-"""`loraplex bench soak`: does one tenant's hostile traffic stall the others, and does a long run lose
-or leak anything?
+"""`loraplex bench soak`: does one tenant's hostile traffic stall the others, and does a long run lose or leak anything?
 
-It starts its own server on loopback (a scratch Postgres database and Redis prefix; synthetic:tiny,
-or the default model with --default-model) with a few generated adapters and `auto`'s pool, then:
+It starts its own server on loopback (a scratch Postgres database and Redis prefix; synthetic:tiny, or the default
+model with --default-model) with a few generated adapters and `auto`'s pool, then:
 
 1. warm-up: each model and adapter once; then the baseline: the server's RSS and engine stats;
-2. clean phase (--seconds): `--clients` well-behaved streaming clients, each looping over the base
-   model and the adapters, keys of three priority classes and x-priority headers, hanging up on
-   about one stream in eight after its first token;
-3. hostile phase (--seconds): the same clients, plus one sender per hostile kind (soak_hostile.py)
-   from another tenant and another loopback address (127.0.0.2), the bad keys from a third one
-   (127.0.0.3: throttling bad keys by address is tested without it shutting out the well-behaved
-   clients or the hostile tenant's other requests, which must reach the server to test anything);
-4. settle: KV blocks and adapter slots must come back to the baseline, RSS is read again; then the
-   server is stopped (SIGTERM: it drains and flushes its ledger) and its usage rows are counted.
+2. clean phase (--seconds): `--clients` well-behaved streaming clients, each looping over the base model and the
+   adapters, keys of three priority classes and x-priority headers, hanging up on about one stream in eight after
+   its first token;
+3. hostile phase (--seconds): the same clients, plus one sender per hostile kind (soak_hostile.py) from another
+   tenant and another loopback address (127.0.0.2), the bad keys from a third one (127.0.0.3: throttling bad keys by
+   address is tested without it shutting out the well-behaved clients or the hostile tenant's other requests, which
+   must reach the server to test anything);
+4. settle: KV blocks and adapter slots must come back to the baseline, RSS is read again; then the server is stopped
+   (SIGTERM: it drains and flushes its ledger) and its usage rows are counted.
 
-Reported: completed requests, well-behaved errors (there must be none), TTFT p50/p99 of the
-well-behaved requests per phase and the hostile/clean p99 ratio (target <= 1.5), RSS drift from the
-baseline (target within 10%), engine stats back at baseline, and ledger rows against the request
-ids answered 200 (every one must have its row, and no other row may exist).
+Reported:
+- completed requests, and well-behaved errors (there must be none);
+- TTFT p50/p99 of the well-behaved requests per phase, and the hostile/clean p99 ratio (target <= 1.5);
+- RSS drift from the baseline (target within 10%), and engine stats back at baseline;
+- ledger rows against the request ids answered 200 (every one must have its row, and no other row may exist).
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Speculative decoding by n-gram lookup against plain decoding, in one run.
 
-Two workloads of greedy chat requests on the same engine settings but `speculative_tokens`:
-`quote` asks to repeat, correct or rewrite a given paragraph (outputs that reuse their input, where
-lookups find drafts), `free` asks for new text (where they rarely do, so its ratio is what a wrong
-guess costs). Each at batch 1, 4 and 8 (max_num_seqs; the engine's default `speculative_max_seqs`
-of 8), and at 16 with speculation forced on (`speculative_max_seqs` 16: what the default avoids).
-The two engines
-take turns step by step (engine.step_interleaved); every round counts, reported as the best round's
-ratio and the median of paired ratios. Both must produce the same tokens (`same_tokens`): a draft
-is only kept where the model's own argmax agrees.
+- Two workloads of greedy chat requests, on the same engine settings but `speculative_tokens`: `quote` asks to
+  repeat, correct or rewrite a given paragraph (outputs that reuse their input, where lookups find drafts); `free`
+  asks for new text (where they rarely do, so its ratio is what a wrong guess costs).
+- Each at batch 1, 4 and 8 (max_num_seqs; the engine's default `speculative_max_seqs` is 8), and at 16 with
+  speculation forced on (`speculative_max_seqs` 16: what the default avoids).
+- The two engines take turns step by step (engine.step_interleaved); every round counts, reported as the best round's
+  ratio and the median of paired ratios.
+- Both must produce the same tokens (`same_tokens`): a draft is only kept where the model's own argmax agrees.
 
 acceptance       kept drafts / proposed drafts
 tokens_per_step  generated tokens / steps that generated, with drafts

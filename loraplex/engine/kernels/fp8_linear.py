@@ -1,12 +1,12 @@
 """FP8 (e4m3) weight GEMMs through torch._scaled_mm, on CUDA devices of compute capability 8.9 and up.
 
-Ada and Hopper multiply e4m3 operands on tensor cores at twice bf16's rate and read half its bytes. The
-weight is quantized once (quant.quantize_fp8, one scale per output channel); the activations are quantized
-on the fly, per token (default) or per tensor, and torch._scaled_mm applies both scales to the fp32 sums
-(row-wise scaling). A torch without row-wise scaling on this card (before ~2.5 on Hopper, ~2.7 on Ada)
-gets the same math from a tensor-wise call with unit scales and the scales applied to its fp32 output.
-Anywhere else fp8_linear refuses with the reason (fp8_unsupported); quant_ref.ref_fp8_linear is the
-reference the tests compare against.
+- Why: Ada and Hopper multiply e4m3 operands on tensor cores at twice bf16's rate and read half its bytes.
+- The weight is quantized once (quant.quantize_fp8, one scale per output channel); the activations on the fly, per
+  token (default) or per tensor; torch._scaled_mm applies both scales to the fp32 sums (row-wise scaling).
+- A torch without row-wise scaling on this card (before ~2.5 on Hopper, ~2.7 on Ada) gets the same math from a
+  tensor-wise call with unit scales and the scales applied to its fp32 output.
+- Anywhere else fp8_linear refuses with the reason (fp8_unsupported).
+- quant_ref.ref_fp8_linear is the reference the tests compare against.
 """
 
 from __future__ import annotations

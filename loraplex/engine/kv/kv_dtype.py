@@ -1,20 +1,19 @@
 """The KV cache's element types: float32, bfloat16 and float16 as they are; int8 and fp8 (e4m3) with scales.
 
-An 8-bit cache row (one token, one kv head) is head_dim 8-bit values and then their scale, the 4 bytes of
-an fp32, in the same tensor: the cache's last dimension is head_dim + 4 one-byte elements (row_width).
-value = q * scale, scale = absmax / 127 (int8, q rounded to nearest even in [-127, 127]) or absmax / 448
-(fp8 e4m3, q = x / scale rounded to nearest even e4m3); an all-zero row has scale 0.
-
-Why per (token, kv head) scales, stored in the row:
-- a token's K/V are written once and never change, so its scale is final when it is written; a per-block
-  scale would grow as tokens arrive and force re-quantizing the block's earlier rows;
-- in the row, a block's scales move and are shared with it: the one index op that swaps a block out and
-  in moves its scales, and prefix-cache hits share them, with nothing beside the cache to keep in step;
-- one token's outlier spoils only its own row, and 4 bytes per 64 values (head_dim 64) keep the cache
-  at 68/256 of fp32's bytes.
-The C kernels (kernels/cpu/decode_attention.c, kv_types.h) and the Triton kernels (kernels/paged_attention.py)
-read this layout; the fused CPU decode step writes it with lp_kv_store, which rounds exactly as `quantize` does
-(its cache equals the per-op path's, byte for byte).
+- Layout: an 8-bit cache row (one token, one kv head) is head_dim 8-bit values and then their scale, the 4 bytes of
+  an fp32, in the same tensor: the cache's last dimension is head_dim + 4 one-byte elements (row_width).
+- value = q * scale, scale = absmax / 127 (int8, q rounded to nearest even in [-127, 127]) or absmax / 448 (fp8
+  e4m3, q = x / scale rounded to nearest even e4m3); an all-zero row has scale 0.
+- Why a scale per (token, kv head), stored in the row:
+  - a token's K/V are written once and never change, so its scale is final when it is written; a per-block scale
+    would grow as tokens arrive and force re-quantizing the block's earlier rows;
+  - in the row, a block's scales move and are shared with it: the one index op that swaps a block out and in moves
+    its scales, and prefix-cache hits share them, with nothing beside the cache to keep in step;
+  - one token's outlier spoils only its own row, and 4 bytes per 64 values (head_dim 64) keep the cache at 68/256
+    of fp32's bytes.
+- Readers: the C kernels (kernels/cpu/decode_attention.c, kv_types.h) and the Triton kernels
+  (kernels/paged_attention.py). The fused CPU decode step writes it with lp_kv_store, which rounds exactly as
+  `quantize` does (its cache equals the per-op path's, byte for byte).
 """
 
 from __future__ import annotations

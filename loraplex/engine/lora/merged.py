@@ -1,17 +1,16 @@
 """One adapter merged into a copy of the projection weights, for decode steps whose every token uses it.
 
-Such a step then runs as the base model does: the same GEMMs over W' = W + scaling * B @ A and no
-LoRA work at all (dLoRA's "merged mode", OSDI '24). At 32 sequences on one rank-16 adapter the
-fused decode step's LoRA work, even folded into the GEMMs, costs 4-7% of the step; merged it costs
-nothing. The price is a packed copy of every targeted projection (for SmolLM2-135M in fp32, 420 MB
-with all seven modules targeted) and a build of a few hundred milliseconds. So the copy is made
-only once one adapter has held every token of `after_steps` fused decode steps in a row, one copy
-is kept, and it goes when its slot is rewritten or another adapter earns the merge.
-
-CPU fused decode step only (kernels/cpu/decode_step.py, fp32): the copy is packed without an
-unpacked weight, in the base's packed element type, or bf16 over a block-quantized base (W + BA has no
-blocks of its own; bf16 keeps the adapter's delta, which re-quantizing would round away); the per-op path
-(prefill, mixed steps) and the GPU keep the LoRA kernels.
+- Such a step then runs as the base model does: the same GEMMs over W' = W + scaling * B @ A and no LoRA work at all
+  (dLoRA's "merged mode", OSDI '24). At 32 sequences on one rank-16 adapter the fused decode step's LoRA work, even
+  folded into the GEMMs, costs 4-7% of the step; merged it costs nothing.
+- The price is a packed copy of every targeted projection (for SmolLM2-135M in fp32, 420 MB with all seven modules
+  targeted) and a build of a few hundred milliseconds. So the copy is made only once one adapter has held every token
+  of `after_steps` fused decode steps in a row; one copy is kept, and it goes when its slot is rewritten or another
+  adapter earns the merge.
+- CPU fused decode step only (kernels/cpu/decode_step.py, fp32); the per-op path (prefill, mixed steps) and the GPU
+  keep the LoRA kernels.
+- The copy is packed without an unpacked weight, in the base's packed element type, or bf16 over a block-quantized
+  base (W + BA has no blocks of its own; bf16 keeps the adapter's delta, which re-quantizing would round away).
 """
 
 from __future__ import annotations

@@ -1,18 +1,18 @@
-"""One admitted request from engine submission to its usage event.
+"""One admitted request from engine submission to its usage event: `GenerationRun` ends every request exactly once.
 
-`GenerationRun` wraps the engine's event streams, one per choice (`n` of them; the engine computes
-their shared prompt once, and the request is billed for it once): it times the first token and the
-gaps between tokens, counts what was generated, stops a generation that outlives the request
-timeout or whose stream fails (one failing choice fails the request), and `close()` (idempotent,
-shielded from cancellation) does the ending exactly once whatever happened: aborts the engine
-requests that did not finish (a disconnected client, a timeout, an engine failure), emits one
-usage event, records the metrics, and settles the budget
-and rate-limit reservation with the tokens actually used in a background task, so that the
-response does not wait for the round trip to Redis. The settlement is queued on the counters'
-Redis connection when that task first runs (the next event-loop iteration), before this process
-can read the client's next request, and that connection runs calls in order
-(billing/redis_pipe.py): the client's next request to this instance sees the settlement. Other
-instances see it once Redis has run it, a fraction of a millisecond after the response is sent.
+- It wraps the engine's event streams, one per choice (`n` of them; the engine computes their shared prompt once, and
+  the request is billed for it once), times the first token and the gaps between tokens, and counts what was
+  generated.
+- It stops a generation that outlives the request timeout or whose stream fails (one failing choice fails the
+  request).
+- `close()` (idempotent, shielded from cancellation) does the ending whatever happened: aborts the engine requests
+  that did not finish (a disconnected client, a timeout, an engine failure), emits one usage event, records the
+  metrics, and settles the budget and rate-limit reservation with the tokens actually used.
+- The settlement runs in a background task, so the response does not wait for the round trip to Redis. It is queued
+  on the counters' Redis connection when that task first runs (the next event-loop iteration), before this process
+  can read the client's next request, and that connection runs calls in order (billing/redis_pipe.py): the client's
+  next request to this instance sees the settlement. Other instances see it once Redis has run it, a fraction of a
+  millisecond after the response is sent.
 """
 
 from __future__ import annotations

@@ -1,15 +1,14 @@
 """`tool_choice: "auto"` (the default when tools are given): the model decides whether to call one.
 
-The system text lists the tools and asks for a bare JSON call `{"name", "arguments"}` (or a list of
-them) when the model wants one, and an ordinary answer otherwise; the output is free, not guided. An
-answer that is such a call of a listed tool, as a whole (inside a ```json fence too), becomes
-`message.tool_calls`; anything else is the answer's content, so a model that writes no call, or a
-broken one, still answers. Unlike a forced call, an "auto" call's arguments are not held to the
-tool's schema as they are generated (as with OpenAI without `strict`); "required" or a named
-function gives that.
-
-Streamed, an answer that opens with `{`, `[` or a fence is held back until it ends (only then is it
-known to be a call); any other answer streams as content at once.
+- The system text lists the tools and asks for a bare JSON call `{"name", "arguments"}` (or a list of them) when the
+  model wants one, and an ordinary answer otherwise; the output is free, not guided.
+- An answer that is such a call of a listed tool, as a whole (inside a ```json fence too), becomes
+  `message.tool_calls`; anything else is the answer's content, so a model that writes no call, or a broken one, still
+  answers.
+- Unlike a forced call, an "auto" call's arguments are not held to the tool's schema as they are generated (as with
+  OpenAI without `strict`); "required" or a named function gives that.
+- Streamed, an answer that opens with `{`, `[` or a fence is held back until it ends (only then is it known to be a
+  call); any other answer streams as content at once.
 """
 
 from __future__ import annotations

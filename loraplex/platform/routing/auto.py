@@ -1,31 +1,23 @@
 """`model: "auto"`: the cheapest base model that can take the request.
 
-An operator puts a base model in auto's pool by giving it `auto_max_complexity` (0-1; admin API,
-admin UI, `loraplex models route`, or `models calibrate` for a share of traffic): the highest score
-(routing/learned/scorer.py: the learned scorer's probability that the strong model is needed, or
-complexity.py's heuristic) it should take.
-A request for "auto" goes, among the pool's models this instance serves and the key
-may use, to:
-
-1. those whose context holds the prompt (counted by each model's own tokenizer) and the
-   max_tokens asked for (or one token);
-2. of those, the ones whose auto_max_complexity reaches the request's score;
-3. of those, the cheapest at the price in force now: prompt tokens x input price + the tokens it
-   may generate (max_tokens, else the key's or server's default cap) x output price; a model
-   without a price costs nothing, as billing charges it. Equal costs, or prices in different
-   currencies, go to the lower auto_max_complexity (the smaller model in the operator's ranking),
-   then to the name.
-
-If no model reaches the score, the most capable one that fits takes it; if none fits, the one with
-the longest context, whose context-length error the client then gets. With no model in the pool
-for this key, "auto" answers 404 like any model that does not exist.
-
-A key limited to some models routes among those; one whose allowed models include "auto" routes over
-the whole pool (a key limited to ["auto"] can reach models only through the router).
-
-The response's `model` names the model chosen, headers `x-loraplex-model` and
-`x-loraplex-complexity` tell the decision, and the ledger row keeps `routed_from = "auto"` and the
-score (`route_score`, which calibration reads).
+- The pool: base models an operator gave an `auto_max_complexity` (0-1; admin API, admin UI, `loraplex models route`,
+  or `models calibrate` for a share of traffic), the highest score each should take (routing/learned/scorer.py: the
+  learned scorer's probability that the strong model is needed, or complexity.py's heuristic).
+- A request for "auto" goes, among the pool's models this instance serves and the key may use, to:
+  1. those whose context holds the prompt (counted by each model's own tokenizer) and the max_tokens asked for (or
+     one token);
+  2. of those, the ones whose auto_max_complexity reaches the request's score;
+  3. of those, the cheapest at the price in force now: prompt tokens x input price + the tokens it may generate
+     (max_tokens, else the key's or server's default cap) x output price; a model without a price costs nothing, as
+     billing charges it. Equal costs, or prices in different currencies, go to the lower auto_max_complexity (the
+     smaller model in the operator's ranking), then to the name.
+- If no model reaches the score, the most capable one that fits takes it; if none fits, the one with the longest
+  context, whose context-length error the client then gets. With no model in the pool for this key, "auto" answers
+  404 like any model that does not exist.
+- A key limited to some models routes among those; one whose allowed models include "auto" routes over the whole pool
+  (a key limited to ["auto"] can reach models only through the router).
+- The response's `model` names the model chosen, headers `x-loraplex-model` and `x-loraplex-complexity` tell the
+  decision, and the ledger row keeps `routed_from = "auto"` and the score (`route_score`, which calibration reads).
 """
 
 from __future__ import annotations

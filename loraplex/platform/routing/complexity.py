@@ -1,9 +1,10 @@
 r"""How demanding a request looks, scored from 0 to 1 from the request alone: `auto`'s heuristic.
 
-The learned scorer (router/) is `auto`'s default and reads these signals as features; with
-LORAPLEX_ROUTER=heuristic the router (auto_route.py) sends a request to the cheapest model whose
-`auto_max_complexity` is at least this score, which an operator can predict: a weighted sum of named
-signals, each 0-1, capped at 1, all read off the request's own text and fields (no model is run):
+- The learned scorer (routing/learned/) is `auto`'s default and reads these signals as features; with
+  LORAPLEX_ROUTER=heuristic the router (auto.py) sends a request to the cheapest model whose `auto_max_complexity` is
+  at least this score.
+- An operator can predict it: a weighted sum of named signals, each 0-1, capped at 1, all read off the request's own
+  text and fields (no model is run):
 
 | signal    | weight | 0                           | 1                                                  |
 |-----------|--------|-----------------------------|----------------------------------------------------|
@@ -15,18 +16,15 @@ signals, each 0-1, capped at 1, all read off the request's own text and fields (
 | multipart | 0.15   | one ask                     | 5+ questions or list items                         |
 | dialogue  | 0.10   | 4 turns or fewer            | 16+ turns                                          |
 
-Content signals read the last user turn (what is asked now; a system prompt is fixed per
-application and would score every request alike), at most SCAN_CHARS (8,000) characters of it:
-its first and last 4,000 when longer, so the score costs the same for a 10 KB turn as for a 10 MB
-one; length reads the whole prompt's size. Terms count once each, whole words only. Every pattern
-runs in linear time (`[ \t]*` where a line's indentation is meant, never `\s*` under MULTILINE,
-which would run across blank lines from every line start, and no nested quantifiers), so no text
-makes a score slow.
-
-"Hello" scores 0; "Write a Python function that parses dates" 0.17; a proof by induction asked for
-step by step, with LaTeX, 0.37; a code review with a fenced block and four numbered questions 0.65,
-and 0.95 at the end of a 12K-character conversation that asks for 2048 tokens
-(tests/unit/test_auto_route.py holds these examples).
+- Content signals read the last user turn (what is asked now; a system prompt is fixed per application and would
+  score every request alike), at most SCAN_CHARS (8,000) characters of it: its first and last 4,000 when longer, so
+  the score costs the same for a 10 KB turn as for a 10 MB one. Length reads the whole prompt's size.
+- Terms count once each, whole words only.
+- Every pattern runs in linear time, so no text makes a score slow: `[ \t]*` where a line's indentation is meant,
+  never `\s*` under MULTILINE (which would run across blank lines from every line start), and no nested quantifiers.
+- Examples (tests/unit/test_auto_route.py holds them): "Hello" scores 0; "Write a Python function that parses dates"
+  0.17; a proof by induction asked for step by step, with LaTeX, 0.37; a code review with a fenced block and four
+  numbered questions 0.65, and 0.95 at the end of a 12K-character conversation that asks for 2048 tokens.
 """
 
 from __future__ import annotations

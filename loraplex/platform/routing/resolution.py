@@ -1,13 +1,12 @@
 """Model resolution over a short-lived cache of the catalog, and adapter loading.
 
-`model` is "<base>", "<base>:<adapter>" or "<adapter>"; adapters are looked up in the caller's
-tenant only, and whatever the key may not use answers exactly as a model that does not exist.
-The catalog is cached for `catalog_cache_ttl_s` (cache.py: entries in use are re-read in the
-background); while the database is down, the cached catalog keeps serving for a while (outage.py).
-What the cache holds is bounded by the catalog, not by what clients ask for: a name longer than
-MAX_NAME_CHARS, or holding a control character (no name can: Postgres refuses NUL in text),
-answers 404 without a lookup, and an adapter that does not exist is looked up
-again next time rather than remembered per requested string.
+- `model` is "<base>", "<base>:<adapter>" or "<adapter>"; adapters are looked up in the caller's tenant only, and
+  whatever the key may not use answers exactly as a model that does not exist.
+- The catalog is cached for `catalog_cache_ttl_s` (cache.py: entries in use are re-read in the background); while
+  the database is down, the cached catalog keeps serving for a while (outage.py).
+- What the cache holds is bounded by the catalog, not by what clients ask for: a name longer than MAX_NAME_CHARS, or
+  holding a control character (no name can: Postgres refuses NUL in text), answers 404 without a lookup, and an
+  adapter that does not exist is looked up again next time rather than remembered per requested string.
 """
 
 from __future__ import annotations
