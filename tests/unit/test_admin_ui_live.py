@@ -10,10 +10,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 
 from loraplex.admin_ui.live import LiveHistory
 from loraplex.admin_ui.live_metrics import OTHER_429, bucket_delta, percentile, point, read
-from loraplex.engine.api import EngineStats
+from loraplex.engine.api import EngineStats, KVCacheStats, RequestStats
 
-STATS = EngineStats(running=1, waiting=2, kv_blocks_total=100, kv_blocks_used=25, kv_blocks_free=75,
-                    waiting_by_class={"realtime": 2})
+STATS = EngineStats(requests=RequestStats(running=1, waiting=2, waiting_by_class={"realtime": 2}),
+                    kv=KVCacheStats(blocks_total=100, blocks_used=25, blocks_free=75))
 INF = math.inf
 
 
