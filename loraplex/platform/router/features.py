@@ -30,6 +30,7 @@ from loraplex.platform.router import structure
 
 SCAN_CHARS = 2_048
 STRUCTURE_CHARS = 2_048  # what structure.py's regexes read of the scanned text
+SHARE_FLOOR = 200  # digit and upper-case shares are of at least this many characters
 HASH_BITS = 18
 NGRAMS = (3, 4, 5)
 HASHED: tuple[str, ...] = ()  # the namespaces hashed: any of "w", "p", "c3", "c4", "c5"
@@ -61,7 +62,7 @@ WEIGHTS = (1 << HASH_BITS) if HASHED else DENSE  # the weight vector: dense slot
 KIND_NAMES = {"w": "word", "p": "word pair", **{f"c{n}": "chars" for n in NGRAMS}}
 # what a weights file must have been trained on: changing any feature changes this
 VERSION = (f"{'+'.join(HASHED) or 'nohash'}/bits{HASH_BITS if HASHED else 0}/scan{SCAN_CHARS}+{STRUCTURE_CHARS}"
-           f"/dense{len(DENSE_NAMES)}/v3")
+           f"/dense{len(DENSE_NAMES)}/share{SHARE_FLOOR}/v3")
 _CHOICE = re.compile(r"^[ \t]*+\(?[A-Ha-h][.)][ \t]", re.MULTILINE)  # a line opening with "A." or "(b)"
 # namespace seeds: words, word pairs, char n-grams by n
 _SEEDS = {"w": np.uint64(0x51ED27), "p": np.uint64(0xA11CE5), **{f"c{n}": np.uint64(0xC0FFEE + n) for n in NGRAMS}}
@@ -109,7 +110,7 @@ def dense_features(req: RequestText, text: str, codes: np.ndarray, words: int, u
     """[DENSE] float32, each in 0..1."""
     digits = int(np.count_nonzero(codes == 48))
     numbers = int(np.count_nonzero((codes[1:] == 48) & (codes[:-1] != 48))) + int(len(codes) > 0 and codes[0] == 48)
-    n = max(1, len(text))
+    n = max(SHARE_FLOOR, len(text))  # a short text's one capital or digit is no "high share"
     sizes = [_log_scale(req.prompt_chars, 1e6), _log_scale(len(req.last_user), 1e6), _log_scale(words, 1e5),
              _log_scale(text.count("\n"), 1e4), _log_scale(numbers, 1e4), _log_scale(req.turns, 1e3),
              _log_scale(req.max_tokens or 0, 1e5), min(1.0, text.count("?") / 5), digits / n,
