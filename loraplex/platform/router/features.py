@@ -1,4 +1,4 @@
-"""A request as sparse hashed features, in bounded time: what the learned scorer reads.
+"""A request as dense (and optionally hashed) features, in bounded time: what the learned scorer reads.
 
 - Text: the last user turn, at most SCAN_CHARS of it (its first and last SCAN_CHARS / 2 when
   longer), lower-cased, digits folded to "0" so numbers of the same shape share features.
@@ -6,8 +6,9 @@
   ("p"), and character 3-, 4- and 5-grams ("c3".."c5"). None ship on: next to the structure signals
   below, hashed words (or words, pairs and character n-grams) ranked held-out subjects no better
   at any penalty tried, and worse at light ones (docs/routing.md); without them the weights are
-  DENSE numbers. Each is a 64-bit polynomial hash of its characters computed with numpy over prefix sums (no Python loop
-  per n-gram and no per-process hash seed: the same text gives the same buckets in every process).
+  DENSE numbers. Each is a 64-bit polynomial hash of its characters computed with numpy over
+  prefix sums (no Python loop per n-gram and no per-process hash seed: the same text gives the same
+  buckets in every process).
   Each namespace's occurrences weigh 1 / sqrt(its count), so a long prompt is not a loud one.
 - Dense features (the first DENSE slots): sizes on log scales (conversation, last turn, words,
   lines, numbers, turns, max_tokens), each twice: for open requests and for multiple-choice ones
