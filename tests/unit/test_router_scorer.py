@@ -99,6 +99,6 @@ def test_weights_round_trip_and_bad_files_are_refused(tmp_path):
     with pytest.raises(WeightsError, match="train them again"):
         LearnedScorer.load(other)
     with pytest.raises(WeightsError, match="finite"):
-        LearnedScorer(np.full(1 << features.HASH_BITS, np.nan), {})
+        LearnedScorer(np.full(features.WEIGHTS, np.nan), {})
     with pytest.raises(ValueError, match="learned"):
         load_scorer("magic")

@@ -2,7 +2,7 @@
 
 - `Scorer.score(request)` -> 0..1, the probability that the request needs the pool's most capable
   model (learned) or the heuristic's weighted signals; `explain` names what drove it.
-- `LearnedScorer`: logistic regression over features.py's hashed features, weights from a .npz file
+- `LearnedScorer`: logistic regression over features.py's features, weights from a .npz file
   (the package's `default.npz`, trained by `loraplex router train` on public data; or an operator's).
 - `HeuristicScorer`: complexity.py's hand-set signals, the explainable fallback.
 Both are deterministic (same request, same score, in any process) and bounded by their scan limits.
@@ -22,7 +22,7 @@ import numpy as np
 from loraplex.platform.routing import complexity
 from loraplex.platform.routing.complexity import RequestText
 from loraplex.platform.routing.learned import features
-from loraplex.platform.routing.learned.features import DENSE, DENSE_NAMES, HASH_BITS
+from loraplex.platform.routing.learned.features import DENSE, DENSE_NAMES, WEIGHTS
 
 FORMAT = "loraplex-router/1"
 MAX_WEIGHTS_BYTES = 16 << 20
@@ -74,13 +74,13 @@ def _sigmoid(z: float) -> float:
 
 
 class LearnedScorer:
-    """P(strong model needed) from hashed features and a weight vector [2**HASH_BITS]."""
+    """P(strong model needed) from features.py's features and a weight vector [features.WEIGHTS]."""
 
     name = "learned"
 
     def __init__(self, weights: np.ndarray, meta: dict):
-        if weights.shape != (1 << HASH_BITS,) or not np.all(np.isfinite(weights)):
-            raise WeightsError(f"router weights must be {1 << HASH_BITS} finite numbers, got shape {weights.shape}")
+        if weights.shape != (WEIGHTS,) or not np.all(np.isfinite(weights)):
+            raise WeightsError(f"router weights must be {WEIGHTS} finite numbers, got shape {weights.shape}")
         self.weights = weights.astype(np.float64)
         self.meta = meta
 
@@ -109,7 +109,9 @@ class LearnedScorer:
     def save(self, path: str | Path) -> None:
         meta = {**self.meta, "format": FORMAT, "features": features.VERSION}
         with open(path, "wb") as out:  # np.savez would add ".npz" to a name without it
-            np.savez_compressed(out, weights=self.weights.astype(np.float16), meta=np.array(json.dumps(meta)))
+            # a hashed vector in half precision (its size); the dense weights alone in single (the bias is their sum)
+            dtype = np.float16 if len(self.weights) > 4096 else np.float32
+            np.savez_compressed(out, weights=self.weights.astype(dtype), meta=np.array(json.dumps(meta)))
 
     def logit(self, f: features.Features) -> float:
         # elementwise products and sums, not `@`: a BLAS dot here may wake BLAS threads, costing ms under load

@@ -7,6 +7,11 @@
   when both or neither were. Ranking by it is ranking by the expected gain of a strong call, which
   is what APGR scores; on the shared RouteLLM file it beat the hard "strong needed" label on held-out
   APGR (docs/routing.md has the figures).
+- The target is centred within each kind of request (multiple-choice, open): each kind's mean
+  target over the training rows becomes 0.5. The scorer ranks requests within a kind by what their
+  text says, not by how often that kind needed the strong model in the training data: a training
+  mean carries no word about an unseen subject's prompts, and in held-out folds it is even
+  anti-informative (the folds' means pull opposite ways).
 - Every example weighs the same (SET_BALANCE 0): weighing each `set` the same (1), so that GSM8K
   counts as much as MMLU, ranked worse on both in held-out APGR (docs/routing.md).
 """
@@ -25,7 +30,7 @@ from loraplex.platform.routing.learned.requests import BadLine, json_lines, pars
 from loraplex.platform.routing.learned.scorer import LearnedScorer
 
 L2 = 1e-4  # on the hashed features
-L2_DENSE = 1e-4
+L2_DENSE = 1e-2  # on the dense ones, standardized (linear.py)
 STEPS = 200
 LR = 0.1
 SET_BALANCE = 0.0
@@ -76,16 +81,28 @@ def set_weights(examples: Sequence[Example]) -> np.ndarray:
     return np.array([float(sizes[s]) ** -SET_BALANCE for s in sets])
 
 
-def fit(batch: linear.Batch, examples: Sequence[Example]) -> np.ndarray:
-    """[2**HASH_BITS] weights for these examples (batch: their features, in order)."""
+def centred_targets(batch: linear.Batch, examples: Sequence[Example], weight: np.ndarray) -> np.ndarray:
+    """[N] soft targets shifted so that each kind of request (multiple-choice or open) has a weighted
+    mean of 0.5 (module docstring)."""
     target = np.array([e.target for e in examples])
-    return linear.fit(batch, target, l2=L2, steps=STEPS, lr=LR, sample_weight=set_weights(examples), l2_dense=L2_DENSE)
+    kind = batch.dense[:, features.DENSE_NAMES.index("choices")] > 0.5
+    for pick in (kind, ~kind):
+        if pick.any():
+            target[pick] += 0.5 - np.average(target[pick], weights=weight[pick])
+    return target
+
+
+def fit(batch: linear.Batch, examples: Sequence[Example]) -> np.ndarray:
+    """[features.WEIGHTS] weights for these examples (batch: their features, in order)."""
+    weight = set_weights(examples)
+    return linear.fit(batch, centred_targets(batch, examples, weight), l2=L2, steps=STEPS, lr=LR,
+                      sample_weight=weight, l2_dense=L2_DENSE)
 
 
 def train(examples: Sequence[Example], source: str = "") -> LearnedScorer:
     """A scorer fitted on all of `examples`; `source` is recorded in its metadata."""
     weights = fit(batch_of(examples), examples)
     sets = sorted({e.set for e in examples})
-    meta = {"trained_on": source, "examples": len(examples), "sets": sets, "target": "soft",
-            "l2": L2, "steps": STEPS}
+    meta = {"trained_on": source, "examples": len(examples), "sets": sets, "target": "soft, centred per kind",
+            "l2": L2, "l2_dense": L2_DENSE, "steps": STEPS}
     return LearnedScorer(weights, meta)
