@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from playwright.sync_api import Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
 from tests.e2e.server import start
 from tests.e2e.test_cli_platform import EMBEDDED
@@ -29,27 +29,6 @@ def server(tmp_path_factory):
         yield srv
     finally:
         srv.stop()
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with sync_playwright() as p:
-        chromium = p.chromium.launch(executable_path="/usr/bin/chromium", headless=True)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
-
-
-@pytest.fixture
-def page(browser, server):
-    context = browser.new_context(base_url=server.base_url, permissions=["clipboard-read", "clipboard-write"])
-    page = context.new_page()
-    page.errors = []  # console errors (a CSP violation is one) and uncaught exceptions
-    page.on("console", lambda m: page.errors.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda e: page.errors.append(str(e)))
-    yield page
-    context.close()
 
 
 def ask(key: str, server, model: str = MODEL) -> str:
