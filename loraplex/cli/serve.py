@@ -1,4 +1,4 @@
-"""`loraplex serve`: migrate, load the model (or several, multiplexed), serve the API with uvicorn.
+"""`loraplex serve`: load the model (or several, multiplexed), migrate, serve the API with uvicorn.
 With `--ray` it loads no model here: the engine runs as Ray Serve replicas (cli/serve_ray.py,
 loraplex/ray_serve).
 
@@ -99,12 +99,12 @@ def run(args: argparse.Namespace) -> int:
         client, plugins = ray_engine(args)
         run_db(upgrade, settings, create=True)
         return _serve(args, settings, client, plugins)
-    run_db(upgrade, settings, create=True)
-    engine = build_engine(args)
-    from loraplex.engine.compute import local_compute_path
-
-    log.info("%s", local_compute_path(args.device or "auto").summary())
+    engine = build_engine(args)  # bad engine options fail here, in one line, before the database is touched
     try:
+        run_db(upgrade, settings, create=True)
+        from loraplex.engine.compute import local_compute_path
+
+        log.info("%s", local_compute_path(args.device or "auto").summary())
         return _serve(args, settings, engine, [])
     finally:
         engine.shutdown()

@@ -112,7 +112,7 @@ def test_a_forward_pass_fault_ends_every_stream_bills_it_and_the_engine_serves_o
     assert rows, "every failed request leaves its usage row"
     assert sorted(r.completion_tokens for r in rows) == sorted(s.tokens for s in seen)  # billed what it generated
     assert {r.status for r in rows} == {"error"} and all(r.prompt_tokens > 0 for r in rows)
-    idle = lambda: (s := engine.stats()).kv_blocks_used == 0 and s.requests.running == s.requests.waiting == 0  # noqa: E731
+    idle = lambda: (s := engine.stats()).kv.blocks_used == 0 and s.requests.running == s.requests.waiting == 0  # noqa: E731
     assert wait_for(idle)  # nothing held, nothing left waiting
 
     # served as usual after: the base model, and another adapter (it needs the slot the fault freed)
