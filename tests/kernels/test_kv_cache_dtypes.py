@@ -78,7 +78,7 @@ def _sdpa(q, k, v):
 
 
 @KV_TYPES
-# 36: a tail of 4 past the 8-wide loads; 5: odd blocks; 520: too wide to widen an fp8 chunk first (read in place)
+# 36: a tail of 4 past the 8-wide loads; 5: odd blocks; 520: too wide to widen an fp8 chunk first (AVX2: in place)
 @pytest.mark.parametrize("d,bs", [(64, 16), (36, 5), (520, 16)])
 def test_c_decode_attention_reads_each_type(dtype, d, bs):
     g = torch.Generator().manual_seed(d + bs)

@@ -275,8 +275,9 @@ ALWAYS_INLINE void att_chunk_widened(const att_t *a, const float *q, int64_t nh,
     }
 }
 
-/* att_chunk_t for the table's kt, each type's loop compiled apart (the type is a constant in each); fp8 chunks
- * widened first (att_chunk_widened) unless head_dim is too wide for 8 rows of ATT_CONV_FLOATS. */
+/* The chunk loop for the table's kt (att_chunk_t for fp32, att_chunk_narrow for the others), each type's compiled
+ * apart (the type is a constant in each); fp8 chunks widened first (att_chunk_widened) where ATT_CONV_FLOATS holds
+ * 16 rows (AVX2 builds, head_dim <= 256). */
 static void att_chunk(const att_t *a, const float *q, int64_t nh, const char *const *kp, const char *const *vp,
                       int64_t off, int64_t np, float *s, float *acc, float *m, float *l) {
     const int64_t D = a->D;
