@@ -2,8 +2,8 @@
 layout per vector width (48-column panels with AVX-512, 24 with AVX2 or none), and lora.c's tile
 kernel and the argmax one body per width, the 16-bit slot stores a vector, an F16C and a by-hand
 form, bf16 weight panels a widening load per width and a by-hand one, GGUF block panels a dequantizing
-load per width and a by-hand one, and the decode attention's 16- and 8-bit KV rows an AVX2 + F16C load and a
-by-hand one, so the tests of the
+load per width and a by-hand one, and the decode attention's 16- and 8-bit KV rows an AVX-512 loop (the native
+build), an AVX2 + F16C load and a by-hand one, so the tests of the
 width-dependent kernels run again in a child process under each build a smaller CPU would get.
 """
 
@@ -32,7 +32,7 @@ LAYOUT_TESTS = [
     os.path.join(HERE, "test_cpu_copy_blocks.py"),  # 16-bit stores: vector, F16C, or by hand
     os.path.join(HERE, "test_cpu_bf16_weights.py"),  # bf16 panels: widened per vector width, or by hand
     os.path.join(HERE, "test_cpu_quant_weights.py"),  # GGUF blocks: dequantized per vector width, or by hand
-    os.path.join(HERE, "test_kv_cache_dtypes.py"),  # KV rows widened by AVX2 + F16C loads, or by hand
+    os.path.join(HERE, "test_kv_cache_dtypes.py"),  # KV rows: AVX-512 (native), AVX2 + F16C loads, or by hand
 ]
 
 

@@ -1,9 +1,10 @@
 """KV caches of 16- and 8-bit types (kv/kv_dtype.py) in each kernel that writes or reads them.
 
 The C writer (lp_kv_store) gives the same bytes as kv_dtype.quantize; the C decode attention over a cache of
-each type equals attention over that cache's dequantized values (fp32 math), and stays within the type's
-rounding of attention over the fp32 values; the fused decode step stays bit-identical to the per-op path
-whatever the cache type; the torch_sdpa backend over each type stays within tolerance of an fp32 cache.
+each type (any GQA group, head_dim and context) equals attention over that cache's dequantized values (fp32
+math), and stays within the type's rounding of attention over the fp32 values; the fused decode step stays
+bit-identical to the per-op path whatever the cache type; the torch_sdpa backend over each type stays within
+tolerance of an fp32 cache.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def _sdpa(q, k, v):
 
 
 @KV_TYPES
-# 36: a tail of 4 past the 8-wide loads; 5: odd blocks; 520: too wide to widen an fp8 chunk first (read in place)
+# 36: a tail of 4 past the 8-wide loads; 5: odd blocks; 520: too wide to widen an fp8 chunk first (AVX2: in place)
 @pytest.mark.parametrize("d,bs", [(64, 16), (36, 5), (520, 16)])
 def test_c_decode_attention_reads_each_type(dtype, d, bs):
     g = torch.Generator().manual_seed(d + bs)
@@ -92,6 +93,27 @@ def test_c_decode_attention_reads_each_type(dtype, d, bs):
         seen_v = kv_dtype.dequantize(kv_dtype.quantize(vs[b], dtype), d, torch.float32)
         torch.testing.assert_close(out[b], _sdpa(q[b], seen_k, seen_v).float(), rtol=1e-5, atol=1e-5)
         assert (out[b] - _sdpa(q[b], ks[b], vs[b]).float()).abs().max() <= ATOL[dtype]
+
+
+@pytest.mark.parametrize("heads,kvh", [(3, 3), (9, 3), (8, 2), (10, 2), (8, 1)], ids=["g1", "g3", "g4", "g5", "g8"])
+# 128: two register blocks of 64; 80: a block with one vector and three masked off; 36: a 16-wide tail of 4
+@pytest.mark.parametrize("d", [64, 128, 80, 36])
+def test_c_decode_attention_over_gqa_groups_and_odd_contexts(heads, kvh, d):
+    """AVX-512 builds take a kv head's query heads in sub-groups of up to 4 (g5: 4 + 1, g8: 4 + 4) and slots in
+    sixteens: each group size and head_dim, contexts not a multiple of 16 or 64, through every 16- and 8-bit type,
+    against attention over the cache's dequantized values."""
+    g = torch.Generator().manual_seed(heads * 100 + kvh * 10 + d)
+    lens = [1, 15, 17, 63, 65, 211]
+    ks = [torch.randn(n, kvh, d, generator=g) for n in lens]
+    vs = [torch.randn(n, kvh, d, generator=g) for n in lens]
+    q = torch.randn(len(lens), heads, d, generator=g)
+    for dtype in (torch.int8, torch.float8_e4m3fn, torch.bfloat16):
+        k_cache, v_cache, tables = _paged_cache(ks, vs, dtype, 16, g)
+        out = decode_attention(q, k_cache, v_cache, tables, torch.tensor(lens), max(lens), 1 / math.sqrt(d))
+        for b in range(len(lens)):
+            seen_k = kv_dtype.dequantize(kv_dtype.quantize(ks[b], dtype), d, torch.float32)
+            seen_v = kv_dtype.dequantize(kv_dtype.quantize(vs[b], dtype), d, torch.float32)
+            torch.testing.assert_close(out[b], _sdpa(q[b], seen_k, seen_v).float(), rtol=1e-5, atol=1e-5)
 
 
 def test_c_decode_attention_refuses_a_cache_of_the_wrong_width():

@@ -7,7 +7,10 @@
  *                         p = softmax_j(scale * q[b, h] . K(slot(j), g));
  *                         out[b, h] = sum_j p[j] * V(slot(j), g),
  *                         K(s, g), V(s, g): row g of slot s of k, v ([slots, KVH] rows of kv_type,
- *                         kv_types.h), as fp32 values (8-bit rows: q * scale).
+ *                         kv_types.h), as fp32 values (8-bit rows: q * scale); in fp32 math as
+ *                         (scale * s_K) * (q . k) for a K row's values k and scale s_K, and
+ *                         (e^(score - max) * s_V) * v for V; the sums' order depends on the build (AVX-512,
+ *                         AVX2 or portable), so builds agree within fp32 rounding, not bit for bit.
  *                         q: fp32, row stride q_stride, heads D apart; tables: [B, max_blocks] int64;
  *                         lens: [B] int64; out: [B, H, D] fp32. lens[b] <= 0 gives zeros. Returns 0, or
  *                         -1 for an unknown kv_type (scratch is on the stack; only with very many heads
@@ -20,8 +23,10 @@
  *
  * Why 8- and 16-bit caches: at batch 32 a decode step of the default model reads ~300 MB of fp32 K/V;
  * the attention is bound by that stream, and an 8-bit row is ~1/4 of it. Rows are widened as they are
- * loaded, a row's scale applied to the score for K and to the softmax weight for V; fp8 chunks, whose
- * widening costs more, are widened once per kv head into L1 first (att_chunk_widened).
+ * loaded, a row's scale applied to the score for K and to the softmax weight for V. AVX-512 builds widen each
+ * 16- or 8-bit row once for all the query heads of its kv head (decode_attention_avx512.h); AVX2 builds widen
+ * it per query head, and so widen fp8 chunks, whose widening costs more, once per kv head into L1 first
+ * (att_chunk_widened). fp32 rows take the AVX2 loop in both (it streamed them faster).
  */
 #include <math.h>
 #include <stdint.h>
@@ -47,12 +52,22 @@
  * chunk repeats a real slot in its spare lanes (with weight 0), so no other slot is ever read.
  * Work is memory-bound once the cache is out of L3 (as it is in a real step): the order above,
  * with long chunks, is what streamed fastest of the orders tried. */
-#define ATT_CHUNK 64         /* slots per softmax step, a multiple of 8 */
+#define ATT_CHUNK 64         /* slots per softmax step, a multiple of 16 */
 #define ATT_HEADS 32         /* most query heads a piece takes at once (its scores: ATT_HEADS x ATT_CHUNK) */
 #define ATT_ACC_FLOATS 2048  /* a whole sequence's accumulators, on the stack: heads per pass x (D + 2) */
 #define ATT_PART_FLOATS 8192 /* the partials of split sequences (two per thread), on the stack if they fit */
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX2__) && defined(__FMA__) && \
+    defined(__F16C__)
+#define ATT_AVX512 1 /* 16- and 8-bit rows through decode_attention_avx512.h */
+#else
+#define ATT_AVX512 0
+#endif
 #ifndef ATT_CONV_FLOATS /* (a build may set it: 0 reads fp8 chunks in place too) */
+#if ATT_AVX512
+#define ATT_CONV_FLOATS 0 /* AVX-512 widens a row once for a kv head's query heads anyway: in place is faster */
+#else
 #define ATT_CONV_FLOATS 4096 /* an fp8 chunk's K (and V) rows widened to fp32: 16 KB each, in L1 */
+#endif
 #endif
 /* Below this much work (context positions x query heads x D) one thread does it all. */
 #define ATT_PARALLEL_MIN (128 * 1024)
@@ -84,6 +99,30 @@ static inline float hsum8(__m256 x) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)));
+}
+
+/* One online-softmax step of one head over a chunk's scores sr (np valid, read up to a multiple of 8): the
+ * running max *m and sum *l, acc [D] rescaled when the max grows; sr then holds each slot's softmax weight, times
+ * vs[p] (its V row's scale) when vs is given. */
+ALWAYS_INLINE void att_softmax(float *sr, int64_t np, float *acc, int64_t D, float *m, float *l, const float *vs) {
+    const int64_t n8 = (np + 7) / 8 * 8;
+    __m256 mx = _mm256_loadu_ps(sr);
+    for (int64_t p = 8; p < n8; p += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + p));
+    const float mt = hmax8(mx);
+    if (mt > *m) { /* the running max grows: rescale what is accumulated */
+        const float alpha = expf(*m - mt);
+        for (int64_t i = 0; i < D; i++) acc[i] *= alpha;
+        *l *= alpha;
+        *m = mt;
+    }
+    __m256 sum = _mm256_setzero_ps(), mv = _mm256_set1_ps(*m);
+    for (int64_t p = 0; p < n8; p += 8) { /* (-inf lanes: exp8 clamps, so zero them) */
+        __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + p), mv)),
+                                 _mm256_castsi256_ps(first_lanes(np - p)));
+        sum = _mm256_add_ps(sum, e);
+        _mm256_storeu_ps(sr + p, vs ? _mm256_mul_ps(e, _mm256_loadu_ps(vs + p)) : e);
+    }
+    *l += hsum8(sum);
 }
 
 /* Lane p: q [D] . row kp[p] + off [D] (unscaled values of kt), for 8 rows at once (one horizontal-sum
@@ -126,23 +165,7 @@ ALWAYS_INLINE void att_chunk_t(const float *q, int64_t nh, int64_t D, float scal
         }
     for (int64_t r = 0; r < nh; r++) {
         float *sr = s + r * ATT_CHUNK, *ar = acc + r * D;
-        __m256 mx = _mm256_loadu_ps(sr);
-        for (int64_t p = 8; p < n8; p += 8) mx = _mm256_max_ps(mx, _mm256_loadu_ps(sr + p));
-        float mt = hmax8(mx);
-        if (mt > m[r]) { /* the running max grows: rescale what is accumulated */
-            float alpha = expf(m[r] - mt);
-            for (int64_t i = 0; i < D; i++) ar[i] *= alpha;
-            l[r] *= alpha;
-            m[r] = mt;
-        }
-        __m256 sum = _mm256_setzero_ps(), mv = _mm256_set1_ps(m[r]);
-        for (int64_t p = 0; p < n8; p += 8) { /* (-inf lanes: exp8 clamps, so zero them) */
-            __m256 e = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + p), mv)),
-                                     _mm256_castsi256_ps(first_lanes(np - p)));
-            sum = _mm256_add_ps(sum, e);
-            _mm256_storeu_ps(sr + p, lp_kv_scaled(kt) ? _mm256_mul_ps(e, _mm256_loadu_ps(vs + p)) : e);
-        }
-        l[r] += hsum8(sum);
+        att_softmax(sr, np, ar, D, m + r, l + r, lp_kv_scaled(kt) ? vs : 0);
         /* acc += weights . V rows: 64 floats of acc held in registers over the whole chunk */
         int64_t d = 0;
         for (; d + 64 <= D; d += 64) {
@@ -170,6 +193,11 @@ ALWAYS_INLINE void att_chunk_t(const float *q, int64_t nh, int64_t D, float scal
         }
     }
 }
+
+#if ATT_AVX512
+#include "decode_attention_avx512.h" /* att_chunk16_t: each K and V row widened once for a kv head's query heads */
+#define att_chunk_narrow att_chunk16_t
+#endif
 #else
 /* q [n] . row [n] (unscaled values of kt). */
 ALWAYS_INLINE float dot(const float *a, const char *row, int64_t n, int kt) {
@@ -205,6 +233,9 @@ ALWAYS_INLINE void att_chunk_t(const float *q, int64_t nh, int64_t D, float scal
     }
 }
 #endif
+#ifndef att_chunk_narrow /* the chunk loop of 16- and 8-bit rows: AVX-512's where built, else the one above */
+#define att_chunk_narrow att_chunk_t
+#endif
 
 /* Rows kp[p] + off (p < n) of kt widened to fp32 into buf [n, D], each times its row's scale (8-bit types):
  * the values attention reads, exactly as kv_dtype.py's dequantize makes them; rows[p] points at row p. */
@@ -235,37 +266,38 @@ ALWAYS_INLINE void att_chunk_widened(const att_t *a, const float *q, int64_t nh,
                                      float *l, int kt) {
     float kb[ATT_CONV_FLOATS], vb[ATT_CONV_FLOATS];
     const char *kr[ATT_CHUNK], *vr[ATT_CHUNK];
-    const int64_t D = a->D, per = ATT_CONV_FLOATS / D / 8 * 8 < ATT_CHUNK ? ATT_CONV_FLOATS / D / 8 * 8 : ATT_CHUNK;
+    const int64_t D = a->D, per = ATT_CONV_FLOATS / D / 16 * 16 < ATT_CHUNK ? ATT_CONV_FLOATS / D / 16 * 16 : ATT_CHUNK;
     for (int64_t p0 = 0; p0 < np; p0 += per) {
-        const int64_t n = np - p0 < per ? np - p0 : per, n8 = (n + 7) / 8 * 8; /* (kp repeats a real slot past np) */
-        widen_rows(kp + p0, off, n8, D, kt, kb, kr);
-        widen_rows(vp + p0, off, n8, D, kt, vb, vr);
+        const int64_t n = np - p0 < per ? np - p0 : per, n16 = (n + 15) / 16 * 16; /* (kp repeats a real slot) */
+        widen_rows(kp + p0, off, n16, D, kt, kb, kr);
+        widen_rows(vp + p0, off, n16, D, kt, vb, vr);
         att_chunk_t(q, nh, D, a->scale, kr, vr, 0, n, s, acc, m, l, LP_KV_F32);
     }
 }
 
-/* att_chunk_t for the table's kt, each type's loop compiled apart (the type is a constant in each); fp8 chunks
- * widened first (att_chunk_widened) unless head_dim is too wide for 8 rows of ATT_CONV_FLOATS. */
+/* The chunk loop for the table's kt (att_chunk_t for fp32, att_chunk_narrow for the others), each type's compiled
+ * apart (the type is a constant in each); fp8 chunks widened first (att_chunk_widened) where ATT_CONV_FLOATS holds
+ * 16 rows (AVX2 builds, head_dim <= 256). */
 static void att_chunk(const att_t *a, const float *q, int64_t nh, const char *const *kp, const char *const *vp,
                       int64_t off, int64_t np, float *s, float *acc, float *m, float *l) {
     const int64_t D = a->D;
     const float sc = a->scale;
     switch (a->kt) {
         case LP_KV_F32: att_chunk_t(q, nh, D, sc, kp, vp, off, np, s, acc, m, l, LP_KV_F32); break;
-        case LP_KV_BF16: att_chunk_t(q, nh, D, sc, kp, vp, off, np, s, acc, m, l, LP_KV_BF16); break;
-        case LP_KV_F16: att_chunk_t(q, nh, D, sc, kp, vp, off, np, s, acc, m, l, LP_KV_F16); break;
-        case LP_KV_I8: att_chunk_t(q, nh, D, sc, kp, vp, off, np, s, acc, m, l, LP_KV_I8); break;
+        case LP_KV_BF16: att_chunk_narrow(q, nh, D, sc, kp, vp, off, np, s, acc, m, l, LP_KV_BF16); break;
+        case LP_KV_F16: att_chunk_narrow(q, nh, D, sc, kp, vp, off, np, s, acc, m, l, LP_KV_F16); break;
+        case LP_KV_I8: att_chunk_narrow(q, nh, D, sc, kp, vp, off, np, s, acc, m, l, LP_KV_I8); break;
         default:
-            if (8 * D <= ATT_CONV_FLOATS)
+            if (16 * D <= ATT_CONV_FLOATS)
                 att_chunk_widened(a, q, nh, kp, vp, off, np, s, acc, m, l, LP_KV_FP8);
             else
-                att_chunk_t(q, nh, D, sc, kp, vp, off, np, s, acc, m, l, LP_KV_FP8);
+                att_chunk_narrow(q, nh, D, sc, kp, vp, off, np, s, acc, m, l, LP_KV_FP8);
             break;
     }
 }
 
 /* The slots of sequence positions from block index *blk, offset *o (both advanced): np of them,
- * then copies of the first up to a multiple of 8. */
+ * then copies of the first up to a multiple of 16. */
 static void att_rows(const att_t *a, const int64_t *table, int64_t np, int64_t *blk, int64_t *o, const char **kp,
                      const char **vp) {
     const int64_t bs = a->bs, slot_bytes = a->KVH * a->row_bytes;
@@ -275,7 +307,7 @@ static void att_rows(const att_t *a, const int64_t *table, int64_t np, int64_t *
         kp[p] = a->k + at, vp[p] = a->v + at;
         if (++*o == bs) *o = 0, ++*blk;
     }
-    for (; p % 8; p++) kp[p] = kp[0], vp[p] = vp[0];
+    for (; p % 16; p++) kp[p] = kp[0], vp[p] = vp[0];
 }
 
 /* Query heads [h0, h0 + nh) (nh <= ATT_HEADS) of sequence b over its context [j0, j1), from

@@ -61,11 +61,9 @@ static inline __m256 lp_kv_load8(const char *row, int64_t i, int kt) {
                 _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + 2 * i))), 16));
         case LP_KV_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * i)));
         case LP_KV_I8: return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + i))));
-        default: {
-            const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(row + i)));
-            const __m128i h = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8),
-                                           _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7));
-            return _mm256_cvtph_ps(h);
+        default: { /* (b sign-extended to 16 bits, << 7: the sign in bits 15 and 14; clear 14 and 0-6) */
+            const __m128i w = _mm_slli_epi16(_mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)(row + i))), 7);
+            return _mm256_cvtph_ps(_mm_and_si128(w, _mm_set1_epi16((short)0xBF80)));
         }
     }
 }
@@ -76,6 +74,24 @@ static inline __m256 lp_kv_load_tail(const char *row, int64_t i, int64_t n, int 
     const int64_t eb = lp_kv_elem_bytes(kt);
     memcpy(buf, row + i * eb, (size_t)(n * eb));
     return lp_kv_load8(buf, 0, kt);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__F16C__)
+/* Elements i .. i+15 of a row, unscaled, lanes outside m zero (and not read). */
+static inline __m512 lp_kv_load16(const char *row, int64_t i, __mmask16 m, int kt) {
+    switch (kt) {
+        case LP_KV_F32: return _mm512_maskz_loadu_ps(m, (const float *)row + i);
+        case LP_KV_BF16:
+            return _mm512_castsi512_ps(
+                _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, row + 2 * i)), 16));
+        case LP_KV_F16: return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, row + 2 * i));
+        case LP_KV_I8: return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, row + i)));
+        default: {
+            const __m256i w = _mm256_slli_epi16(_mm256_cvtepi8_epi16(_mm_maskz_loadu_epi8(m, row + i)), 7);
+            return _mm512_cvtph_ps(_mm256_and_si256(w, _mm256_set1_epi16((short)0xBF80)));
+        }
+    }
 }
 #endif
 
