@@ -55,10 +55,11 @@ def tenant_key(server: Server, token: str, prefix: str) -> str:
 
 
 @contextlib.contextmanager
-def serving(data_dir: Path, admin_token: str, env: dict | None = None) -> Iterator[Server]:
-    """`start` over scratch Postgres and Redis (postgres_redis_env) with `env` added; stopped after."""
+def serving(data_dir: Path, admin_token: str, env: dict | None = None, args: tuple[str, ...] = ()) -> Iterator[Server]:
+    """`start` over scratch Postgres and Redis (postgres_redis_env) with `env` added and `serve` options `args`;
+    stopped after."""
     with postgres_redis_env(data_dir, admin_token) as base:
-        server = start({**base, **(env or {})})
+        server = start({**base, **(env or {})}, *args)
         try:
             yield server
         finally:

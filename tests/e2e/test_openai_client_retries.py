@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from tests.e2e.server import admin_request, postgres_redis_env, start
+from tests.e2e.server import admin_request, serving
 
 ADMIN = "e2e-retries-admin"
 MODEL = "synthetic:tiny"
@@ -18,12 +18,8 @@ HI = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    with postgres_redis_env(tmp_path_factory.mktemp("data"), ADMIN) as env:
-        srv = start(env, "--demo")
-        try:
-            yield srv
-        finally:
-            srv.stop()
+    with serving(tmp_path_factory.mktemp("data"), ADMIN, args=("--demo",)) as srv:
+        yield srv
 
 
 def new_key(server, **limits) -> tuple[str, str]:

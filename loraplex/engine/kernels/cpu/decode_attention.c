@@ -82,6 +82,13 @@ typedef struct {
     int kt;
 } att_t;
 
+/* 8-bit rows: each of n slots' score factor (scale times its K row's scale) and its V row's scale. */
+ALWAYS_INLINE void row_scales(const char *const *kp, const char *const *vp, int64_t off, int64_t n, int64_t D, int kt,
+                              float scale, float *ks, float *vs) {
+    for (int64_t p = 0; p < n; p++)
+        ks[p] = scale * lp_kv_row_scale(kp[p] + off, D, kt), vs[p] = lp_kv_row_scale(vp[p] + off, D, kt);
+}
+
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 static const int32_t att_mask_src[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
 
@@ -153,9 +160,7 @@ ALWAYS_INLINE void att_chunk_t(const float *q, int64_t nh, int64_t D, float scal
                                float *l, int kt) {
     const int64_t n8 = (np + 7) / 8 * 8;
     float ks[ATT_CHUNK], vs[ATT_CHUNK]; /* 8-bit rows: each slot's score factor and V scale */
-    if (lp_kv_scaled(kt))
-        for (int64_t p = 0; p < n8; p++)
-            ks[p] = scale * lp_kv_row_scale(kp[p] + off, D, kt), vs[p] = lp_kv_row_scale(vp[p] + off, D, kt);
+    if (lp_kv_scaled(kt)) row_scales(kp, vp, off, n8, D, kt, scale, ks, vs);
     for (int64_t r = 0; r < nh; r++) /* all the scores first: independent work, no stalls */
         for (int64_t p = 0; p < n8; p += 8) {
             __m256 f = lp_kv_scaled(kt) ? _mm256_loadu_ps(ks + p) : _mm256_set1_ps(scale);

@@ -109,9 +109,7 @@ ALWAYS_INLINE void att_chunk16_t(const float *q, int64_t nh, int64_t D, float sc
                                float *l, int kt) {
     const int64_t n16 = (np + 15) / 16 * 16;
     float ks[ATT_CHUNK], vs[ATT_CHUNK]; /* 8-bit rows: each slot's score factor and V scale */
-    if (lp_kv_scaled(kt))
-        for (int64_t p = 0; p < n16; p++)
-            ks[p] = scale * lp_kv_row_scale(kp[p] + off, D, kt), vs[p] = lp_kv_row_scale(vp[p] + off, D, kt);
+    if (lp_kv_scaled(kt)) row_scales(kp, vp, off, n16, D, kt, scale, ks, vs);
     for (int64_t h = 0; h < nh; h += ATT_SUB) {
         const float *qh = q + h * D;
         float *ah = acc + h * D, *mh = m + h, *lh = l + h;
