@@ -227,18 +227,17 @@ class AdapterTokens:
     OTHER = "(other)"  # no adapter can be named so (tenancy/common.py's NAME)
 
     def __init__(self, counter: Counter, max_adapters: int):
-        self.counter, self.max_adapters = counter, max_adapters
-        self._children: dict[tuple[str, str], tuple] = {}
+        self.family, self.max_adapters = Family(counter), max_adapters
+        self._named: set[tuple[str, str]] = set()  # the (tenant, adapter) pairs that have a label of their own
 
     def add(self, tenant: str, adapter: str, prompt_tokens: int, completion_tokens: int) -> None:
-        children = self._children.get((tenant, adapter))
-        if children is None:
-            label = adapter if len(self._children) < self.max_adapters else self.OTHER
-            children = tuple(self.counter.labels(tenant, label, kind) for kind in ("prompt", "completion"))
-            if label != self.OTHER:
-                self._children[(tenant, adapter)] = children
-        children[0].inc(prompt_tokens)
-        children[1].inc(completion_tokens)
+        if (tenant, adapter) not in self._named:
+            if len(self._named) < self.max_adapters:
+                self._named.add((tenant, adapter))
+            else:
+                adapter = self.OTHER
+        self.family.labels(tenant, adapter, "prompt").inc(prompt_tokens)
+        self.family.labels(tenant, adapter, "completion").inc(completion_tokens)
 
 
 ADAPTER_TOKENS_MAX_ADAPTERS = 1000  # distinct (tenant, adapter) label pairs of loraplex_adapter_tokens_total
