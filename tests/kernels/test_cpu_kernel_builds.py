@@ -5,6 +5,8 @@ form, bf16 weight panels a widening load per width and a by-hand one, GGUF block
 load per width and a by-hand one, and the decode attention's 16- and 8-bit KV rows an AVX-512 loop (the native
 build), an AVX2 + F16C load and a by-hand one, so the tests of the
 width-dependent kernels run again in a child process under each build a smaller CPU would get.
+A narrower build that targets the native build's instruction sets (-mno-avx512f on a CPU without AVX-512) is
+the build the rest of the suite already runs, so it is not run twice.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import sys
 
 import pytest
 
-from loraplex.engine.kernels.cpu import linear
+from loraplex.engine.kernels.cpu import build, linear
 
 pytestmark = pytest.mark.skipif(not linear.linear_available(), reason="the CPU kernels are not built")
 
@@ -36,10 +38,28 @@ LAYOUT_TESTS = [
 ]
 
 
-@pytest.mark.parametrize("cflags,columns", [
+NARROWER_BUILDS = [
     ("-mno-avx512f", 24),                       # AVX2 and FMA: 4 x 24 kernel
     ("-mno-avx512f -mno-avx2 -mno-fma -mno-f16c", 24),  # no vector intrinsics: the portable loops
-])
+]
+
+
+def narrower_than_native() -> list[tuple[str, int]]:
+    """The NARROWER_BUILDS whose instruction sets differ from the native build's (all, without a compiler:
+    the test is skipped then anyway)."""
+    native = build.build_instruction_sets()
+    return [(cflags, columns) for cflags, columns in NARROWER_BUILDS
+            if native is None or build.build_instruction_sets(tuple(cflags.split())) != native]
+
+
+def test_the_narrowing_flags_take_effect_and_a_vector_cpu_keeps_the_portable_build():
+    portable = build.build_instruction_sets(tuple(NARROWER_BUILDS[-1][0].split()))
+    assert portable is not None and not {"AVX-512F", "AVX2", "FMA", "F16C"} & set(portable)
+    if "AVX2" in build.build_instruction_sets():
+        assert NARROWER_BUILDS[-1] in narrower_than_native()
+
+
+@pytest.mark.parametrize("cflags,columns", narrower_than_native())
 def test_the_layout_dependent_kernels_pass_under_a_narrower_build(cflags, columns):
     env = dict(os.environ, LORAPLEX_CPU_CFLAGS=f"{os.environ.get('LORAPLEX_CPU_CFLAGS', '')} {cflags}")  # (-Werror)
     probe = subprocess.run([sys.executable, "-c", "from loraplex.engine.kernels.cpu import linear; "

@@ -164,13 +164,13 @@ CPUINFO_FLAGS = {"avx512f": "AVX-512F", "avx512bw": "AVX-512BW", "avx512vl": "AV
                  "avx2": "AVX2", "fma": "FMA", "f16c": "F16C"}
 
 
-def build_instruction_sets() -> tuple[str, ...] | None:
-    """The instruction sets a build with flags() targets (the compiler's predefined macros), or None
-    without a working compiler."""
+def build_instruction_sets(extra_flags: tuple[str, ...] = ()) -> tuple[str, ...] | None:
+    """The instruction sets a build with flags() (plus extra_flags) targets (the compiler's predefined macros),
+    or None without a working compiler."""
     cc = _compiler()
     if cc is None:
         return None
-    compile_flags = [f for f in flags() if f not in ("-shared", "-Werror")]
+    compile_flags = [f for f in (*flags(), *extra_flags) if f not in ("-shared", "-Werror")]
     try:
         done = subprocess.run([cc, *compile_flags, "-dM", "-E", "-x", "c", "-"], input="", capture_output=True,
                               text=True, timeout=30)
