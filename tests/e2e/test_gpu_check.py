@@ -19,6 +19,7 @@ import torch
 
 from loraplex.cli.bench import gpu_check_engine, gpu_check_quant, gpu_check_steps
 from loraplex.cli.bench.gpu_check import NAMES, CheckContext, parse_junit, select_steps
+from loraplex.cli.bench.percentiles import percentile
 from loraplex.engine.models import synthetic
 
 REPO = Path(__file__).resolve().parents[2]
@@ -180,9 +181,11 @@ def test_profile_analysis_of_device_events():
 
 
 def test_percentiles_of_step_times():
-    assert gpu_check_engine.percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
-    assert gpu_check_engine.percentile([5.0], 99) == 5.0
-    assert gpu_check_engine.percentile([float(i) for i in range(101)], 99) == 99.0
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5
+    assert percentile([5.0], 99) == 5.0
+    assert percentile([float(i) for i in range(101)], 99) == 99.0
+    with pytest.raises(ValueError, match="no values"):
+        percentile([], 50)
     f = gpu_check_engine.ms_stats([1.0, 2.0, 10.0])
     assert (f["steps"], f["median_ms"], f["min_ms"], f["max_ms"]) == (3, 2.0, 1.0, 10.0) and f["p99_ms"] == 9.84
 

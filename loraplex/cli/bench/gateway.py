@@ -28,6 +28,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from loraplex.cli.bench.percentiles import percentile
 from loraplex.engine.api import EngineStats, GenerateEvent, GenerateRequest, KVCacheStats, ModelInfo, Usage
 
 MODEL = "bench-model"
@@ -231,10 +232,8 @@ async def _closed_loop(pool: Pool, concurrency: int, seconds: float) -> tuple[fl
 
 
 def _percentiles(values: list[float]) -> dict[str, float]:
-    ordered = sorted(values)
-    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))] * 1000
-    return {"p50": round(pick(0.50), 3), "p90": round(pick(0.90), 3), "p99": round(pick(0.99), 3),
-            "mean": round(statistics.fmean(ordered) * 1000, 3)}
+    pick = {q: round(percentile(values, q) * 1000, 3) for q in (50, 90, 99)}
+    return {"p50": pick[50], "p90": pick[90], "p99": pick[99], "mean": round(statistics.fmean(values) * 1000, 3)}
 
 
 async def _direct(engine: FixedEngine, rate: float, count: int, tokens: int) -> tuple[list[float], int]:

@@ -25,6 +25,7 @@ from loraplex.cli.bench.gpu_check_steps import (
     greedy_requests,
     run_tokens,
 )
+from loraplex.cli.bench.percentiles import percentile
 from loraplex.cli.bench.synthetic_adapters import write_adapter
 from loraplex.engine.api import GenerateEvent, GenerateRequest, SamplingParams
 from loraplex.engine.core import EngineCore
@@ -45,15 +46,6 @@ MEMORY_SLACK = 0.02  # of the utilization budget: allocator rounding
 
 
 # --- shared helpers ---------------------------------------------------------------------------------
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The q-th percentile (0-100) of `values`, interpolated linearly between the closest ranks."""
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def ms_stats(times_ms: list[float]) -> dict:

@@ -16,6 +16,7 @@ import time
 
 import torch
 
+from loraplex.cli.bench.percentiles import percentile
 from loraplex.engine.api import GenerateRequest, SamplingParams
 from loraplex.engine.async_engine import AsyncEngine
 from loraplex.engine.config import EngineConfig
@@ -27,11 +28,6 @@ SYSTEM_TEXT = (
     "Orders ship within two business days; returns are accepted within thirty days when the item is unused. "
     "Customers may change the delivery address until the parcel leaves the warehouse. Gift cards never expire. "
 )
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, round(q / 100 * len(ordered)) - 1))]
 
 
 def _tokens(tokenizer, text: str, n: int) -> list[int]:
@@ -147,7 +143,7 @@ def run_priority_bench(model: str, max_num_seqs: int, batch_tokens: int, realtim
         finally:
             engine.shutdown()
         results["realtime_ttft_ms"][f"{label}_p50"] = round(statistics.median(ttfts), 1)
-        results["realtime_ttft_ms"][f"{label}_p99"] = round(_percentile(ttfts, 99), 1)
+        results["realtime_ttft_ms"][f"{label}_p99"] = round(percentile(ttfts, 99), 1)
         results[f"{label}_preemptions"] = stats.requests.preemptions_by_class
     r = results["realtime_ttft_ms"]
     results["ratio_p99_priority_over_fcfs"] = round(r["with_priority_p99"] / r["fcfs_p99"], 3)

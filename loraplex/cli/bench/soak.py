@@ -32,6 +32,7 @@ from pathlib import Path
 import httpx
 
 from loraplex.cli.bench import soak_clients as sc
+from loraplex.cli.bench.percentiles import percentile
 from loraplex.cli.bench.soak_hostile import hostile_requests
 
 TINY = "synthetic:tiny"
@@ -153,9 +154,8 @@ def _percentiles(values: list[float]) -> dict:
     """p50 and p99 in ms."""
     if not values:
         return {"p50": None, "p99": None, "count": 0}
-    ordered = sorted(values)
-    p99 = ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))]
-    return {"p50": round(statistics.median(ordered) * 1000, 1), "p99": round(p99 * 1000, 1), "count": len(ordered)}
+    return {"p50": round(percentile(values, 50) * 1000, 1), "p99": round(percentile(values, 99) * 1000, 1),
+            "count": len(values)}
 
 
 def _phase(p: sc.Phase) -> dict:
