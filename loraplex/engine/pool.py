@@ -299,8 +299,10 @@ class ModelPool:
         entry = ModelEntry(name, resolve_model(name), core.config, mcfg, *sizes,
                            pinned=pinned, tier="device", core=core, last_used=time.monotonic())
         core.wake = lambda: self.on_ready()  # (on_ready is the engine loop's, set after the pool is made)
+        # the engine's own KV pool bounds prompts (on CUDA it is measured, not the configured guess)
         entry.frontend = RequestFrontend(name, core.tokenizer, mcfg, core.config,
-                                         lambda a, e=entry: a in e.adapters and a not in e.removing)
+                                         lambda a, e=entry: a in e.adapters and a not in e.removing,
+                                         core.pool.num_blocks)
         entry.frontend.guide_vocabulary()  # now, not on the first schema request's (event-loop) thread
         with self._lock:
             self.models[name] = entry

@@ -296,3 +296,21 @@ def test_engine_counters_survive_a_models_eviction(tmp_path):
     assert all(s.adapters.loads == 1 and s.adapters.load_seconds > 0 for s in seen)
     steps = [s.requests.num_steps for s in seen]
     assert steps == sorted(steps) and len(set(steps)) == 4
+
+
+def test_an_adopted_engine_bounds_prompts_by_its_own_kv_pool(monkeypatch):
+    """On CUDA an engine measures its KV pool (memory.size_kv_cache); a pool that adopts it must bound prompts
+    by that pool, not by the configured guess. The CPU never measures, so the measurement is stood in for."""
+    import loraplex.engine.core as core_module
+    from loraplex.engine.memory import DeviceMemory
+
+    config = EngineConfig(model="synthetic:tiny", device="cpu", dtype="float32", num_kv_blocks=32, block_size=16)
+    measured = lambda cfg, model, weights, max_len, graph_rows=0: DeviceMemory(  # noqa: E731
+        weights=weights, kv_cache_bytes=0, num_blocks=4)
+    monkeypatch.setattr(core_module, "size_kv_cache", measured)
+    core = EngineCore(config, loaded=_loaded("synthetic:tiny"))
+    entry = ModelPool(memory_budget=1 << 30, device="cpu").adopt(core)
+    assert entry.frontend.kv_capacity == core.frontend.kv_capacity == 4 * 16
+    sp = SamplingParams(max_tokens=8, temperature=0.0)
+    with pytest.raises(InvalidRequestError, match="holds 64"):  # fits the configured 512 tokens, not the 64
+        entry.frontend.prepare(GenerateRequest("long", "synthetic:tiny", prompt_token_ids=(5,) * 60, sampling=sp))
