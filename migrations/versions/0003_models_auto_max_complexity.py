@@ -1,5 +1,6 @@
-"""Models' auto_max_complexity: which base models `model: "auto"` may choose, and up to what
-request complexity.
+"""Models' auto_max_complexity, for `model: "auto"`.
+
+Which base models `model: "auto"` may choose, and up to what request complexity.
 
 Revision ID: 0003
 Revises: 0002

@@ -1,5 +1,7 @@
-"""The usage ledger's route_score: the score `model: "auto"` gave each request it routed, which
-`loraplex models calibrate` reads to set the pool's thresholds for a traffic share.
+"""The usage ledger's route_score, for `loraplex models calibrate`.
+
+The score `model: "auto"` gave each request it routed, which `loraplex models calibrate` reads to set the
+pool's thresholds for a traffic share.
 
 Revision ID: 0004
 Revises: 0003
