@@ -9,9 +9,9 @@ from __future__ import annotations
 import argparse
 import os
 
-WEIGHT_DTYPE_HELP = ("the base weights under a float32 model: auto (default: a GGUF's Q8_0/Q4_0/Q4_1 blocks as "
-                     "stored, else the model's dtype), float32, bfloat16, int8 or int4 (quantized at load; int4 on "
-                     "the CPU only), fp8 (CUDA sm89+ only)")
+WEIGHT_DTYPE_HELP = ("the base weights under a float32 model: auto (default: a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K "
+                     "blocks as stored, else the model's dtype), float32, bfloat16, int8 or int4 (quantized at load; "
+                     "int4 on the CPU only), fp8 (CUDA sm89+ only)")
 
 DEFAULT_MODEL = "smollm2-135m"
 DEFAULT_KV_CACHE_MB = 512

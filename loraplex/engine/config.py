@@ -76,15 +76,15 @@ class EngineConfig:
     # the Triton kernels upcast both operands); each adapter's weights are rounded to it once, as they are
     # written into a slot.
     lora_dtype: str = "auto"
-    # The base weights' element type under an fp32 model. "auto": a GGUF's Q8_0, Q4_0 and Q4_1 tensors keep
-    # their blocks (engine/quant.py; the CPU kernels dequantize them in registers, kernels/cpu/quant_blocks.h;
-    # other devices dequantize them once at load), everything else the model's dtype. "float32" dequantizes
-    # every tensor. "bfloat16" rounds every weight once at load (as if a bf16 checkpoint had been loaded) and,
-    # with the CPU kernels, packs the projections and LM head in bf16 (kernels/cpu/linear_bf16.c). "int8" /
-    # "int4" quantize the projections at load to Q8_0 / Q4_1 blocks (per 32 weights, round to nearest) and the
-    # LM head to Q8_0. Activations and sums stay fp32 in every case. On CUDA, "int8" quantizes the
-    # projections and LM head per output channel for the W8A16 Triton kernel and "fp8" to e4m3 with per-channel
-    # scales for torch._scaled_mm (sm89+) (kernels/quant_linear.py); int4 is the CPU's only.
+    # The base weights' element type under an fp32 model. "auto": a GGUF's Q8_0, Q4_0, Q4_1, Q4_K, Q5_K and Q6_K
+    # tensors keep their blocks (engine/quant.py; the CPU kernels dequantize them in registers,
+    # kernels/cpu/quant_blocks.h; other devices dequantize them once at load), everything else the model's dtype.
+    # "float32" dequantizes every tensor. "bfloat16" rounds every weight once at load (as if a bf16 checkpoint had
+    # been loaded) and, with the CPU kernels, packs the projections and LM head in bf16 (kernels/cpu/linear_bf16.c).
+    # "int8" / "int4" quantize the projections at load to Q8_0 / Q4_1 blocks (per 32 weights, round to nearest) and
+    # the LM head to Q8_0. Activations and sums stay fp32 in every case. On CUDA, "int8" quantizes the projections
+    # and LM head per output channel for the W8A16 Triton kernel and "fp8" to e4m3 with per-channel scales for
+    # torch._scaled_mm (sm89+) (kernels/quant_linear.py); int4 is the CPU's only.
     weight_dtype: str = "auto"
     # The KV cache's element type: "auto" is the model's dtype; float32, bfloat16 or float16 store K/V rounded
     # to it; int8 and fp8 (e4m3) store each token's K/V per kv head as 8-bit values and an fp32 scale

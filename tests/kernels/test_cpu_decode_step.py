@@ -20,6 +20,7 @@ from loraplex.engine.models.llama import LlamaModel
 from loraplex.engine.models.loader import quantized_weights
 from loraplex.engine.models.synthetic import synthetic_model
 from loraplex.engine.runner import StepLora
+from tests.kernels.test_cpu_quant_weights import K_QUANTS, random_kquant_weights
 from tests.lora_factory import make_peft_dir
 
 BLOCK, BLOCKS_PER_SEQ = 16, 4
@@ -32,11 +33,13 @@ def _model_and_cache(preset: str, seqs: int = len(PROMPTS), packed_dtype: torch.
                      blocks: str | None = None):
     """The synthetic model (with bf16 `packed_dtype`, its weights rounded to bf16 as load_model rounds
     them, and its projections packed in bf16; with `blocks`, its projections quantized to that GGUF block
-    format as load_model quantizes them) and a KV cache for `seqs` sequences."""
+    format as load_model quantizes them, or random blocks of a K-quant) and a KV cache for `seqs` sequences."""
     config, weights, _ = synthetic_model(preset)
     if packed_dtype != torch.float32:
         weights = {k: v.to(packed_dtype).float() for k, v in weights.items()}
-    if blocks is not None:
+    if blocks in K_QUANTS:  # (no quantizer makes these: random blocks)
+        weights = random_kquant_weights(weights, blocks)
+    elif blocks is not None:
         weights = quantized_weights(weights, blocks)
     model = LlamaModel(config, weights, packed_dtype)
     assert isinstance(model.ops, CpuKernelOps)
@@ -172,11 +175,11 @@ def test_a_wide_batch_of_many_adapters_on_two_threads_matches_the_per_op_path(tm
         torch.set_num_threads(prev_threads)
 
 
-def _fold_setup(tmp_path, slot_dtype=torch.float32, packed_dtype=torch.float32, blocks=None):
+def _fold_setup(tmp_path, slot_dtype=torch.float32, packed_dtype=torch.float32, blocks=None, preset="tiny"):
     """12 sequences, 8 of them on adapter a (rank 12: two shrink panels for qkv), 2 on b, 2 on the base."""
     g = torch.Generator().manual_seed(6)
     prompts = (5, 20, 33, 7, 16, 17, 2, 40, 9, 31, 12, 3)
-    model, storage = _model_and_cache("tiny", len(prompts), packed_dtype, blocks)
+    model, storage = _model_and_cache(preset, len(prompts), packed_dtype, blocks)
     slots = LoraSlots(model.config, max_loras=3, max_lora_rank=16, max_cpu_loras=3, dtype=slot_dtype)
     for name, rank in (("a", 12), ("b", 4)):
         slots.register(name, make_peft_dir(tmp_path / name, model.config, rank, 2 * rank, "all", seed=rank))

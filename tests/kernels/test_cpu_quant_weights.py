@@ -1,4 +1,5 @@
-"""GGUF block weights (engine/quant.py) and linear.c's quantized builds (quant_blocks.h).
+"""GGUF block weights (engine/quant.py) and linear.c's quantized builds (quant_blocks.h): Q8_0, Q4_0, Q4_1 and the
+K-quants Q4_K, Q5_K, Q6_K (256-weight blocks).
 
 Dequantization must equal gguf's own, bit for bit; a GEMM over packed blocks must equal the fp32 GEMM over
 the dequantized weights bit for bit (the kernel dequantizes in registers and sums in the fp32 build's
@@ -14,22 +15,42 @@ import torch
 
 from loraplex.engine.kernels.cpu import linear
 from loraplex.engine.kernels.cpu.linear import PanelBlocks, pack, pack_blocks, packed_linear, packed_linear_fold
-from loraplex.engine.quant import BLOCK_BYTES, BlockWeight, dequantize, quantize
+from loraplex.engine.quant import BLOCK_BYTES, BLOCK_WEIGHTS, BlockWeight, dequantize, quantize
 
 pytestmark = pytest.mark.cpu_kernels
 
-FORMATS = ("q8_0", "q4_0", "q4_1")
+FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
+K_QUANTS = ("q4_k", "q5_k", "q6_k")
+# GEMM shapes [out, in] per block size: odd and even outputs, one block to many
+SHAPES = {32: [(7, 32), (50, 64), (96, 576), (130, 1536)], 256: [(7, 256), (51, 512), (96, 768), (130, 1536)]}
+# Where each format's fp16 scale (and min) lie in a block; K-quants' are multiplied by 6-bit integers or int8
+_HALVES = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 
 
 def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> BlockWeight:
-    """Blocks of random integers with finite random fp16 scales (and mins)."""
+    """Blocks of random integers (and K-quant sub-block scales) with finite random fp16 scales (and mins); the
+    K-quants' smaller, as their scales are multiplied by sub-block integers up to 63 (a model's weights stay
+    near 0.02)."""
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (rows, cols // 32, BLOCK_BYTES[fmt]), dtype=torch.uint8, generator=g)
-    scales = (torch.randn(rows, cols // 32, 2, generator=g) * 0.02).half().view(torch.uint8)  # [rows, blocks, 4]
-    raw[..., 0:2] = scales[..., 0:2]
-    if fmt == "q4_1":
-        raw[..., 2:4] = scales[..., 2:4]
+    blocks = cols // BLOCK_WEIGHTS[fmt]
+    raw = torch.randint(0, 256, (rows, blocks, BLOCK_BYTES[fmt]), dtype=torch.uint8, generator=g)
+    std = 0.0002 if fmt in K_QUANTS else 0.02
+    scales = (torch.randn(rows, blocks, 2, generator=g) * std).half().view(torch.uint8)  # [rows, blocks, 4]
+    for i, at in enumerate(_HALVES[fmt]):
+        raw[..., at:at + 2] = scales[..., 2 * i:2 * i + 2]
     return BlockWeight(fmt, raw.reshape(rows, -1))
+
+
+def random_kquant_weights(weights: dict, fmt: str) -> dict:
+    """A float model's projections as random `fmt` blocks of their shapes (no quantizer here makes K-quants),
+    its LM head (or the tied embedding) as Q6_K, as a Q4_K_M file holds it."""
+    out = dict(weights)
+    for i, (name, w) in enumerate(sorted(weights.items())):
+        if name.rsplit(".", 1)[-1] in ("qkv", "o", "gate_up", "down"):
+            out[name] = random_blocks(fmt, *w.shape, seed=i)
+    head = "lm_head" if "lm_head" in weights else "embed"
+    out[head] = random_blocks("q6_k", *weights[head].shape, seed=99)
+    return out
 
 
 @pytest.fixture(autouse=True)
@@ -42,15 +63,16 @@ def test_dequantize_equals_the_gguf_package(fmt):
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize as gguf_dequantize
 
-    w = random_blocks(fmt, 9, 160)
+    k = 5 * BLOCK_WEIGHTS[fmt]
+    w = random_blocks(fmt, 9, k)
     want = gguf_dequantize(w.data.numpy(), GGMLQuantizationType[fmt.upper()])
-    assert torch.equal(dequantize(w), torch.from_numpy(np.asarray(want, dtype=np.float32)).reshape(9, 160))
+    assert torch.equal(dequantize(w), torch.from_numpy(np.asarray(want, dtype=np.float32)).reshape(9, k))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("shape", [(7, 32), (50, 64), (96, 576), (130, 1536)])
+@pytest.mark.parametrize("shape", range(4))
 def test_a_gemm_over_blocks_equals_the_fp32_gemm_over_their_values(fmt, shape):
-    n, k = shape
+    n, k = SHAPES[BLOCK_WEIGHTS[fmt]][shape]
     w = random_blocks(fmt, n, k, seed=n)
     blocks, floats = pack_blocks(w), pack(dequantize(w))
     assert blocks.kind == fmt and blocks.weight is None
@@ -71,7 +93,7 @@ def test_a_gemm_over_blocks_equals_the_fp32_gemm_over_their_values(fmt, shape):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_folded_adapter_over_blocks_equals_the_fold_over_fp32(fmt):
     """The fold block's layout does not depend on the weights' type: one block serves both GEMMs."""
-    widths, rank, k = (64, 32, 32), 8, 64
+    widths, rank, k = (64, 32, 32), 8, 2 * BLOCK_WEIGHTS[fmt]
     w = random_blocks(fmt, sum(widths), k, seed=3)
     block = torch.randn(linear.fold_module_floats(k, widths, rank), generator=torch.Generator().manual_seed(4))
     x = torch.randn(11, k, generator=torch.Generator().manual_seed(5))
@@ -101,48 +123,60 @@ def test_refusals_name_the_format_and_the_shape():
         quantize(torch.zeros(4, 40), "q8_0")
     with pytest.raises(ValueError, match="makes q8_0 or q4_1 blocks, not 'q4_0'"):
         quantize(torch.zeros(4, 32), "q4_0")
-    with pytest.raises(ValueError, match="block format 'q6_k' is not one of q8_0, q4_0, q4_1"):
-        BlockWeight("q6_k", torch.zeros(1, 210, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="block format 'q3_k' is not one of q8_0, q4_0, q4_1, q4_k, q5_k, q6_k"):
+        BlockWeight("q3_k", torch.zeros(1, 110, dtype=torch.uint8))
     with pytest.raises(ValueError, match="q4_1 blocks must be uint8 \\[rows, blocks \\* 20\\], got torch.uint8 "):
         BlockWeight("q4_1", torch.zeros(2, 30, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="q6_k blocks must be uint8 \\[rows, blocks \\* 210\\]"):
+        BlockWeight("q6_k", torch.zeros(2, 144, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="quantize makes q8_0 or q4_1 blocks, not 'q4_k'"):
+        quantize(torch.zeros(4, 256), "q4_k")
 
 
-@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
-def test_a_block_models_fused_decode_step_matches_its_per_op_path_and_the_fp32_step(fmt, monkeypatch):
+def _preset(fmt: str) -> str:
+    return "tiny-wide" if fmt in K_QUANTS else "tiny"  # (K-quants: every in_features a multiple of 256)
+
+
+def _fp32_model(model):
     from loraplex.engine.models.llama import LlamaModel
+
+    return LlamaModel(model.config, {k: dequantize(v) if isinstance(v, BlockWeight) else v for k, v in model.w.items()})
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1", "q4_k", "q5_k", "q6_k"])
+def test_a_block_models_fused_decode_step_matches_its_per_op_path_and_the_fp32_step(fmt, monkeypatch):
     from tests.kernels.test_cpu_decode_step import PROMPTS, _both_paths, _decode, _model_and_cache, _prefill
 
     g = torch.Generator().manual_seed(0)
-    model, storage = _model_and_cache("tiny", blocks=fmt)
-    assert model.layers[0].qkv.kind == fmt and model.lm_head_w.kind == "q8_0"
+    model, storage = _model_and_cache(_preset(fmt), blocks=fmt)
+    assert model.layers[0].qkv.kind == fmt and model.lm_head_w.kind == ("q6_k" if fmt in K_QUANTS else "q8_0")
     _prefill(model, storage, g)
     ids = torch.randint(0, model.config.vocab_size, (len(PROMPTS),), generator=g)
     rows = torch.arange(len(PROMPTS))
     got = _both_paths(model, storage, ids, rows, monkeypatch)
-    fp32 = LlamaModel(model.config, {k: dequantize(v) if isinstance(v, BlockWeight) else v for k, v in model.w.items()})
+    fp32 = _fp32_model(model)
     assert fp32.layers[0].qkv.kind == "f32"
     assert torch.equal(got, _decode(fp32, storage, ids, rows, None, True, monkeypatch))
 
 
-def test_a_block_models_fold_and_lora_step_equals_the_fp32_step_over_its_values(tmp_path, monkeypatch):
-    """12 rows: adapter a folded into the GEMMs (lp_linear_fold_q4_1), b served by lora.c, two base rows."""
-    from loraplex.engine.models.llama import LlamaModel
+@pytest.mark.parametrize("fmt", ["q4_1", "q4_k"])
+def test_a_block_models_fold_and_lora_step_equals_the_fp32_step_over_its_values(fmt, tmp_path, monkeypatch):
+    """12 rows: adapter a folded into the GEMMs (lp_linear_fold_<fmt>), b served by lora.c, two base rows."""
     from tests.kernels.test_cpu_decode_step import _decode, _fold_setup
 
-    model, storage, slots, lora, token_slots, ids, prompts = _fold_setup(tmp_path, blocks="q4_1")
-    assert lora.kernel_args()[2] is not None  # a fold
+    model, storage, slots, lora, token_slots, ids, prompts = _fold_setup(tmp_path, blocks=fmt, preset=_preset(fmt))
+    assert lora.kernel_args()[2] is not None and model.layers[0].o.kind == fmt  # a fold
     rows, before = torch.arange(len(prompts)), storage.clone()
     got = _decode(model, storage, ids, rows, lora, True, monkeypatch, prompts)
     storage.copy_(before)
-    fp32 = LlamaModel(model.config, {k: dequantize(v) if isinstance(v, BlockWeight) else v for k, v in model.w.items()})
-    assert torch.equal(got, _decode(fp32, storage, ids, rows, lora, True, monkeypatch, prompts))
+    assert torch.equal(got, _decode(_fp32_model(model), storage, ids, rows, lora, True, monkeypatch, prompts))
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_panels_give_back_their_blocks_and_rows(fmt):
     """PanelBlocks (a resident model's only copy of a block weight): the GGUF rows unpacked from the panels
     are the ones packed, and rows taken from the panels equal those rows dequantized."""
-    for n, k in ((7, 32), (50, 64), (130, 576)):
+    for n, k in SHAPES[BLOCK_WEIGHTS[fmt]][:3]:
         w = random_blocks(fmt, n, k, seed=n + 7)
         panels = PanelBlocks(pack_blocks(w))
         assert torch.equal(panels.data, w.data) and panels.shape == w.shape and panels.fmt == fmt

@@ -147,9 +147,11 @@ def _permute_like_llama_cpp(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.reshape(n_heads, 2, w.shape[0] // n_heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def write_tiny_gguf(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
-    """A llama-arch F32 GGUF of the `tiny` preset; returns the weights it should load back to."""
-    config, weights, _ = synthetic_model("tiny", seed)
+def write_tiny_gguf(path: Path, seed: int = 0, preset: str = "tiny", matrix=None) -> dict[str, torch.Tensor]:
+    """A llama-arch F32 GGUF of the `tiny` preset (or another); returns the weights it should load back to.
+    matrix(gguf name, weight [out, in]) may give a 2-d tensor's stored form instead: (uint8 blocks
+    [out, bytes], GGMLQuantizationType), or None to store it in F32."""
+    config, weights, _ = synthetic_model(preset, seed)
     w = gguf.GGUFWriter(str(path), "llama")
     for key, value in [("block_count", config.num_layers), ("context_length", config.max_position_embeddings),
                        ("embedding_length", config.hidden_size),
@@ -169,6 +171,10 @@ def write_tiny_gguf(path: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     q, kv = config.q_size, config.kv_size
 
     def add(name: str, t: torch.Tensor) -> None:
+        stored = matrix(name, t) if matrix is not None and t.dim() == 2 else None
+        if stored is not None:
+            w.add_tensor(name, stored[0].numpy(), raw_dtype=stored[1])
+            return
         w.add_tensor(name, t.contiguous().numpy().astype(np.float32))
 
     add("token_embd.weight", weights["embed"])

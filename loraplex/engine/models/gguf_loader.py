@@ -1,8 +1,8 @@
 """GGUF file -> LlamaConfig, weights in llama.py's internal naming, and the Tokenizer.
 
-- With keep_blocks, Q8_0 / Q4_0 / Q4_1 matrices stay in their blocks (engine/quant.py BlockWeight, the bytes
-  the file holds); every other tensor, and every tensor without keep_blocks, is dequantized to fp32 with
-  gguf's own numpy kernels.
+- With keep_blocks, Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrices stay in their blocks (engine/quant.py
+  BlockWeight, the bytes the file holds); every other tensor, and every tensor without keep_blocks, is
+  dequantized to fp32 with gguf's own numpy kernels.
 - The result is cached as safetensors (config, tokenizer and the blocks' formats in its header; one file
   per mode), so every later load is an mmap: no metadata parse (GGUFReader alone takes seconds on a
   49k-token vocab) and no dequantization.
@@ -31,8 +31,9 @@ from loraplex.engine.quant import BlockWeight, dequantize
 
 log = logging.getLogger(__name__)
 
-# Bump when the conversion below changes, so stale caches are not reused (2: the config holds its architecture).
-CACHE_VERSION = 2
+# Bump when the conversion below changes, so stale caches are not reused (2: the config holds its architecture;
+# 3: K-quant matrices kept as blocks).
+CACHE_VERSION = 3
 
 
 def open_gguf(path: str | Path):
@@ -46,7 +47,7 @@ def open_gguf(path: str | Path):
 
 
 # GGUF tensor types kept as blocks with keep_blocks (their quant.BLOCK_BYTES names)
-KEPT_BLOCKS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1"}
+KEPT_BLOCKS = {"Q8_0": "q8_0", "Q4_0": "q4_0", "Q4_1": "q4_1", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 
 
 def load_gguf(path: str | Path, cache_dir: str | Path | None = None,
@@ -154,10 +155,14 @@ def gguf_weights(reader, config: LlamaConfig, keep_blocks: bool = False) -> dict
         fmt = KEPT_BLOCKS.get(t.tensor_type.name) if keep_blocks and len(t.shape) == 2 else None
         if fmt is None:
             return _dequantize(t)
-        return BlockWeight(fmt, torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(int(t.shape[1]), -1)))
+        try:
+            return BlockWeight(fmt, torch.from_numpy(np.array(t.data, dtype=np.uint8).reshape(int(t.shape[1]), -1)))
+        except ValueError as e:  # (rows that are not whole blocks: in_features not a multiple of the block)
+            raise ValueError(f"tensor {name} ({t.tensor_type.name}, {int(t.shape[1])} x {int(t.shape[0])}): {e}") from e
 
     def cat(parts: list) -> torch.Tensor | BlockWeight:
-        """Rows of several tensors: blocks stay blocks when all share one format, else all become fp32."""
+        """Rows of several tensors: blocks stay blocks when all share one format, else all become fp32 (a Q4_K_M
+        file's Q6_K attn_v beside Q4_K q and k: that layer's fused qkv)."""
         if all(isinstance(p, BlockWeight) for p in parts) and len({p.fmt for p in parts}) == 1:
             return BlockWeight.cat(parts)
         return torch.cat([dequantize(p) if isinstance(p, BlockWeight) else p for p in parts])

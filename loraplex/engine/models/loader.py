@@ -96,9 +96,9 @@ def load_model(source: ModelSource, dtype: torch.dtype = torch.float32, device: 
     - With a narrower `weight_dtype` (EngineConfig.weight_torch_dtype) each value is first rounded to it
       (nearest even), into fresh tensors: a model that packs its projections in that type computes with
       the same weights on every path.
-    - `quant` (EngineConfig.weight_quant): "keep" keeps a GGUF's Q8_0 / Q4_0 / Q4_1 matrices as their blocks;
-      another (quantized_weights) quantizes the projections and the LM head (as `lm_head` beside a tied
-      embedding, which stays a float lookup table).
+    - `quant` (EngineConfig.weight_quant): "keep" keeps a GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K matrices
+      as their blocks; another (quantized_weights) quantizes the projections and the LM head (as `lm_head`
+      beside a tied embedding, which stays a float lookup table).
     """
     if source.kind == "gguf":
         config, weights, tokenizer = load_gguf(source.path, cache_dir, keep_blocks=quant == "keep")

@@ -15,10 +15,10 @@
  * Each packed projection and the LM head has its own element type (the table's L_WTYPE + module and
  * M_WTYPE, LP_W_*: fp32, bf16 or a GGUF block format, served by that build of linear.c), so a merged
  * adapter's bf16 copy of some projections runs beside quantized ones, and a Q4_1 model's Q8_0 LM head
- * beside its Q4_1 projections. h [B, H] is the residual stream (embedding rows in, updated in
- * place); scratch holds the activations (decode_step_scratch_floats). The model and LoRA tables are
- * int64 blocks built once (layout below); the step block is built per call. Returns 0, or a negative
- * code and writes no K/V when a slot, block id or length is out of range.
+ * beside its Q4_1 projections (a Q4_K_M file's Q6_K LM head beside Q4_K ones). h [B, H] is the residual
+ * stream (embedding rows in, updated in place); scratch holds the activations (decode_step_scratch_floats).
+ * The model and LoRA tables are int64 blocks built once (layout below); the step block is built per call.
+ * Returns 0, or a negative code and writes no K/V when a slot, block id or length is out of range.
  *
  * LoRA: at SIDE_MIN_ROWS rows or more (compute-bound GEMMs) each projection's GEMM asks for the A and
  * B rows of the step's adapters that its LoRA call reads next (lp_side_t): they come in under the
@@ -158,7 +158,7 @@ static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
 
 /* Whether linear.c has a build for this element type. */
 static int linear_type(int64_t wtype) {
-    return wtype == LP_W_F32 || wtype == LP_W_BF16 || wtype == LP_W_Q8_0 || wtype == LP_W_Q4_0 || wtype == LP_W_Q4_1;
+    return wtype == LP_W_F32 || wtype == LP_W_BF16 || (wtype >= LP_W_Q8_0 && wtype <= LP_W_Q6_K);
 }
 
 /* return FN_<suffix>(args) for the build of linear.c that serves wtype */
@@ -169,6 +169,9 @@ static int linear_type(int64_t wtype) {
         case LP_W_Q8_0: return FN##_q8_0(__VA_ARGS__);              \
         case LP_W_Q4_0: return FN##_q4_0(__VA_ARGS__);              \
         case LP_W_Q4_1: return FN##_q4_1(__VA_ARGS__);              \
+        case LP_W_Q4_K: return FN##_q4_k(__VA_ARGS__);              \
+        case LP_W_Q5_K: return FN##_q5_k(__VA_ARGS__);              \
+        case LP_W_Q6_K: return FN##_q6_k(__VA_ARGS__);              \
         default: return -1;                                         \
     }
 

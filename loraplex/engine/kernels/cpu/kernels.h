@@ -95,9 +95,12 @@ int64_t lp_fold_shrink_width(int64_t S, int64_t rank); /* lp_fold_width, for the
                            const float *bias, float *y, const lp_side_t *side, const lp_fold_t *fold);
 LP_LINEAR_DECLS(f32, float)
 LP_LINEAR_DECLS(bf16, uint16_t)
-LP_LINEAR_DECLS(q8_0, uint8_t) /* linear_q8_0.c, linear_q4_0.c, linear_q4_1.c: GGUF blocks (quant_blocks.h) */
+LP_LINEAR_DECLS(q8_0, uint8_t) /* linear_q8_0.c ... linear_q6_k.c: GGUF blocks (quant_blocks.h) */
 LP_LINEAR_DECLS(q4_0, uint8_t)
 LP_LINEAR_DECLS(q4_1, uint8_t)
+LP_LINEAR_DECLS(q4_k, uint8_t)
+LP_LINEAR_DECLS(q5_k, uint8_t)
+LP_LINEAR_DECLS(q6_k, uint8_t)
 /* A fold's shrink (its fp32 panels) by thread t of nt, which every build of linear.c runs first. */
 void lp_linear_fold_shrink(const float *x, int64_t M, int64_t lda, int64_t K, const lp_fold_t *fold, int64_t t,
                            int64_t nt);

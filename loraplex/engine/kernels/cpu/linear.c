@@ -20,10 +20,12 @@
  * small batches streams every weight once per step, so half the bytes is up to twice the tokens/s;
  * and checkpoints published in bf16 (most HF models) lose nothing.
  *
- * GGUF blocks (linear_q8_0.c, linear_q4_0.c, linear_q4_1.c build this file again over quant_blocks.h's panels):
- * each weight is dequantized in registers to gguf's own value and the sums run as the fp32 build's, so y equals
- * the fp32 build's over those values bit for bit; except a lone row of 4-bit weights (ROW_SUMS), which sums
- * x * q per group of 32 and applies the scale (and min times the sum of x) once a group.
+ * GGUF blocks (linear_q8_0.c, linear_q4_0.c, linear_q4_1.c and the K-quants' linear_q4_k.c, linear_q5_k.c,
+ * linear_q6_k.c build this file again over quant_blocks.h's panels): each weight is dequantized in registers to
+ * gguf's own value and the sums run as the fp32 build's, so y equals the fp32 build's over those values bit for
+ * bit; except a lone row of 4- to 6-bit weights (ROW_SUMS), which sums x * q per sub-block (32 weights, 16 for
+ * Q6_K) and applies the scale (and min times the sum of x) once a sub-block. AVX-512 builds run the K-quants
+ * through the same vector body as AVX2 at their width (only compile-checked: no AVX-512 machine was at hand).
  *
  * Fold (lp_linear_fold_f32): with one adapter's LoRA folded in, for the rows it applies to,
  *     y[m, n] += sum_{e < len_p} ys[m, e0_p + e] * bp_p[e, n - p * NR]     (p = n / NR)
@@ -49,7 +51,7 @@ typedef uint16_t wt_t; /* a panel's element: bf16 bits */
 #elif LP_LINEAR_WTYPE == LP_W_F32
 typedef float wt_t;
 #define LINEAR_FN(name) name##_f32
-#elif LP_LINEAR_WTYPE == LP_W_Q8_0 || LP_LINEAR_WTYPE == LP_W_Q4_0 || LP_LINEAR_WTYPE == LP_W_Q4_1
+#elif LP_LINEAR_WTYPE >= LP_W_Q8_0 && LP_LINEAR_WTYPE <= LP_W_Q6_K
 typedef uint8_t wt_t; /* a panel's element: a byte of quant_blocks.h's groups */
 #define LP_QUANT 1
 #include "quant_blocks.h"
@@ -57,8 +59,14 @@ typedef uint8_t wt_t; /* a panel's element: a byte of quant_blocks.h's groups */
 #define LINEAR_FN(name) name##_q8_0
 #elif LP_LINEAR_WTYPE == LP_W_Q4_0
 #define LINEAR_FN(name) name##_q4_0
-#else
+#elif LP_LINEAR_WTYPE == LP_W_Q4_1
 #define LINEAR_FN(name) name##_q4_1
+#elif LP_LINEAR_WTYPE == LP_W_Q4_K
+#define LINEAR_FN(name) name##_q4_k
+#elif LP_LINEAR_WTYPE == LP_W_Q5_K
+#define LINEAR_FN(name) name##_q5_k
+#else
+#define LINEAR_FN(name) name##_q6_k
 #endif
 #else
 #error "linear.c is built for fp32, bf16 or GGUF block weights"
@@ -69,16 +77,19 @@ typedef uint8_t wt_t; /* a panel's element: a byte of quant_blocks.h's groups */
 #define WAT(panel, K, k, j, w) (LP_LINEAR_WTYPE == LP_W_BF16 ? lp_bf16_to_f32((panel)[(k) * (w) + (j)]) \
                                                              : (float)(panel)[(k) * (w) + (j)])
 #define PANEL_ELEMS(K) ((K) * NR)
+#define K_MULTIPLE 1 /* K's granule */
 /* Bytes a panel holds per k (for the prefetch distances) */
 #define K_BYTES(nv) ((nv) * VW * (int64_t)sizeof(wt_t))
 #else
 #define WAT(panel, K, k, j, w) q_panel_at(panel, k, j)
-/* A lone row (R 1) of 4-bit weights sums x * q per group and applies d (and m * sum x) once a group: half the
- * vector work of dequantizing every weight (a decode step of one sequence is bound by it, not by memory), at
- * the price of rounding otherwise than gguf's dequantized values (quant_blocks.h). */
+/* A lone row (R 1) of 4-bit weights (the K-quants' 5 and 6 bits too) sums x * q per sub-block and applies
+ * the scale (and the min times sum x) once a sub-block: about half the vector work of dequantizing every
+ * weight (a decode step of one sequence is bound by it, not by memory), at the price of rounding otherwise
+ * than gguf's dequantized values (quant_blocks.h). */
 #define ROW_SUMS(R) (QBITS == 4 && (R) == 1)
-#define PANEL_ELEMS(K) ((K) / QK * GROUP_BYTES)
-#define K_BYTES(nv) ((GROUP_BYTES + QK - 1) / QK)
+#define PANEL_ELEMS(K) ((K) / (QK * QSB) * SB_BYTES)
+#define K_MULTIPLE (QK * QSB) /* whole GGUF blocks */
+#define K_BYTES(nv) ((SB_BYTES + QK * QSB - 1) / (QK * QSB))
 #endif
 
 #define NR LP_NR
@@ -168,10 +179,21 @@ int64_t lp_fold_ext(const int64_t *widths, int64_t S, int64_t rank, int64_t N, i
 #if LP_QUANT
 int64_t LINEAR_FN(lp_packed_bytes)(int64_t N, int64_t K) { return (N + NR - 1) / NR * PANEL_ELEMS(K); }
 
-/* Panels from GGUF blocks [N, K / 32 blocks] (quant_blocks.h); -1 when K is not whole blocks. */
+/* Panels from GGUF blocks [N, K / block weights] (quant_blocks.h); -1 when K is not whole blocks. */
 int LINEAR_FN(lp_pack)(const uint8_t *blocks, int64_t N, int64_t K, wt_t *wp) {
-    if (N < 1 || K < QK || K % QK) return -1;
+    if (N < 1 || K < QK * QSB || K % (QK * QSB)) return -1;
     q_pack(blocks, N, K, wp);
+    return 0;
+}
+
+/* The GGUF blocks of rows[0..n) of packed panels [N, K] (the inverse of lp_pack): blocks [n, K / block
+ * weights * block bytes]; -1 when a row is out of range. */
+int LINEAR_FN(lp_unpack_rows)(const wt_t *wp, int64_t N, int64_t K, const int64_t *rows, int64_t n,
+                              uint8_t *blocks) {
+    if (K < QK * QSB || K % (QK * QSB)) return -1;
+    for (int64_t r = 0; r < n; r++)
+        if (rows[r] < 0 || rows[r] >= N) return -1;
+    q_unpack_rows(wp, K, rows, n, blocks);
     return 0;
 }
 #else
@@ -201,6 +223,7 @@ typedef __m512i ivec_t;
 #define VZERO _mm512_setzero_ps
 #define VFMA _mm512_fmadd_ps
 #define VADD _mm512_add_ps
+#define VFNMA _mm512_fnmadd_ps
 /* 16 bf16 weights widened to fp32 */
 #define WLOAD16(p) \
     _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(p))), 16))
@@ -214,9 +237,15 @@ typedef __m256i ivec_t;
 #define VZERO _mm256_setzero_ps
 #define VFMA _mm256_fmadd_ps
 #define VADD _mm256_add_ps
+#define VFNMA _mm256_fnmadd_ps
 /* 8 bf16 weights widened to fp32 */
 #define WLOAD16(p) \
     _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p))), 16))
+#endif
+#if LP_QUANT && QMIN < 0
+#define VMIN_FMA VFNMA /* acc - m * xs */
+#else
+#define VMIN_FMA VFMA
 #endif
 #if LP_LINEAR_WTYPE == LP_W_F32
 #define WLOAD VLOAD
@@ -273,51 +302,61 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
         }                                                                                                  \
     } while (0)
 #if LP_QUANT
-    /* a group's scales, then its 32 k steps, each dequantized in registers (quant_blocks.h); one row of 4-bit
-     * weights by group sums (ROW_SUMS) */
+/* Over the integers of sub-block h of group g (vals: its value bytes): the statements given per k = 32 g + kk, with i0, i1,
+ * i2 the three vectors of k's integers (less QOFF). The low-bit bytes of a k pair and the high-bit bytes of
+ * QHSTEP k's are widened once. */
+#define Q_FOR_INTS(vals, h, ...)                                                                               \
+    for (int k0 = (h) * QK / QSUBS; k0 < ((h) + 1) * QK / QSUBS; k0 += QHSTEP) {                                \
+        __attribute__((unused)) const ivec_t h0 = Q_HRAW(vals, k0, 0), h1 = Q_HRAW(vals, k0, 1),               \
+                                             h2 = Q_HRAW(vals, k0, 2);                                         \
+        _Pragma("GCC unroll 8") for (int kp = k0; kp < k0 + QHSTEP; kp += QSTEP) {                             \
+            const ivec_t r0 = Q_RAW(vals, kp, 0), r1 = Q_RAW(vals, kp, 1), r2 = Q_RAW(vals, kp, 2);           \
+            Q_AT_K(kp, kp - k0, __VA_ARGS__)                                                                   \
+            if (QSTEP > 1) Q_AT_K(kp + 1, kp - k0 + 1, __VA_ARGS__)                                            \
+        }                                                                                                      \
+    }
+/* (one k of them: its integers i0, i1, i2; e its place in its high-bit byte) */
+#define Q_AT_K(k_, e, ...)                                                                                     \
+    {                                                                                                          \
+        const int kk = (k_);                                                                                   \
+        const ivec_t i0 = Q_INTS(r0, h0, e), i1 = Q_INTS(r1, h1, e), i2 = Q_INTS(r2, h2, e);                   \
+        __VA_ARGS__                                                                                            \
+    }
+    /* per group and sub-block its scales, then its k steps, each dequantized in registers (quant_blocks.h);
+     * one row of 4-bit weights by sub-block sums (ROW_SUMS) */
     for (int64_t g = 0; g < K / QK && !ROW_SUMS(R); g++) {
-        const wt_t *gp = wp + g * GROUP_BYTES, *vals = gp + QSCALES;
-        const vec_t d0 = Q_HALVES(gp), d1 = Q_HALVES(gp + 2 * VW), d2 = Q_HALVES(gp + 4 * VW);
-        __attribute__((unused)) const vec_t m0 = QMIN ? Q_HALVES(gp + 2 * NR) : d0,
-                                            m1 = QMIN ? Q_HALVES(gp + 2 * NR + 2 * VW) : d1,
-                                            m2 = QMIN ? Q_HALVES(gp + 2 * NR + 4 * VW) : d2;
-        for (int kk = 0; kk < QK; kk += 2) {
-            const int64_t k = g * QK + kk;
-            /* 4-bit: one widening of the bytes serves k and k + 1 (its two nibbles) */
-            __attribute__((unused)) const ivec_t r0 = Q_RAW(vals, kk, 0), r1 = Q_RAW(vals, kk, 1),
-                                                 r2 = Q_RAW(vals, kk, 2);
-            vec_t b0 = Q_WEIGHTS(r0, 0, d0, m0), b1 = Q_WEIGHTS(r1, 0, d1, m1),
-                  b2 = Q_WEIGHTS(r2, 0, d2, m2);
-            K_STEP(k);
-#if QBITS == 8
-            b0 = Q_WEIGHTS(Q_RAW(vals, kk + 1, 0), 1, d0, m0), b1 = Q_WEIGHTS(Q_RAW(vals, kk + 1, 1), 1, d1, m1),
-            b2 = Q_WEIGHTS(Q_RAW(vals, kk + 1, 2), 1, d2, m2);
-#else
-            b0 = Q_WEIGHTS(r0, 1, d0, m0), b1 = Q_WEIGHTS(r1, 1, d1, m1), b2 = Q_WEIGHTS(r2, 1, d2, m2);
-#endif
-            K_STEP(k + 1);
+        const wt_t *hd = Q_HEAD(wp, g), *gp = Q_GROUP(wp, g), *vals = gp + QSCALES;
+        (void)hd;
+        for (int h = 0; h < QSUBS; h++) {
+            const vec_t d0 = Q_SCALE(hd, gp, h, 0), d1 = Q_SCALE(hd, gp, h, 1), d2 = Q_SCALE(hd, gp, h, 2);
+            __attribute__((unused)) const vec_t m0 = QMIN ? Q_MINV(hd, gp, 0) : d0, m1 = QMIN ? Q_MINV(hd, gp, 1) : d1,
+                                                m2 = QMIN ? Q_MINV(hd, gp, 2) : d2;
+            Q_FOR_INTS(vals, h, {
+                vec_t b0 = Q_WEIGHTS(i0, d0, m0), b1 = Q_WEIGHTS(i1, d1, m1), b2 = Q_WEIGHTS(i2, d2, m2);
+                K_STEP(g * QK + kk);
+            })
         }
     }
     for (int64_t g = 0; g < K / QK && ROW_SUMS(R); g++) {
-        const wt_t *gp = wp + g * GROUP_BYTES, *vals = gp + QSCALES;
-        vec_t s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), xs = VZERO(); /* sum x q per column; sum x */
-        for (int kk = 0; kk < QK; kk += 2) {
-            const ivec_t r0 = Q_RAW(vals, kk, 0), r1 = Q_RAW(vals, kk, 1), r2 = Q_RAW(vals, kk, 2);
-            for (int h = 0; h < 2; h++) { /* k = 32 g + kk + h: the low, then the high nibbles */
-                const vec_t a = VSET1(x[g * QK + kk + h]);
-                s0 = VFMA(a, Q_FLOAT(Q_INTS(r0, h)), s0);
-                if (NV > 1) s1 = VFMA(a, Q_FLOAT(Q_INTS(r1, h)), s1);
-                if (NV > 2) s2 = VFMA(a, Q_FLOAT(Q_INTS(r2, h)), s2);
+        const wt_t *hd = Q_HEAD(wp, g), *gp = Q_GROUP(wp, g), *vals = gp + QSCALES;
+        (void)hd;
+        for (int h = 0; h < QSUBS; h++) {
+            vec_t s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), xs = VZERO(); /* sum x q per column; sum x */
+            Q_FOR_INTS(vals, h, {
+                const vec_t a = VSET1(x[g * QK + kk]);
+                s0 = VFMA(a, Q_FLOAT(i0), s0);
+                if (NV > 1) s1 = VFMA(a, Q_FLOAT(i1), s1);
+                if (NV > 2) s2 = VFMA(a, Q_FLOAT(i2), s2);
                 if (QMIN) xs = VADD(xs, a);
+            })
+            acc[0][0] = VFMA(Q_SCALE(hd, gp, h, 0), s0, acc[0][0]);
+            if (NV > 1) acc[0][1] = VFMA(Q_SCALE(hd, gp, h, 1), s1, acc[0][1]);
+            if (NV > 2) acc[0][2] = VFMA(Q_SCALE(hd, gp, h, 2), s2, acc[0][2]);
+            if (QMIN) { /* + m * sum x (Q4_1), - dmin * mn * sum x (the K-quants) */
+                acc[0][0] = VMIN_FMA(Q_MINV(hd, gp, 0), xs, acc[0][0]);
+                if (NV > 1) acc[0][1] = VMIN_FMA(Q_MINV(hd, gp, 1), xs, acc[0][1]);
+                if (NV > 2) acc[0][2] = VMIN_FMA(Q_MINV(hd, gp, 2), xs, acc[0][2]);
             }
-        }
-        acc[0][0] = VFMA(Q_HALVES(gp), s0, acc[0][0]);
-        if (NV > 1) acc[0][1] = VFMA(Q_HALVES(gp + 2 * VW), s1, acc[0][1]);
-        if (NV > 2) acc[0][2] = VFMA(Q_HALVES(gp + 4 * VW), s2, acc[0][2]);
-        if (QMIN) { /* + m * sum x */
-            acc[0][0] = VFMA(Q_HALVES(gp + 2 * NR), xs, acc[0][0]);
-            if (NV > 1) acc[0][1] = VFMA(Q_HALVES(gp + 2 * NR + 2 * VW), xs, acc[0][1]);
-            if (NV > 2) acc[0][2] = VFMA(Q_HALVES(gp + 2 * NR + 4 * VW), xs, acc[0][2]);
         }
     }
 #else
@@ -469,7 +508,7 @@ void lp_linear_fold_shrink(const float *x, int64_t M, int64_t lda, int64_t K, co
  * adapter delta added to its rows (fold may be NULL). */
 static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t *wp, int64_t N, const float *bias,
                   float *y, const lp_side_t *side, const lp_fold_t *fold) {
-    if (M < 0 || K < 1 || N < 1 || lda < K || (LP_QUANT && K % 32)) return -1;
+    if (M < 0 || K < 1 || N < 1 || lda < K || K % K_MULTIPLE) return -1;
     if (side && side->n < 0) return -1;
     if (fold && (fold->rank < 1 || fold->S < 1 || fold->pa != lp_fold_panels(fold->S, fold->rank))) return -1;
     if (M == 0) return 0;

@@ -1,6 +1,6 @@
 """Linear layers over packed weights on the CPU, through linear.c (see its Semantics): fp32 panels, bf16
-ones (linear_bf16.c) widened as they are loaded, or GGUF's Q8_0 / Q4_0 / Q4_1 blocks (linear_q*.c,
-quant_blocks.h) dequantized in registers, with fp32 activations and sums in every case."""
+ones (linear_bf16.c) widened as they are loaded, or GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks
+(linear_q*.c, quant_blocks.h) dequantized in registers, with fp32 activations and sums in every case."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from loraplex.engine.kernels.cpu.build import functions, require
-from loraplex.engine.quant import BLOCK, BlockWeight
+from loraplex.engine.quant import BLOCK_BYTES, BLOCK_WEIGHTS, BlockWeight, dequantize
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 
@@ -25,9 +25,9 @@ class _Fold(ctypes.Structure):
 # The packed panels' element types and their kernels' suffix (linear.c, linear_bf16.c)
 PACKED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 # GGUF block formats with kernels (linear_q*.c): their suffix is the format's name (quant.BLOCK_BYTES)
-BLOCK_KINDS = ("q8_0", "q4_0", "q4_1")
+BLOCK_KINDS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 # Each kind's code in the fused decode step's model table (lora_weights.h, LP_W_*)
-KIND_CODES = {"f32": 0, "bf16": 1, "q8_0": 3, "q4_0": 4, "q4_1": 5}
+KIND_CODES = {"f32": 0, "bf16": 1, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
 
 
 @functools.cache
@@ -36,7 +36,8 @@ def _fns() -> dict | None:
     for t in PACKED_DTYPES.values():
         per_type[f"lp_pack_{t}"] = (None, [_P, _I64, _I64, _P])
     for t in BLOCK_KINDS:
-        per_type |= {f"lp_pack_{t}": (ctypes.c_int, [_P, _I64, _I64, _P]), f"lp_packed_bytes_{t}": (_I64, [_I64, _I64])}
+        per_type |= {f"lp_pack_{t}": (ctypes.c_int, [_P, _I64, _I64, _P]), f"lp_packed_bytes_{t}": (_I64, [_I64, _I64]),
+                     f"lp_unpack_rows_{t}": (ctypes.c_int, [_P, _I64, _I64, _P, _I64, _P])}
     for t in (*PACKED_DTYPES.values(), *BLOCK_KINDS):
         per_type |= {
             f"lp_linear_packed_{t}": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P]),
@@ -122,7 +123,7 @@ def pack_blocks(w: BlockWeight) -> PackedWeight:
     n, k = w.shape
     data = torch.empty(fns[f"lp_packed_bytes_{w.fmt}"](n, k), dtype=torch.uint8)
     if fns[f"lp_pack_{w.fmt}"](blocks.data_ptr(), n, k, data.data_ptr()):
-        raise ValueError(f"{w.fmt} weight [{n}, {k}]: in_features must be a multiple of {BLOCK}")
+        raise ValueError(f"{w.fmt} weight [{n}, {k}]: in_features must be a multiple of {BLOCK_WEIGHTS[w.fmt]}")
     return PackedWeight(data, None, n, k, w.fmt)
 
 
@@ -194,58 +195,27 @@ def packed_linear_fold(x: torch.Tensor, w: PackedWeight, block: torch.Tensor, wi
     return y
 
 
-def _group_layout(w: PackedWeight) -> tuple[torch.Tensor, int, int]:
-    """A block weight's panels as [panels, groups, group bytes] (quant_blocks.h), its scale bytes and its
-    value bytes per group."""
-    nr, groups = panel_columns(), w.in_features // BLOCK
-    scale_bytes = 2 * nr * (2 if w.kind == "q4_1" else 1)
-    value_bytes = BLOCK * nr // (1 if w.kind == "q8_0" else 2)
-    return w.data.view(-1, groups, scale_bytes + value_bytes), scale_bytes, value_bytes
+def unpack_rows(w: PackedWeight, index: torch.Tensor | None = None) -> torch.Tensor:
+    """Rows `index` [n] (None: all) of a block weight as GGUF rows (uint8 [n, in / block weights * block
+    bytes]) from its panels: the inverse of pack_blocks (lp_unpack_rows_<fmt>), reading only those rows' panels."""
+    n, k = w.out_features, w.in_features
+    rows = torch.arange(n) if index is None else index.to(device="cpu", dtype=torch.int64).contiguous()
+    out = torch.empty(rows.shape[0], k // BLOCK_WEIGHTS[w.kind] * BLOCK_BYTES[w.kind], dtype=torch.uint8)
+    if _fns()[f"lp_unpack_rows_{w.kind}"](w.data.data_ptr(), n, k, rows.data_ptr(), rows.shape[0], out.data_ptr()):
+        raise IndexError(f"rows out of range for a {w.kind} weight of {n} rows")
+    return out
 
 
-def _nibbles(v: torch.Tensor) -> torch.Tensor:
-    """4-bit values [..., 16, NR] as panels hold them (k even low, k odd high) -> [..., 32, NR] in k order."""
-    return torch.stack((v & 15, v >> 4), dim=-2).flatten(-3, -2)
+def unpack_blocks(w: PackedWeight) -> torch.Tensor:
+    """A block weight's GGUF rows from its panels (unpack_rows of every row)."""
+    return unpack_rows(w)
 
 
 def panel_rows(w: PackedWeight, index: torch.Tensor) -> torch.Tensor:
     """Rows `index` [n] of a block weight, dequantized from its panels to fp32 [n, in] exactly as
     quant.dequantize does (an embedding lookup that needs no other copy of the table; only the rows' own
     panels are read)."""
-    nr = panel_columns()
-    groups, scale_bytes, _ = _group_layout(w)
-    p, j, n = index // nr, index % nr, torch.arange(index.shape[0])  # each row's panel and column
-    taken = groups[p]  # [n, G, group bytes]: the rows' panels
-    g = taken.shape[1]
-    halves = taken[..., :scale_bytes].reshape(-1, g, scale_bytes // (2 * nr), nr, 2)[n, :, :, j]  # [n, G, 1|2, 2]
-    halves = halves.contiguous().view(torch.float16).float()  # [n, G, 1|2, 1]: d (and m)
-    d = halves[:, :, 0]  # [n, G, 1]
-    vals = taken[..., scale_bytes:]
-    if w.kind == "q8_0":
-        q = vals.reshape(-1, g, BLOCK, nr)[n, :, :, j].contiguous().view(torch.int8).float()  # [n, G, 32]
-        return (q * d).flatten(1)
-    q = _nibbles(vals.reshape(-1, g, BLOCK // 2, nr))[n, :, :, j]  # [n, G, 32]
-    if w.kind == "q4_0":
-        return ((q.to(torch.int16) - 8).float() * d).flatten(1)
-    return (q.float() * d + halves[:, :, 1]).flatten(1)
-
-
-def unpack_blocks(w: PackedWeight) -> torch.Tensor:
-    """A block weight's GGUF rows (uint8 [out, in / 32 * block bytes]) from its panels: the inverse of
-    pack_blocks."""
-    nr = panel_columns()
-    groups, scale_bytes, _ = _group_layout(w)
-    n_panels, n_groups = groups.shape[:2]
-    scales = groups[..., :scale_bytes].reshape(n_panels, n_groups, -1, nr, 2)  # [P, G, 1 or 2, NR, 2 bytes]
-    vals = groups[..., scale_bytes:]
-    if w.kind == "q8_0":
-        qs = vals.reshape(n_panels, n_groups, BLOCK, nr)  # [P, G, 32, NR]
-    else:
-        q = _nibbles(vals.reshape(n_panels, n_groups, BLOCK // 2, nr))  # [P, G, 32, NR]
-        qs = q[:, :, :16] | (q[:, :, 16:] << 4)  # GGUF's byte i: weights i and i + 16
-    parts = [scales[:, :, s] for s in range(scales.shape[2])] + [qs.transpose(2, 3)]  # each [P, G, NR, ...]
-    blocks = torch.cat(parts, dim=-1)  # [P, G, NR, block bytes]
-    return blocks.permute(0, 2, 1, 3).reshape(n_panels * nr, -1)[:w.out_features].contiguous()
+    return dequantize(BlockWeight(w.kind, unpack_rows(w, index)))
 
 
 class PanelBlocks(BlockWeight):

@@ -26,6 +26,9 @@
 #define LP_W_Q8_0 3
 #define LP_W_Q4_0 4
 #define LP_W_Q4_1 5
+#define LP_W_Q4_K 6
+#define LP_W_Q5_K 7
+#define LP_W_Q6_K 8
 
 static inline int64_t lp_weight_bytes(int64_t wtype) { return wtype == LP_W_F32 ? 4 : 2; }
 
