@@ -174,6 +174,20 @@ def test_bench_quant_compares_weight_formats_at_each_batch(tmp_path):
         assert bad.returncode == 2 and says in bad.stderr
 
 
+def test_bench_blocks_times_each_format_against_fp32_and_bf16_panels(tmp_path):
+    r = run_bench(tmp_path, "blocks", "--formats", "q4_k,q6_k,q8_0", "--rows", "1,3", "--shapes", "small",
+                  "--repeats", "1", "--calls", "1")
+    assert [(e["format"], e["rows"]) for e in r["results"]] == [(f, m) for f in ("q4_k", "q6_k", "q8_0") for m in (1, 3)]
+    for e in r["results"]:
+        assert e["shape"] == [256, 512] and set(e["ms"]) == {e["format"], "fp32", "bf16"}
+        assert min(e["ms"].values()) > 0 and e["fp32_over_blocks"] > 0 and e["bf16_over_blocks"] > 0
+    bits = {e["format"]: e["bits_per_weight"] for e in r["results"]}
+    assert 4.5 <= bits["q4_k"] < 5 and 6.5 <= bits["q6_k"] < 7 and 8.5 <= bits["q8_0"] < 9  # the panels stay near
+    for args, says in ((("--formats", "q4_2"), "--formats: any of q8_0"), (("--rows", "0"), "--rows: row counts")):
+        bad = loraplex("bench", "blocks", *args, "--json", str(tmp_path / "bad.json"))
+        assert bad.returncode == 2 and says in bad.stderr and not (tmp_path / "bad.json").exists()
+
+
 def test_bench_fuzz_writes_cases_failures_and_reproductions(tmp_path):
     r = run_bench(tmp_path, "fuzz", "--cases", "40")
     assert r["cases"] >= 40 and r["cases_asked"] == 40 and r["server_alive_after"] is True
