@@ -177,7 +177,8 @@ def test_bench_quant_compares_weight_formats_at_each_batch(tmp_path):
 def test_bench_blocks_times_each_format_against_fp32_and_bf16_panels(tmp_path):
     r = run_bench(tmp_path, "blocks", "--formats", "q4_k,q6_k,q8_0", "--rows", "1,3", "--shapes", "small",
                   "--repeats", "1", "--calls", "1")
-    assert [(e["format"], e["rows"]) for e in r["results"]] == [(f, m) for f in ("q4_k", "q6_k", "q8_0") for m in (1, 3)]
+    formats = ("q4_k", "q6_k", "q8_0")
+    assert [(e["format"], e["rows"]) for e in r["results"]] == [(f, m) for f in formats for m in (1, 3)]
     for e in r["results"]:
         assert e["shape"] == [256, 512] and set(e["ms"]) == {e["format"], "fp32", "bf16"}
         assert min(e["ms"].values()) > 0 and e["fp32_over_blocks"] > 0 and e["bf16_over_blocks"] > 0
