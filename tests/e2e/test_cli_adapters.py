@@ -127,7 +127,7 @@ def test_upload_serve_delete_and_collect(cli_env, server, tenant, peft_dir):
     one_line_error(loraplex(cli_env, "adapters", "delete", "again", "--tenant", "acme"), "answered 404")
 
 
-def test_bad_uploads_are_one_line_and_register_nothing(cli_env, server, peft_dir, tmp_path):
+def test_bad_uploads_are_one_line_and_register_nothing(cli_env, server, tenant, peft_dir, tmp_path):
     def upload(directory, env=cli_env, *extra):
         return loraplex(env, "adapters", "upload", str(directory), "--tenant", "acme", "--name", "bad",
                         "--base-model", MODEL, *extra)

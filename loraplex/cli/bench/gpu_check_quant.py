@@ -35,6 +35,11 @@ FULL_M, QUICK_M = (1, 16, 256), (1, 3)
 MAX_REL_ERR = {"int8": 1e-2, "fp8": 2e-2}
 
 
+def _ratio(a: float, b: float) -> float:
+    """a / b to 4 significant digits (the interpreter's ratios on the CPU can be far below 0.001)."""
+    return float(f"{a / b:.4g}")
+
+
 def path_name(kind: str, device: torch.device) -> str:
     """Which implementation `linear` takes for this kind on this device."""
     if kind == "fp8":
@@ -67,7 +72,7 @@ def time_pair(quantized: Callable[[], object], bf16: Callable[[], object], ctx: 
     repeats, iters = (1, 1) if not ctx.cuda else (5, 50)
     q = roofline.best_seconds(quantized, repeats, ctx.device, iters)
     b = roofline.best_seconds(bf16, repeats, ctx.device, iters)
-    out = {"us": round(q * 1e6, 2), "bf16_us": round(b * 1e6, 2), "speedup_vs_bf16": round(b / q, 3)}
+    out = {"us": round(q * 1e6, 2), "bf16_us": round(b * 1e6, 2), "speedup_vs_bf16": _ratio(b, q)}
     if not ctx.cuda:
         return out
     out.update(eager_us=out["us"], eager_bf16_us=out["bf16_us"], eager_speedup_vs_bf16=out["speedup_vs_bf16"])
@@ -77,7 +82,7 @@ def time_pair(quantized: Callable[[], object], bf16: Callable[[], object], ctx: 
     except RuntimeError as e:  # a capture that fails: the eager figures stand, and why
         out["graph_error"] = f"{type(e).__name__}: {e}"[:300]
         return out
-    out.update(us=round(q * 1e6, 2), bf16_us=round(b * 1e6, 2), speedup_vs_bf16=round(b / q, 3))
+    out.update(us=round(q * 1e6, 2), bf16_us=round(b * 1e6, 2), speedup_vs_bf16=_ratio(b, q))
     return out
 
 
