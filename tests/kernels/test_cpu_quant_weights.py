@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from loraplex.cli.bench.blocks import random_blocks
 from loraplex.engine.kernels.cpu import linear
 from loraplex.engine.kernels.cpu.linear import PanelBlocks, pack, pack_blocks, packed_linear, packed_linear_fold
 from loraplex.engine.quant import BLOCK_BYTES, BLOCK_WEIGHTS, BlockWeight, dequantize, quantize
@@ -23,24 +24,6 @@ FORMATS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 K_QUANTS = ("q4_k", "q5_k", "q6_k")
 # GEMM shapes [out, in] per block size: odd and even outputs, one block to many
 SHAPES = {32: [(7, 32), (50, 64), (96, 576), (130, 1536)], 256: [(7, 256), (51, 512), (96, 768), (130, 1536)]}
-# Where each format's fp16 scale (and min) lie in a block; K-quants' are multiplied by 6-bit integers or int8
-_HALVES = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
-
-
-def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> BlockWeight:
-    """Blocks of random integers (and K-quant sub-block scales) with finite random fp16 scales (and mins); the
-    K-quants' smaller, as their scales are multiplied by sub-block integers up to 63 (a model's weights stay
-    near 0.02)."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = cols // BLOCK_WEIGHTS[fmt]
-    raw = torch.randint(0, 256, (rows, blocks, BLOCK_BYTES[fmt]), dtype=torch.uint8, generator=g)
-    std = 0.0002 if fmt in K_QUANTS else 0.02
-    scales = (torch.randn(rows, blocks, 2, generator=g) * std).half().view(torch.uint8)  # [rows, blocks, 4]
-    for i, at in enumerate(_HALVES[fmt]):
-        raw[..., at:at + 2] = scales[..., 2 * i:2 * i + 2]
-    return BlockWeight(fmt, raw.reshape(rows, -1))
-
-
 def random_kquant_weights(weights: dict, fmt: str) -> dict:
     """A float model's projections as random `fmt` blocks of their shapes (no quantizer here makes K-quants),
     its LM head (or the tied embedding) as Q6_K, as a Q4_K_M file holds it."""

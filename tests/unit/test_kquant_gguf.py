@@ -11,11 +11,11 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType
 
+from loraplex.cli.bench.blocks import random_blocks
 from loraplex.engine.api import GenerateRequest, SamplingParams
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.models.loader import load_model, resolve_model
-from tests.kernels.test_cpu_quant_weights import random_blocks
 from tests.unit.test_bf16_weights import run_with_logprobs
 from tests.unit.test_loader import write_tiny_gguf
 from tests.unit.test_quant_weights import assert_same_tokens

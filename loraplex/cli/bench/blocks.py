@@ -17,21 +17,24 @@ import torch
 from loraplex.engine.kernels.cpu import build, linear
 from loraplex.engine.quant import BLOCK_BYTES, BLOCK_WEIGHTS, BlockWeight, dequantize
 
-# Byte offsets of each format's fp16 scales in a block (set to a weight's size: random bytes there are huge)
+# Where each format's fp16 scale (and min) lie in a block (random bytes there would be huge)
 SCALE_OFFSETS = {"q8_0": (0,), "q4_0": (0,), "q4_1": (0, 2), "q4_k": (0, 2), "q5_k": (0, 2), "q6_k": (208,)}
 SHAPES = ((2048, 2048), (5632, 2048), (2048, 5632))  # [out, in]
 MAX_ROWS = 64
 
 
-def random_blocks(fmt: str, n: int, k: int, seed: int = 0) -> BlockWeight:
-    """Weights [n, k] of `fmt` from random bytes, with scales of a trained model's magnitude."""
+def random_blocks(fmt: str, rows: int, cols: int, seed: int = 0) -> BlockWeight:
+    """Blocks of random integers (and K-quant sub-block scales) with finite random fp16 scales (and mins); the
+    K-quants' smaller, as their scales are multiplied by sub-block integers up to 63 (a model's weights stay
+    near 0.02). Also the kernel tests' weights."""
     g = torch.Generator().manual_seed(seed)
-    raw = torch.randint(0, 256, (n, k // BLOCK_WEIGHTS[fmt], BLOCK_BYTES[fmt]), dtype=torch.uint8, generator=g)
-    std = 2e-4 if fmt.endswith("_k") else 2e-3  # (a K-quant's d multiplies 6-bit sub-block scales)
-    halves = (torch.randn(*raw.shape[:2], 2, generator=g) * std).half().view(torch.uint8)  # [n, blocks, 4]
+    blocks = cols // BLOCK_WEIGHTS[fmt]
+    raw = torch.randint(0, 256, (rows, blocks, BLOCK_BYTES[fmt]), dtype=torch.uint8, generator=g)
+    std = 0.0002 if fmt.endswith("_k") else 0.02
+    scales = (torch.randn(rows, blocks, 2, generator=g) * std).half().view(torch.uint8)  # [rows, blocks, 4]
     for i, at in enumerate(SCALE_OFFSETS[fmt]):
-        raw[..., at:at + 2] = halves[..., 2 * i:2 * i + 2]
-    return BlockWeight(fmt, raw.reshape(n, -1))
+        raw[..., at:at + 2] = scales[..., 2 * i:2 * i + 2]
+    return BlockWeight(fmt, raw.reshape(rows, -1))
 
 
 def _parse(formats: str, rows: str) -> tuple[list[str], list[int]]:

@@ -206,11 +206,6 @@ def unpack_rows(w: PackedWeight, index: torch.Tensor | None = None) -> torch.Ten
     return out
 
 
-def unpack_blocks(w: PackedWeight) -> torch.Tensor:
-    """A block weight's GGUF rows from its panels (unpack_rows of every row)."""
-    return unpack_rows(w)
-
-
 def panel_rows(w: PackedWeight, index: torch.Tensor) -> torch.Tensor:
     """Rows `index` [n] of a block weight, dequantized from its panels to fp32 [n, in] exactly as
     quant.dequantize does (an embedding lookup that needs no other copy of the table; only the rows' own
@@ -237,7 +232,7 @@ class PanelBlocks(BlockWeight):
 
     @property
     def data(self) -> torch.Tensor:  # (unpacked on each call: merges and moves are rare)
-        return unpack_blocks(self.packed)
+        return unpack_rows(self.packed)
 
     @property
     def shape(self) -> torch.Size:
