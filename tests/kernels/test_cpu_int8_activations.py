@@ -14,6 +14,7 @@ from loraplex.cli.bench.blocks import random_blocks
 from loraplex.engine.kernels.cpu import linear
 from loraplex.engine.kernels.cpu.linear import ACT8_KINDS, pack, pack_blocks, packed_linear, with_act8
 from loraplex.engine.quant import BLOCK_BYTES, BlockWeight, dequantize
+from tests.unit.test_engine_lora import adapter_dirs  # noqa: F401 (a fixture)
 
 pytestmark = pytest.mark.cpu_kernels
 
@@ -147,3 +148,66 @@ def test_formats_without_an_int8_kernel_are_refused():
         with_act8(pack(torch.zeros(7, 32)))
     p = pack_blocks(random_blocks("q8_0", 7, 64))
     assert with_act8(p).act8 and with_act8(p).data is p.data and not p.act8
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_the_fused_decode_step_takes_the_same_int8_gemms_as_the_per_op_path(fmt, monkeypatch):
+    """A model packed with act8: the fused decode step equals the per-op path bit for bit (its model table carries
+    each weight's act8 flag), its logits lie near the float-activation model's, and are not the same."""
+    from loraplex.engine.models.llama import LlamaModel
+    from loraplex.engine.models.loader import quantized_weights
+    from loraplex.engine.models.synthetic import synthetic_model
+    from tests.kernels.test_cpu_decode_step import PROMPTS, _both_paths, _model_and_cache, _prefill
+
+    model, storage = _model_and_cache("tiny", blocks=fmt)  # (float activations: the comparison)
+    config, weights, _ = synthetic_model("tiny")
+    act8 = LlamaModel(config, quantized_weights(weights, fmt), act8=True)
+    assert act8.layers[0].qkv.act8 and act8.lm_head_w.act8 and not model.layers[0].qkv.act8
+    ids = torch.randint(0, config.vocab_size, (len(PROMPTS),), generator=torch.Generator().manual_seed(1))
+    rows = torch.arange(len(PROMPTS))
+    logits = {}
+    for name, m in (("act8", act8), ("float", model)):
+        _prefill(m, storage, torch.Generator().manual_seed(0))
+        logits[name] = _both_paths(m, storage, ids, rows, monkeypatch)
+    scale = logits["float"].abs().max()
+    assert (logits["act8"] - logits["float"]).abs().max() < 0.05 * scale
+    assert not torch.equal(logits["act8"], logits["float"])
+
+
+def _engine_config(**overrides):
+    from loraplex.engine.config import EngineConfig
+    from tests.unit.test_engine_core import MODEL
+
+    params = {"model": MODEL, "device": "cpu", "dtype": "float32", "num_kv_blocks": 256, "weight_dtype": "int4",
+              "lora_merge_after_steps": 0, "max_num_batched_tokens": 64}
+    return EngineConfig(**(params | overrides))
+
+
+def test_an_engine_with_int8_activations_decodes_near_its_float_activations(adapter_dirs):  # noqa: F811
+    """Q4_1 projections, adapters folded and not, chunked prefills and fused decode steps: the same greedy
+    requests with activation_dtype int8 and float32 give tokens whose log-probabilities agree closely."""
+    from loraplex.engine.core import EngineCore
+    from tests.unit.test_bf16_weights import run_mixed_adapters
+
+    engines = {a: EngineCore(_engine_config(activation_dtype=a)) for a in ("int8", "float32")}
+    assert engines["int8"].runner.model.layers[0].down.act8 and not engines["float32"].runner.model.layers[0].down.act8
+    outputs = run_mixed_adapters(engines, adapter_dirs, ["a0", None, "a1", "a3", None, "a0"], 3, 8)
+    for rid, want in outputs["float32"].items():
+        got = outputs["int8"][rid]
+        assert len(got) == len(want) == 8
+        assert got[0][0] == want[0][0] and abs(got[0][1] - want[0][1]) < 0.05, rid  # the prefill's token
+        same = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a[0] != b[0]), len(got))
+        assert all(abs(got[i][1] - want[i][1]) < 0.05 for i in range(same)), rid  # until the tokens part
+
+
+def test_int8_activations_are_refused_where_nothing_would_take_them():
+    from loraplex.engine.core import EngineCore
+
+    with pytest.raises(ValueError, match="activation_dtype must be one of float32, int8, got 'int4'"):
+        _engine_config(activation_dtype="int4")
+    with pytest.raises(ValueError, match="activation_dtype int8 runs on the CPU over GGUF blocks .* weight_dtype "
+                                         "bfloat16"):
+        _engine_config(activation_dtype="int8", weight_dtype="bfloat16")
+    with pytest.raises(ValueError, match="activation_dtype int8: no projection of synthetic:tiny is in Q8_0, Q4_0 or "
+                                         "Q4_1 blocks \\(they are f32\\)"):
+        EngineCore(_engine_config(activation_dtype="int8", weight_dtype="auto"))
