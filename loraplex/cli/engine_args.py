@@ -29,7 +29,7 @@ CUDA_GRAPHS_HELP = ("decode steps over static bucket-padded buffers, on CUDA cap
                     "eagerly) or off")
 ASYNC_SCHEDULING_HELP = ("schedule the next step while the device runs the current one: auto (default: on with "
                          "CUDA, off on the CPU, where nothing overlaps), on or off")
-ACTIVATION_DTYPE_HELP = ("CPU GEMMs over Q8_0/Q4_0/Q4_1 blocks (a GGUF's, or --weight-dtype int8/int4): float32 "
+ACTIVATION_DTYPE_HELP = ("CPU GEMMs over GGUF blocks (a GGUF's own, or --weight-dtype int8/int4): float32 "
                          "(default, exact) or int8 (activations quantized per 32 features, integer dot products: "
                          "faster at larger batches, ~0.5%% output error); refused when no projection would take it")
 KV_CACHE_DTYPE_HELP = ("the KV cache's element type: auto (default: the model's dtype), float32, bfloat16, float16, "

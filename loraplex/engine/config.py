@@ -87,11 +87,11 @@ class EngineConfig:
     # and LM head per output channel for the W8A16 Triton kernel and "fp8" to e4m3 with per-channel scales for
     # torch._scaled_mm (sm89+) (kernels/quant_linear.py); int4 is the CPU's only.
     weight_dtype: str = "auto"
-    # The CPU kernels' activations in GEMMs over Q8_0, Q4_0 and Q4_1 blocks (a GGUF's own, or weight_dtype int8 /
+    # The CPU kernels' activations in GEMMs over GGUF blocks (a GGUF's own Q8_0 ... Q6_K, or weight_dtype int8 /
     # int4): "float32" (exact: the fp32 GEMM over the blocks' values) or "int8": each row quantized per 32 features
     # (absmax / 127, round to nearest) and multiplied as integers (kernels/cpu/linear_act8.h, vpdpbusd with AVX-512
-    # VNNI), in prefill and in the fused decode step alike. Other weights (fp32 / bf16 panels, K-quant blocks, a
-    # merged adapter's copy) keep fp32 activations; the engine refuses int8 when no projection would take it.
+    # VNNI), in prefill and in the fused decode step alike. Other weights (fp32 / bf16 panels, a merged adapter's
+    # copy) keep fp32 activations; the engine refuses int8 when no projection would take it.
     activation_dtype: str = "float32"
     # The KV cache's element type: "auto" is the model's dtype; float32, bfloat16 or float16 store K/V rounded
     # to it; int8 and fp8 (e4m3) store each token's K/V per kv head as 8-bit values and an fp32 scale

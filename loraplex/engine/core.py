@@ -73,15 +73,15 @@ def _check_device(loaded: LoadedModel, want: torch.device) -> None:
 
 
 def _check_act8(config: EngineConfig, model) -> None:
-    """activation_dtype int8 with no GEMM to take it (no C kernels, or no Q8_0 / Q4_0 / Q4_1 projection) is refused."""
+    """activation_dtype int8 with no GEMM to take it (no C kernels, or no projection in GGUF blocks) is refused."""
     if config.activation_dtype != "int8":
         return
     if not getattr(model.ops, "act8", False):
         raise ValueError("activation_dtype int8 needs the CPU C kernels (`loraplex doctor` says why they do not run)")
     if not any(getattr(getattr(layer, m), "act8", False) for layer in model.layers for m in PROJECTIONS):
         kinds = sorted({getattr(layer, m).kind for layer in model.layers for m in PROJECTIONS})
-        raise ValueError(f"activation_dtype int8: no projection of {config.model} is in Q8_0, Q4_0 or Q4_1 blocks "
-                         f"(they are {', '.join(kinds)}): use weight_dtype int8 or int4, or activation_dtype float32")
+        raise ValueError(f"activation_dtype int8: no projection of {config.model} is in GGUF blocks (they are "
+                         f"{', '.join(kinds)}): use weight_dtype int8 or int4, or activation_dtype float32")
 
 
 def _adapters_of(requests) -> tuple[str, ...]:

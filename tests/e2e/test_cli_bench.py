@@ -180,11 +180,9 @@ def test_bench_blocks_times_each_format_against_fp32_and_bf16_panels(tmp_path):
     formats = ("q4_k", "q6_k", "q8_0")
     assert [(e["format"], e["rows"]) for e in r["results"]] == [(f, m) for f in formats for m in (1, 3)]
     for e in r["results"]:
-        int8 = {"int8_act"} if e["format"] == "q8_0" else set()  # (the formats with an int8-activation kernel)
-        assert e["shape"] == [256, 512] and set(e["ms"]) == {e["format"], "fp32", "bf16"} | int8
+        assert e["shape"] == [256, 512] and set(e["ms"]) == {e["format"], "fp32", "bf16", "int8_act"}
         assert min(e["ms"].values()) > 0 and e["fp32_over_blocks"] > 0 and e["bf16_over_blocks"] > 0
-        assert ("int8_act_over_blocks" in e) == ("int8_act_over_fp32" in e) == bool(int8)
-        assert e.get("int8_act_over_fp32", 1) > 0 and e.get("int8_act_over_blocks", 1) > 0
+        assert e["int8_act_over_fp32"] > 0 and e["int8_act_over_blocks"] > 0
     bits = {e["format"]: e["bits_per_weight"] for e in r["results"]}
     assert 4.5 <= bits["q4_k"] < 5 and 6.5 <= bits["q6_k"] < 7 and 8.5 <= bits["q8_0"] < 9  # the panels stay near
     for args, says in ((("--formats", "q4_2"), "--formats: any of q8_0"), (("--rows", "0"), "--rows: row counts")):

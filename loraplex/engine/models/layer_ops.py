@@ -94,8 +94,8 @@ class CpuKernelOps(TorchOps):
                  fused_decode: bool = True, act8: bool = False):
         """fused_decode: whether all-decode steps take the fused C step (the model family's
         fused_cpu_decode, models/registry.py); when False they run op by op like any other step. act8: GEMMs
-        over blocks with an int8-activation kernel (linear.ACT8_KINDS) take it, in every step (the fused one
-        too: its model table carries each weight's kind)."""
+        over GGUF blocks quantize their activations to int8 (kernels/cpu/linear_act8.h), in every step (the
+        fused one too: its model table carries each weight's kind)."""
         super().__init__(rope_cos, rope_sin)
         from loraplex.engine.kernels.cpu import decode_step, layer_ops, linear
 
@@ -115,9 +115,9 @@ class CpuKernelOps(TorchOps):
 
     def prepare(self, w):
         if isinstance(w, self.lin.PanelBlocks):  # (a model built again over weights another one packed)
-            return self.lin.with_act8(w.packed, self.act8 and w.fmt in self.lin.ACT8_KINDS)
+            return self.lin.with_act8(w.packed, self.act8)
         if isinstance(w, BlockWeight):  # its blocks, as they are (linear.c's quantized builds)
-            return self.lin.pack_blocks(w, act8=self.act8 and w.fmt in self.lin.ACT8_KINDS)
+            return self.lin.pack_blocks(w, act8=self.act8)
         return self.lin.pack(w, dtype=self.packed_dtype)  # linear.c's panel layout
 
     def resident_weights(self, weights, prepared):

@@ -160,7 +160,7 @@ static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
 /* Whether linear.c has a build for this element type (with LP_W_ACT8: over int8 activations, linear_act8.h). */
 static int linear_type(int64_t wtype) {
     return wtype == LP_W_F32 || wtype == LP_W_BF16 || (wtype >= LP_W_Q8_0 && wtype <= LP_W_Q6_K) ||
-           (wtype >= (LP_W_Q8_0 | LP_W_ACT8) && wtype <= (LP_W_Q4_1 | LP_W_ACT8));
+           (wtype >= (LP_W_Q8_0 | LP_W_ACT8) && wtype <= (LP_W_Q6_K | LP_W_ACT8));
 }
 
 /* return FN_<suffix>(args) for the build of linear.c that serves wtype */
@@ -177,6 +177,9 @@ static int linear_type(int64_t wtype) {
         case LP_W_Q8_0 | LP_W_ACT8: return FN##_a8_q8_0(__VA_ARGS__); \
         case LP_W_Q4_0 | LP_W_ACT8: return FN##_a8_q4_0(__VA_ARGS__); \
         case LP_W_Q4_1 | LP_W_ACT8: return FN##_a8_q4_1(__VA_ARGS__); \
+        case LP_W_Q4_K | LP_W_ACT8: return FN##_a8_q4_k(__VA_ARGS__); \
+        case LP_W_Q5_K | LP_W_ACT8: return FN##_a8_q5_k(__VA_ARGS__); \
+        case LP_W_Q6_K | LP_W_ACT8: return FN##_a8_q6_k(__VA_ARGS__); \
         default: return -1;                                         \
     }
 

@@ -1,8 +1,8 @@
 """Linear layers over packed weights on the CPU, through linear.c (see its Semantics): fp32 panels, bf16
 ones (linear_bf16.c) widened as they are loaded, or GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks
-(linear_q*.c, quant_blocks.h) dequantized in registers, with fp32 activations and sums; or, for Q8_0 / Q4_0 / Q4_1
-blocks packed with act8 (EngineConfig.activation_dtype int8), over activations quantized to int8 per 32 k
-(linear_act8.h: exact integer sums, vpdpbusd with AVX-512 VNNI)."""
+(linear_q*.c, quant_blocks.h) dequantized in registers, with fp32 activations and sums; or, for blocks packed
+with act8 (EngineConfig.activation_dtype int8), over activations quantized to int8 per 32 k (linear_act8.h: exact
+integer sums, vpdpbusd with AVX-512 VNNI)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ PACKED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 BLOCK_KINDS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 # Each kind's code in the fused decode step's model table (lora_weights.h, LP_W_*)
 KIND_CODES = {"f32": 0, "bf16": 1, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
-# Block formats with an int8-activation build (linear_act8.h), and the flag their code carries then (LP_W_ACT8)
-ACT8_KINDS = ("q8_0", "q4_0", "q4_1")
+# Block formats with an int8-activation build (linear_act8.h: all), and the flag their code carries then (LP_W_ACT8)
+ACT8_KINDS = BLOCK_KINDS
 ACT8_FLAG = 16
 
 
@@ -134,8 +134,6 @@ def pack_blocks(w: BlockWeight, act8: bool = False) -> PackedWeight:
     int8 activations with act8; ValueError naming the format when no kernel takes it."""
     if w.fmt not in BLOCK_KINDS:
         raise ValueError(f"no CPU kernel takes {w.fmt} blocks (these do: {', '.join(BLOCK_KINDS)})")
-    if act8 and w.fmt not in ACT8_KINDS:
-        raise ValueError(f"no int8-activation kernel takes {w.fmt} blocks (these do: {', '.join(ACT8_KINDS)})")
     fns = _fns()
     blocks = w.data  # (held here: PanelBlocks makes a fresh tensor on each access)
     require("blocks", blocks, 2, torch.uint8)

@@ -3,17 +3,19 @@
  * panels instead of panel(). Exported as lp_linear_packed_a8_<fmt>, lp_linear_packed_side_a8_<fmt> and
  * lp_linear_fold_a8_<fmt> (the float-activation functions' arguments).
  *
- * Semantics (Q8_0, Q4_0, Q4_1; every fp32 operation rounded once, in the order written, no FMA):
+ * Semantics (every fp32 operation rounded once, in the order written, no FMA):
  *   each row m of x is cut into groups of 32 k (g); a group whose |x| are all finite has
  *     amax = max |x[k]|;  if amax < 2^-100: sa = 0 and every a = 0;
  *     else sa = amax / 127, inv = 127 / amax, a[k] = round-half-even(x[k] * inv) (in -127..127);
  *   a group holding a NaN or an infinity gets sa = NaN (its row's outputs are NaN, as an fp32 GEMM's would be
- *   or overflow to); A = sum of a over the group (exact). Then per weight group (integers q as stored,
- *   quant_blocks.h; d and m its scales) the exact integer dot S = sum q~ * a with q~ the weight's integer
- *   (Q8_0: q; Q4_0: q - 8; Q4_1: q), and
- *     t = d * (float)S                          (Q8_0, Q4_0)
+ *   or overflow to). Then per weight sub-block h of the group (the whole group; Q6_K: k < 16, then k >= 16),
+ *   with q~ the weights' integers less the format's offset (quant_blocks.h: Q8_0 q, Q4_0 q - 8, Q6_K q - 32,
+ *   the others q), the exact integers S = sum q~ * a and A = sum a over the sub-block, and its scales as
+ *   quant_blocks.h computes them (d = d, or d * (float)sc for the K-quants; m = m, or dmin * (float)mn):
+ *     t = d * (float)S                          (Q8_0, Q4_0, Q6_K)
  *     t = d * (float)S + m * (float)A           (Q4_1: the products first, then their sum)
- *     acc = acc + sa * t                        (acc from 0, groups in order of k)
+ *     t = d * (float)S - m * (float)A           (Q4_K, Q5_K)
+ *     acc = acc + sa * t                        (acc from 0, sub-blocks in order of k)
  *   y[m, n] = acc (+ bias[n]). Every build (AVX-512 with VNNI's vpdpbusd, AVX-512BW or AVX2 by vpmaddwd
  *   on widened bytes, the portable loops) gives the same y bit for bit, and a row's y does not depend on the
  *   other rows of the batch. With a fold, the adapter's shrink reads x in fp32 and its expand is added to acc
@@ -22,15 +24,12 @@
  * Why: at 8+ rows dequantizing every weight to fp32 costs more than the FMAs it feeds (bench blocks); here a
  * weight is widened to a byte once per panel and row block, and one vpdpbusd does 4 multiply-adds of 16
  * columns. Activations are quantized once per call and row (not per panel), a row block (ROW_BLOCK rows) at a
- * time into scratch of ROW_BLOCK * K * (1 + 8 / 32) bytes, the threads splitting its rows.
+ * time into scratch of ROW_BLOCK * K * (1 + (4 + 4 QSUBS) / 32) bytes, the threads splitting its rows.
  *
- * The kernel's words: lane j of a vector holds 4 weights' unsigned integers q' (Q8_0: q + 128; the others: q)
- * of column j, and the activation words hold the 4 matching a's, so a row's quantized group is stored in
- * the order the words take k in (a8_pos): S = sum q' * a - A8_OFF * A.
+ * The kernel's words: lane j of a vector holds 4 weights' unsigned integers q' (Q8_0: q + 128; the others: q,
+ * the K-quants' high bits joined to the low ones) of column j, and the activation words hold the 4 matching a's,
+ * so a row's quantized group is stored in the order the words take k in (a8_pos): S = sum q' * a - A8_OFF * A.
  */
-#if QKQ
-#define A8 0 /* the K-quants keep float activations (see linear.py: no int8 build for them yet) */
-#else
 #define A8 1
 #include <float.h>
 #include <math.h>
@@ -53,8 +52,10 @@ static inline int a8_pos(int kk) {
 #endif
 }
 
+#define A8_SUB (QK / QSUBS) /* k per sub-block */
+
 /* A row block's quantized activations: q [rows, K] int8 (a8_pos order per group), sa [rows, K / 32] and
- * the sums A [rows, K / 32] (int32). */
+ * the sums A [rows, K / 32 * QSUBS] (int32, per sub-block). */
 typedef struct {
     int8_t *q;
     float *sa;
@@ -66,7 +67,7 @@ static int a8_alloc(a8_t *a, int64_t rows, int64_t K) {
     a->K = K;
     a->q = malloc((size_t)(rows * K));
     a->sa = malloc(sizeof(float) * (size_t)(rows * (K / QK)));
-    a->sum = malloc(sizeof(int32_t) * (size_t)(rows * (K / QK)));
+    a->sum = malloc(sizeof(int32_t) * (size_t)(rows * (K / QK) * QSUBS));
     return !a->q || !a->sa || !a->sum;
 }
 
@@ -85,7 +86,7 @@ static void a8_row(const float *x, a8_t *a, int64_t r) {
             finite &= v <= FLT_MAX;
             amax = v > amax ? v : amax;
         }
-        int32_t s = 0;
+        int32_t s[QSUBS] = {0};
         if (!finite || amax < A8_TINY) {
             memset(q, 0, QK);
             a->sa[r * G + g] = finite ? 0.0f : NAN;
@@ -95,10 +96,10 @@ static void a8_row(const float *x, a8_t *a, int64_t r) {
             for (int i = 0; i < QK; i++) {
                 float v = nearbyintf(xg[i] * inv); /* (the default rounding: half to even) */
                 v = v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v;
-                q[a8_pos(i)] = (int8_t)v, s += (int32_t)v;
+                q[a8_pos(i)] = (int8_t)v, s[i / A8_SUB] += (int32_t)v;
             }
         }
-        a->sum[r * G + g] = s;
+        for (int h = 0; h < QSUBS; h++) a->sum[(r * G + g) * QSUBS + h] = s[h];
     }
 }
 
@@ -107,10 +108,10 @@ static void a8_quantize(const float *x, int64_t lda, int64_t rows, a8_t *a, int6
     for (int64_t r = rows * t / nt; r < rows * (t + 1) / nt; r++) a8_row(x + r * lda, a, r);
 }
 
-/* t of one group and column (the Semantics' fp32 combination) from S and A. */
+/* t of one sub-block and column (the Semantics' fp32 combination) from S and A. */
 static inline float a8_group_t(float d, float m, int32_t S, int32_t A) {
     const float t = d * (float)S;
-    return QMIN ? t + m * (float)A : t;
+    return QMIN > 0 ? t + m * (float)A : QMIN < 0 ? t - m * (float)A : t;
 }
 
 #if (defined(__AVX512F__) && defined(__AVX512BW__)) || \
@@ -122,6 +123,8 @@ static inline float a8_group_t(float d, float m, int32_t S, int32_t A) {
 #define A8_SET1 _mm512_set1_epi32
 #define A8_SUBI _mm512_sub_epi32
 #define A8_XORI(v, c) _mm512_xor_si512(v, _mm512_set1_epi32(c))
+#define Q_MULLO(v, c) _mm512_mullo_epi32(v, _mm512_set1_epi32(c))
+#define A8_ADDS8 _mm512_adds_epu8
 #if defined(__AVX512VNNI__)
 #define a8_dot _mm512_dpbusd_epi32
 #else
@@ -136,6 +139,8 @@ static inline ivec_t a8_dot(ivec_t acc, ivec_t u, ivec_t s) {
 #define A8_SET1 _mm256_set1_epi32
 #define A8_SUBI _mm256_sub_epi32
 #define A8_XORI(v, c) _mm256_xor_si256(v, _mm256_set1_epi32(c))
+#define Q_MULLO(v, c) _mm256_mullo_epi32(v, _mm256_set1_epi32(c))
+#define A8_ADDS8 _mm256_adds_epu8
 static inline ivec_t a8_dot(ivec_t acc, ivec_t u, ivec_t s) {
     const ivec_t lo = _mm256_set1_epi16(0xff);
     const ivec_t ue = _mm256_and_si256(u, lo), uo = _mm256_srli_epi16(u, 8);
@@ -144,11 +149,35 @@ static inline ivec_t a8_dot(ivec_t acc, ivec_t u, ivec_t s) {
 }
 #endif
 
+/* 0x10 in each byte of v that is not zero (a saturating add carries any bit to bit 7) */
+#define A8_BIT4(v) Q_SHR(Q_ANDI(A8_ADDS8(v, A8_SET1(0x7f7f7f7f)), (int)0x80808080), 3)
+
 /* Vector c of the bytes of rows b, b + 1, b + 2, b + 3 of a group's values, as lane j's bytes 0..3. */
 static inline ivec_t a8_bytes4(const uint8_t *vals, int b, int c) {
     const uint8_t *p = vals + b * LP_NR + c * LP_VW;
     return Q_ORI(Q_ORI(Q_U8(Q_BYTES(p)), Q_SHL(Q_U8(Q_BYTES(p + LP_NR)), 8)),
                  Q_ORI(Q_SHL(Q_U8(Q_BYTES(p + 2 * LP_NR)), 16), Q_SHL(Q_U8(Q_BYTES(p + 3 * LP_NR)), 24)));
+}
+
+/* The unsigned integers q' of k = 2 b .. 2 b + 7 (4-bit: w[0] the even k, w[1] the odd ones; 8-bit: w[0] k = b ..
+ * b + 3) of vector c, in the order a8_pos puts their a's: the low bits, then (Q5_K, Q6_K) the high bits at bit 4
+ * of each byte. */
+static inline void a8_words(const uint8_t *vals, int b, int c, ivec_t w[2]) {
+    const ivec_t v = a8_bytes4(vals, b, c);
+#if QBITS == 8
+    w[0] = A8_XORI(v, (int)0x80808080);
+#else
+    w[0] = Q_ANDI(v, 0x0f0f0f0f), w[1] = Q_ANDI(Q_SHR(v, 4), 0x0f0f0f0f);
+#if QHBITS == 1 /* k's bit e = k - 2 b of high-bit row b / 4, replicated in each byte; byte i takes bit 2 i (+ 1) */
+    const ivec_t hv = Q_U8(Q_BYTES(vals + QLOW + b / 4 * LP_NR + c * LP_VW)), h4 = Q_MULLO(hv, 0x01010101);
+    w[0] = Q_ORI(w[0], A8_BIT4(Q_ANDI(h4, 0x40100401))), w[1] = Q_ORI(w[1], A8_BIT4(Q_ANDI(h4, (int)0x80200802)));
+#elif QHBITS == 2 /* rows b / 2 and b / 2 + 1 in bytes 0 and 2; k's 2 bits at 2 (e % 4) */
+    const uint8_t *hp = vals + QLOW + b / 2 * LP_NR + c * LP_VW;
+    const ivec_t hv = Q_ORI(Q_U8(Q_BYTES(hp)), Q_SHL(Q_U8(Q_BYTES(hp + LP_NR)), 16));
+    w[0] = Q_ORI(w[0], Q_ORI(Q_ANDI(Q_SHL(hv, 4), 0x00300030), Q_ANDI(Q_SHL(hv, 8), 0x30003000)));
+    w[1] = Q_ORI(w[1], Q_ORI(Q_ANDI(Q_SHL(hv, 2), 0x00300030), Q_ANDI(Q_SHL(hv, 6), 0x30003000)));
+#endif
+#endif
 }
 
 /* R (<= MR) rows of quantized activations (rows of a from m) against one panel: y [R, cols] (+ bias). */
@@ -160,52 +189,50 @@ static inline __attribute__((always_inline)) void a8_rows(const a8_t *a, int64_t
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = acc[r][2] = VZERO();
     for (int64_t g = 0; g < G; g++) {
-        const wt_t *gp = Q_GROUP(wp, g), *vals = gp + QSCALES;
-        ivec_t s[MR][3];
+        const wt_t *hd = Q_HEAD(wp, g), *gp = Q_GROUP(wp, g), *vals = gp + QSCALES;
+        (void)hd;
+        for (int h = 0; h < QSUBS; h++) {
+            ivec_t s[MR][3];
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) s[r][0] = s[r][1] = s[r][2] = Q_IZERO();
-        /* the words of 4 k (8-bit) or the two of 8 k (4-bit): their weights, then each row's activation word */
+            for (int r = 0; r < R; r++) s[r][0] = s[r][1] = s[r][2] = Q_IZERO();
+            /* the words of 4 k (8-bit) or the two of 8 k (4-bit): their weights, then each row's activation word */
 #pragma GCC unroll 8
-        for (int b = 0; b < QK * QBITS / 8; b += 4) {
-            ivec_t w[2][3];
-#pragma GCC unroll 3
-            for (int c = 0; c < 3; c++) {
-                const ivec_t v = a8_bytes4(vals, b, c);
-                w[0][c] = QBITS == 8 ? A8_XORI(v, (int)0x80808080) : Q_ANDI(v, 0x0f0f0f0f);
-                w[1][c] = Q_ANDI(Q_SHR(v, 4), 0x0f0f0f0f);
-            }
+            for (int b = h * QK * QBITS / 8 / QSUBS; b < (h + 1) * QK * QBITS / 8 / QSUBS; b += 4) {
+                ivec_t w[3][2];
+                a8_words(vals, b, 0, w[0]), a8_words(vals, b, 1, w[1]), a8_words(vals, b, 2, w[2]);
 #pragma GCC unroll 8
-            for (int r = 0; r < R; r++) {
-                const int8_t *aq = a->q + (m + r) * K + g * QK + b * (8 / QBITS);
+                for (int r = 0; r < R; r++) {
+                    const int8_t *aq = a->q + (m + r) * K + g * QK + b * (8 / QBITS);
 #pragma GCC unroll 2
-                for (int h = 0; h < 8 / QBITS; h++) {
-                    int32_t word;
-                    memcpy(&word, aq + 4 * h, 4);
-                    const ivec_t av = A8_SET1(word);
-                    s[r][0] = a8_dot(s[r][0], w[h][0], av);
-                    s[r][1] = a8_dot(s[r][1], w[h][1], av);
-                    s[r][2] = a8_dot(s[r][2], w[h][2], av);
+                    for (int i = 0; i < 8 / QBITS; i++) {
+                        int32_t word;
+                        memcpy(&word, aq + 4 * i, 4);
+                        const ivec_t av = A8_SET1(word);
+                        s[r][0] = a8_dot(s[r][0], w[0][i], av);
+                        s[r][1] = a8_dot(s[r][1], w[1][i], av);
+                        s[r][2] = a8_dot(s[r][2], w[2][i], av);
+                    }
                 }
             }
-        }
-        const vec_t d0 = Q_HALVES(gp), d1 = Q_HALVES(gp + 2 * LP_VW), d2 = Q_HALVES(gp + 4 * LP_VW);
-        __attribute__((unused)) const vec_t m0 = QMIN ? Q_MINV(0, gp, 0) : d0, m1 = QMIN ? Q_MINV(0, gp, 1) : d1,
-                                            m2 = QMIN ? Q_MINV(0, gp, 2) : d2;
+            const vec_t d0 = Q_SCALE(hd, gp, h, 0), d1 = Q_SCALE(hd, gp, h, 1), d2 = Q_SCALE(hd, gp, h, 2);
+            __attribute__((unused)) const vec_t m0 = QMIN ? Q_MINV(hd, gp, 0) : d0, m1 = QMIN ? Q_MINV(hd, gp, 1) : d1,
+                                                m2 = QMIN ? Q_MINV(hd, gp, 2) : d2;
 #pragma GCC unroll 8
-        for (int r = 0; r < R; r++) {
-            const int32_t A = a->sum[(m + r) * G + g];
-            const ivec_t off = A8_SET1(A8_OFF * A);
-            const vec_t sa = VSET1(a->sa[(m + r) * G + g]), af = VSET1((float)A);
-#define A8_COMBINE(c, dc, mc)                                                                  \
-    {                                                                                          \
-        vec_t t = Q_MUL(dc, Q_FLOAT(A8_OFF ? A8_SUBI(s[r][c], off) : s[r][c]));               \
-        if (QMIN) t = Q_ADD(t, Q_MUL(mc, af));                                                 \
-        acc[r][c] = Q_ADD(acc[r][c], Q_MUL(sa, t));                                            \
+            for (int r = 0; r < R; r++) {
+                const int32_t A = a->sum[((m + r) * G + g) * QSUBS + h];
+                const ivec_t off = A8_SET1(A8_OFF * A);
+                const vec_t sa = VSET1(a->sa[(m + r) * G + g]), af = VSET1((float)A);
+#define A8_COMBINE(c, dc, mc)                                                                         \
+    {                                                                                                 \
+        vec_t t = Q_MUL(dc, Q_FLOAT(A8_OFF ? A8_SUBI(s[r][c], off) : s[r][c]));                      \
+        if (QMIN) t = QMIN > 0 ? Q_ADD(t, Q_MUL(mc, af)) : Q_SUB(t, Q_MUL(mc, af));                   \
+        acc[r][c] = Q_ADD(acc[r][c], Q_MUL(sa, t));                                                   \
     }
-            A8_COMBINE(0, d0, m0)
-            A8_COMBINE(1, d1, m1)
-            A8_COMBINE(2, d2, m2)
+                A8_COMBINE(0, d0, m0)
+                A8_COMBINE(1, d1, m1)
+                A8_COMBINE(2, d2, m2)
 #undef A8_COMBINE
+            }
         }
     }
     for (int64_t e = 0; e < ext->len; e++) { /* the folded expand, as linear.c's panel_rows adds it */
@@ -254,12 +281,20 @@ static void a8_panel(const a8_t *a, int64_t M, const wt_t *wp, const float *bias
         for (int64_t j = 0; j < cols; j++) {
             float acc = 0.0f;
             for (int64_t g = 0; g < G; g++) {
-                const uint8_t *gp = Q_GROUP(wp, g);
-                int32_t S = 0;
-                for (int kk = 0; kk < QK; kk++)
-                    S += (q_group_int(gp + QSCALES, kk, j) - QOFF) * a->q[m * K + g * QK + a8_pos(kk)];
-                const float d = q_half(gp + 2 * j), mn = QMIN ? q_half(gp + 2 * LP_NR + 2 * j) : 0.0f;
-                acc = acc + a->sa[m * G + g] * a8_group_t(d, mn, S, a->sum[m * G + g]);
+                const uint8_t *hd = Q_HEAD(wp, g), *gp = Q_GROUP(wp, g);
+                (void)hd;
+                for (int h = 0; h < QSUBS; h++) {
+                    int32_t S = 0;
+                    for (int kk = h * A8_SUB; kk < (h + 1) * A8_SUB; kk++)
+                        S += (q_group_int(gp + QSCALES, kk, j) - QOFF) * a->q[m * K + g * QK + a8_pos(kk)];
+#if !QKQ
+                    const float d = q_half(gp + 2 * j), mn = QMIN ? q_half(gp + 2 * LP_NR + 2 * j) : 0.0f;
+#else
+                    const float d = q_half(hd + 2 * j) * (float)(QMIN ? gp[j] : (int8_t)gp[h * LP_NR + j]);
+                    const float mn = QMIN ? q_half(hd + 2 * LP_NR + 2 * j) * (float)gp[LP_NR + j] : 0.0f;
+#endif
+                    acc = acc + a->sa[m * G + g] * a8_group_t(d, mn, S, a->sum[(m * G + g) * QSUBS + h]);
+                }
             }
             for (int64_t e = 0; e < ext->len; e++) acc += ext->y[m * ext->ld + e] * ext->b[e * NR + j];
             y[m * ldy + j] = acc + (bias ? bias[j] : 0.0f);
@@ -285,4 +320,3 @@ int LINEAR_FN(lp_linear_fold_a8)(const float *x, int64_t M, int64_t lda, int64_t
                                  const float *bias, float *y, const lp_side_t *side, const lp_fold_t *fold) {
     return linear(x, M, lda, K, wp, N, bias, y, side, fold, 1);
 }
-#endif
