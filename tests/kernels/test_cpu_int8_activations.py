@@ -248,3 +248,26 @@ def test_int8_activations_are_refused_where_nothing_would_take_them():
     with pytest.raises(ValueError, match="activation_dtype int8: no projection of synthetic:tiny is in GGUF blocks "
                                          "\\(they are f32\\)"):
         EngineCore(_engine_config(activation_dtype="int8", weight_dtype="auto"))
+
+
+@pytest.mark.parametrize("fmt", ["q4_1", "q6_k"])
+def test_a_folded_adapter_adds_its_fp32_delta_to_the_int8_gemm(fmt):
+    """lp_linear_fold_a8_*: the kept rows get the int8 GEMM plus the adapter's delta over fp32 x (to fp32
+    rounding), the others exactly the int8 GEMM."""
+    from tests.kernels.test_cpu_lora_fold import fold_block
+
+    n, k = SHAPES[BLOCK_WEIGHTS[fmt]][2]
+    widths, rank = (n - 40, 40), 8
+    g = torch.Generator().manual_seed(7)
+    w = random_blocks(fmt, n, k, seed=8)
+    x = activations(33, k, seed=9)
+    a = torch.randn(2 * rank, k, generator=g) * 0.05
+    b = torch.randn(n, rank, generator=g) * 0.05
+    keep = (torch.rand(33, generator=g) < 0.6).to(torch.uint8)
+    keep[0], keep[-1] = 1, 0
+    got = linear.packed_linear_fold(x, pack_blocks(w, act8=True), fold_block(a, b, widths, rank), widths, rank, keep)
+    plain = a8_linear(x, w)
+    assert torch.equal(got[keep == 0], plain[keep == 0])
+    delta = torch.cat([x @ a[s * rank:(s + 1) * rank].T @ b[off:off + wd].T
+                       for s, (off, wd) in enumerate(((0, widths[0]), (widths[0], widths[1])))], dim=1)
+    torch.testing.assert_close(got[keep == 1], (plain + delta)[keep == 1], rtol=1e-4, atol=1e-4)
