@@ -25,7 +25,9 @@
  * gguf's own value and the sums run as the fp32 build's, so y equals the fp32 build's over those values bit for
  * bit; except a lone row of 4- to 6-bit weights (ROW_SUMS), which sums x * q per sub-block (32 weights, 16 for
  * Q6_K) and applies the scale (and min times the sum of x) once a sub-block. AVX-512 builds run the K-quants
- * through the same vector body as AVX2 at their width (only compile-checked: no AVX-512 machine was at hand).
+ * through the same vector body as AVX2 at their width. Over int8 activations (lp_linear_*_a8_<fmt>,
+ * EngineConfig.activation_dtype int8) the same driver quantizes each row block and multiplies integers
+ * instead: linear_act8.h has its own Semantics.
  *
  * Fold (lp_linear_fold_f32): with one adapter's LoRA folded in, for the rows it applies to,
  *     y[m, n] += sum_{e < len_p} ys[m, e0_p + e] * bp_p[e, n - p * NR]     (p = n / NR)
@@ -602,4 +604,3 @@ int LINEAR_FN(lp_linear_packed)(const float *x, int64_t M, int64_t lda, int64_t 
                          const float *bias, float *y) {
     return linear(x, M, lda, K, wp, N, bias, y, 0, 0, 0);
 }
-
