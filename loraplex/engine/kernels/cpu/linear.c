@@ -524,6 +524,7 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t 
 #if A8
     a8_t a8 = {0};
     if (act8 && a8_alloc(&a8, M < ROW_BLOCK ? M : ROW_BLOCK, K)) return a8_free(&a8), -2;
+    if (act8) a8_quantize(x, lda, M < ROW_BLOCK ? M : ROW_BLOCK, &a8, 0, 1); /* (a decode step's rows: no barrier) */
 #else
     (void)act8;
 #endif
@@ -550,7 +551,8 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t 
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, boff = b0;
 #if A8
-            if (act8) {
+            if (act8 && m0) { /* the next row block, once every thread is done with the last */
+#pragma omp barrier
                 a8_quantize(x + m0 * lda, lda, rows, &a8, t, nt);
 #pragma omp barrier
             }
@@ -577,11 +579,6 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t 
                       N, cols, p + 1 < p1 ? wp + (p + 1) * PANEL_ELEMS(K) : 0, &sd,
                       share * (item + 1) / items - share * item / items, &ext);
             }
-#if A8
-            if (act8) {
-#pragma omp barrier /* (the next row block overwrites a8) */
-            }
-#endif
         }
     }
 #if A8
