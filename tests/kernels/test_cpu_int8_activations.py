@@ -271,3 +271,17 @@ def test_a_folded_adapter_adds_its_fp32_delta_to_the_int8_gemm(fmt):
     delta = torch.cat([x @ a[s * rank:(s + 1) * rank].T @ b[off:off + wd].T
                        for s, (off, wd) in enumerate(((0, widths[0]), (widths[0], widths[1])))], dim=1)
     torch.testing.assert_close(got[keep == 1], (plain + delta)[keep == 1], rtol=1e-4, atol=1e-4)
+
+
+def test_the_serve_flag_reaches_the_engine_and_a_refusal_names_the_setting():
+    from tests.unit.test_memory_sizing import _args, build_engine
+
+    engine = build_engine(_args("--model", "synthetic:tiny", "--device", "cpu", "--weight-dtype", "int4",
+                                "--activation-dtype", "int8", "--kv-cache-mb", "16"))
+    try:
+        assert engine.core.config.activation_dtype == "int8" and engine.core.runner.model.layers[0].qkv.act8
+    finally:
+        engine.shutdown()
+    with pytest.raises(ValueError, match="^activation_dtype int8: no projection of synthetic:tiny is in GGUF blocks"):
+        build_engine(_args("--model", "synthetic:tiny", "--device", "cpu", "--activation-dtype", "int8",
+                           "--kv-cache-mb", "16"))
