@@ -22,8 +22,8 @@
  *   as linear.c's fold adds it (then the bias), so folded rows agree across builds to fp32 rounding only.
  *
  * Why: at 8+ rows dequantizing every weight to fp32 costs more than the FMAs it feeds (bench blocks); here a
- * weight is widened to a byte once per panel and row block, and one vpdpbusd does 4 multiply-adds of 16
- * columns. Activations are quantized once per call and row (not per panel), a row block (ROW_BLOCK rows) at a
+ * weight becomes a byte of a 4-byte word once per panel and row block (a8_build: for all its row groups), and
+ * one vpdpbusd does 4 multiply-adds of 16 columns. Activations are quantized once per call and row (not per panel), a row block (ROW_BLOCK rows) at a
  * time into scratch of ROW_BLOCK * K * (1 + (4 + 4 QSUBS) / 32) bytes: the first by the calling thread before
  * the threads start (a decode step's GEMM then has no barrier, which a busy machine makes costly), the later
  * ones by the threads, each taking a share of the rows, between two barriers.
@@ -182,10 +182,14 @@ static inline void a8_words(const uint8_t *vals, int b, int c, ivec_t w[2]) {
 #endif
 }
 
-/* R (<= MR) rows of quantized activations (rows of a from m) against one panel: y [R, cols] (+ bias). */
+#define A8_STEPS (QK * QBITS / 32) /* word steps (4 byte rows each) of a group */
+
+/* R (<= MR) rows of quantized activations (rows of a from m) against one panel: y [R, cols] (+ bias). The
+ * weight words come from wb (a8_build's, for panels that several row groups read) or are built here (NULL). */
 static inline __attribute__((always_inline)) void a8_rows(const a8_t *a, int64_t m, const wt_t *wp,
-                                                          const float *bias, float *y, int64_t ldy, int64_t cols,
-                                                          const ext_t *ext, const float *ey, const int R) {
+                                                          const ivec_t *wb, const float *bias, float *y,
+                                                          int64_t ldy, int64_t cols, const ext_t *ext,
+                                                          const float *ey, const int R) {
     const int64_t K = a->K, G = K / QK;
     vec_t acc[MR][3];
 #pragma GCC unroll 8
@@ -201,7 +205,10 @@ static inline __attribute__((always_inline)) void a8_rows(const a8_t *a, int64_t
 #pragma GCC unroll 8
             for (int b = h * QK * QBITS / 8 / QSUBS; b < (h + 1) * QK * QBITS / 8 / QSUBS; b += 4) {
                 ivec_t w[3][2];
-                a8_words(vals, b, 0, w[0]), a8_words(vals, b, 1, w[1]), a8_words(vals, b, 2, w[2]);
+                if (wb)
+                    for (int c = 0; c < 6; c++) w[c / 2][c % 2] = wb[(g * A8_STEPS + b / 4) * 6 + c];
+                else
+                    a8_words(vals, b, 0, w[0]), a8_words(vals, b, 1, w[1]), a8_words(vals, b, 2, w[2]);
 #pragma GCC unroll 8
                 for (int r = 0; r < R; r++) {
                     const int8_t *aq = a->q + (m + r) * K + g * QK + b * (8 / QBITS);
@@ -253,13 +260,33 @@ static inline __attribute__((always_inline)) void a8_rows(const a8_t *a, int64_t
     }
 }
 
-/* M rows of a (from row 0) against one panel, MR rows at a time. */
+/* A panel's weight words, built once for all its row groups: [K / 32, A8_STEPS, 3, 2] vectors. */
+static void a8_build(const wt_t *wp, int64_t G, ivec_t *wb) {
+    for (int64_t g = 0; g < G; g++)
+        for (int b = 0; b < 4 * A8_STEPS; b += 4)
+            for (int c = 0; c < 3; c++) a8_words(Q_GROUP(wp, g) + QSCALES, b, c, wb + (g * A8_STEPS + b / 4) * 6 + 2 * c);
+}
+
+/* Each thread's words buffer, kept from call to call (grown to the largest K it met: K * 2 NR bytes). */
+static __thread ivec_t *a8_wb;
+static __thread int64_t a8_wb_groups;
+
+/* M rows of a (from row 0) against one panel, MR rows at a time; with more than MR rows the weight words are
+ * built once, into the thread's buffer (without one, by each row group). */
 static void a8_panel(const a8_t *a, int64_t M, const wt_t *wp, const float *bias, float *y, int64_t ldy,
                      int64_t cols, const ext_t *ext) {
+    const int64_t G = a->K / QK;
+    if (M > MR && a8_wb_groups < G) {
+        free(a8_wb);
+        a8_wb = aligned_alloc(64, sizeof(ivec_t) * 6 * A8_STEPS * (size_t)G);
+        a8_wb_groups = a8_wb ? G : 0;
+    }
+    const ivec_t *wb = M > MR && a8_wb ? a8_wb : 0;
+    if (wb) a8_build(wp, G, a8_wb);
     for (int64_t m = 0; m < M; m += MR) {
         const float *ey = ext->len ? ext->y + m * ext->ld : 0;
         switch (M - m < MR ? M - m : MR) {
-#define A8_ROWS(R) a8_rows(a, m, wp, bias, y + m * ldy, ldy, cols, ext, ey, R); break;
+#define A8_ROWS(R) a8_rows(a, m, wp, wb, bias, y + m * ldy, ldy, cols, ext, ey, R); break;
 #if MR == 8
             case 8: A8_ROWS(8)
             case 7: A8_ROWS(7)
