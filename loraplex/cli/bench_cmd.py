@@ -76,7 +76,8 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--rounds", {"type": int, "default": 3,
                       "help": "rounds, each with every engine taking turns step by step at every batch size"}),
         ("--formats", {"default": "fp32,bf16,int8,int4,gguf",
-                       "help": "formats to compare, comma-separated (fp32 always; gguf only for a GGUF model)"}),
+                       "help": "formats to compare, comma-separated (fp32 always; gguf only for a GGUF model); "
+                               "int8_a8, int4_a8, gguf_a8: those blocks with --activation-dtype int8"}),
         ("--llama-cpp", {"action": "store_true",
                          "help": "llama.cpp on the same GGUF in the same rounds (needs llama_cpp importable)"}),
     ]),
@@ -162,7 +163,8 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
                             "help": "requests timing the Serve hop against the same model in process (0: skip)"}),
     ]),
     "blocks": ("blocks", "the CPU's packed GEMM over GGUF blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K) vs the same "
-                         "values in fp32 and bf16 panels, at a few rows", [
+                         "values in fp32 and bf16 panels, and over int8 activations, at a few "
+                         "rows", [
         ("--formats", {"default": "q4_k,q5_k,q6_k,q4_1", "help": "block formats, comma-separated"}),
         ("--rows", {"default": "1,8", "help": "rows per call (a decode step's sequences), comma-separated"}),
         ("--repeats", {"type": int, "default": 7, "help": "turns of the three panels; each one's best counts"}),

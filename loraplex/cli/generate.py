@@ -8,7 +8,13 @@ import sys
 import uuid
 from typing import TYPE_CHECKING
 
-from loraplex.cli.engine_args import ATTENTION_BACKEND_HELP, CUDA_GRAPHS_HELP, KV_CACHE_DTYPE_HELP, WEIGHT_DTYPE_HELP
+from loraplex.cli.engine_args import (
+    ACTIVATION_DTYPE_HELP,
+    ATTENTION_BACKEND_HELP,
+    CUDA_GRAPHS_HELP,
+    KV_CACHE_DTYPE_HELP,
+    WEIGHT_DTYPE_HELP,
+)
 from loraplex.engine.api import GenerateRequest, SamplingParams
 
 if TYPE_CHECKING:  # torch is imported only when an engine is built, not by every `loraplex` command
@@ -37,6 +43,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="auto (default: bfloat16 on CUDA, float32 on the CPU), float32, "
                                                    "bfloat16 or float16")
     p.add_argument("--weight-dtype", default="auto", help=WEIGHT_DTYPE_HELP)
+    p.add_argument("--activation-dtype", default="float32", choices=("float32", "int8"), help=ACTIVATION_DTYPE_HELP)
     p.add_argument("--kv-cache-dtype", default="auto", help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--attention-backend", default="auto", help=ATTENTION_BACKEND_HELP)
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"), help=CUDA_GRAPHS_HELP)
@@ -79,7 +86,8 @@ def _engine(args) -> EngineCore:
     from loraplex.engine.core import EngineCore
 
     core = EngineCore(EngineConfig(model=args.model, device=args.device, dtype=args.dtype,
-                                   weight_dtype=args.weight_dtype, kv_cache_dtype=args.kv_cache_dtype,
+                                   weight_dtype=args.weight_dtype, activation_dtype=args.activation_dtype,
+                                   kv_cache_dtype=args.kv_cache_dtype,
                                    attention_backend=args.attention_backend,
                                    cuda_graphs=args.cuda_graphs))
     if args.adapter:

@@ -15,6 +15,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 # scale per (token, kv head) in each cache row (engine/kv/kv_dtype.py).
 KV_CACHE_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8": torch.float8_e4m3fn}
 WEIGHT_DTYPES = ("auto", "float32", "bfloat16", "int8", "int4", "fp8")
+ACTIVATION_DTYPES = ("float32", "int8")
 # engine/attention's backends; "auto": triton_paged on CUDA, cpu_c on the CPU with the C kernels, else torch_sdpa
 ATTENTION_BACKENDS = ("auto", "torch_sdpa", "cpu_c", "triton_paged")
 
@@ -86,6 +87,12 @@ class EngineConfig:
     # and LM head per output channel for the W8A16 Triton kernel and "fp8" to e4m3 with per-channel scales for
     # torch._scaled_mm (sm89+) (kernels/quant_linear.py); int4 is the CPU's only.
     weight_dtype: str = "auto"
+    # The CPU kernels' activations in GEMMs over GGUF blocks (a GGUF's own Q8_0 ... Q6_K, or weight_dtype int8 /
+    # int4): "float32" (exact: the fp32 GEMM over the blocks' values) or "int8": each row quantized per 32 features
+    # (absmax / 127, round to nearest) and multiplied as integers (kernels/cpu/linear_act8.h, vpdpbusd with AVX-512
+    # VNNI), in prefill and in the fused decode step alike. Other weights (fp32 / bf16 panels, a merged adapter's
+    # copy) keep fp32 activations; the engine refuses int8 when no projection would take it.
+    activation_dtype: str = "float32"
     # The KV cache's element type: "auto" is the model's dtype; float32, bfloat16 or float16 store K/V rounded
     # to it; int8 and fp8 (e4m3) store each token's K/V per kv head as 8-bit values and an fp32 scale
     # (absmax / 127, absmax / 448), about a quarter of an fp32 cache: more blocks in the same memory and a
@@ -135,6 +142,12 @@ class EngineConfig:
             raise ValueError(f"engine config: weight_dtype must be one of {', '.join(WEIGHT_DTYPES)}, "
                              f"got {self.weight_dtype!r}")
         cuda = self.torch_device.type == "cuda"
+        if self.activation_dtype not in ACTIVATION_DTYPES:
+            raise ValueError(f"engine config: activation_dtype must be one of {', '.join(ACTIVATION_DTYPES)}, "
+                             f"got {self.activation_dtype!r}")
+        if self.activation_dtype == "int8" and (cuda or self.weight_dtype not in ("auto", "int8", "int4")):
+            raise ValueError(f"engine config: activation_dtype int8 runs on the CPU over GGUF blocks (weight_dtype "
+                             f"auto, int8 or int4), not with device {self.device} and weight_dtype {self.weight_dtype}")
         if self.weight_dtype in ("int4", "fp8") and cuda != (self.weight_dtype == "fp8"):
             raise ValueError(f"engine config: weight_dtype {self.weight_dtype} runs on "
                              f"{'CUDA' if self.weight_dtype == 'fp8' else 'the CPU'} only (device {self.device})")

@@ -43,6 +43,7 @@ from loraplex.engine.kv.manager import KVManager
 from loraplex.engine.lora.merged import MergedAdapter
 from loraplex.engine.lora.slots import LoraSlots
 from loraplex.engine.memory import size_kv_cache
+from loraplex.engine.models.llama import PROJECTIONS
 from loraplex.engine.models.loader import LoadedModel, build_model, load_model, resolve_model
 from loraplex.engine.runner import LaunchedStep, ModelRunner
 from loraplex.engine.sampler import StepLogprobs
@@ -71,6 +72,18 @@ def _check_device(loaded: LoadedModel, want: torch.device) -> None:
                          f"load them there (load_model(..., device))")
 
 
+def _check_act8(config: EngineConfig, model) -> None:
+    """activation_dtype int8 with no GEMM to take it (no C kernels, or no projection in GGUF blocks) is refused."""
+    if config.activation_dtype != "int8":
+        return
+    if not getattr(model.ops, "act8", False):
+        raise ValueError("activation_dtype int8 needs the CPU C kernels (`loraplex doctor` says why they do not run)")
+    if not any(getattr(getattr(layer, m), "act8", False) for layer in model.layers for m in PROJECTIONS):
+        kinds = sorted({getattr(layer, m).kind for layer in model.layers for m in PROJECTIONS})
+        raise ValueError(f"activation_dtype int8: no projection of {config.model} is in GGUF blocks (they are "
+                         f"{', '.join(kinds)}): use weight_dtype int8 or int4, or activation_dtype float32")
+
+
 def _adapters_of(requests) -> tuple[str, ...]:
     """The adapters `requests` ask for, each once and sorted (the gateway's LoRA gauge lists them)."""
     return tuple(sorted({r.adapter for r in requests if r.adapter}))
@@ -96,7 +109,8 @@ class EngineCore:
         device, dtype = loaded.weights["norm"].device, loaded.weights["norm"].dtype
         attention = attention_backend(config.attention_backend, device, dtype, loaded.config.head_dim,
                                       config.kv_torch_dtype)
-        model = build_model(loaded, wdtype, attention)
+        model = build_model(loaded, wdtype, attention, act8=config.activation_dtype == "int8")
+        _check_act8(config, model)
         if model.w is not loaded.weights:  # (blocks became their panels: keep those, not a second copy)
             self.loaded = loaded = dataclasses.replace(loaded, weights=model.w)
         self.weight_bytes = model.resident_bytes()  # (what stats() reports)

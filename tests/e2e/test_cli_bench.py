@@ -181,8 +181,9 @@ def test_bench_blocks_times_each_format_against_fp32_and_bf16_panels(tmp_path):
     formats = ("q4_k", "q6_k", "q8_0")
     assert [(e["format"], e["rows"]) for e in r["results"]] == [(f, m) for f in formats for m in (1, 3)]
     for e in r["results"]:
-        assert e["shape"] == [256, 512] and set(e["ms"]) == {e["format"], "fp32", "bf16"}
+        assert e["shape"] == [256, 512] and set(e["ms"]) == {e["format"], "fp32", "bf16", "int8_act"}
         assert min(e["ms"].values()) > 0 and e["fp32_over_blocks"] > 0 and e["bf16_over_blocks"] > 0
+        assert e["int8_act_over_fp32"] > 0 and e["int8_act_over_blocks"] > 0
     bits = {e["format"]: e["bits_per_weight"] for e in r["results"]}
     # the panels' bits (quant_blocks.h) over 256 outputs padded to whole panels of this build (48 with AVX-512)
     padded = -(-256 // panel_columns()) * panel_columns() / 256

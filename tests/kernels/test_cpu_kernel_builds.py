@@ -35,7 +35,10 @@ LAYOUT_TESTS = [
     os.path.join(HERE, "test_cpu_bf16_weights.py"),  # bf16 panels: widened per vector width, or by hand
     os.path.join(HERE, "test_cpu_quant_weights.py"),  # GGUF blocks: dequantized per vector width, or by hand
     os.path.join(HERE, "test_kv_cache_dtypes.py"),  # KV rows: AVX-512 (native), AVX2 + F16C loads, or by hand
+    INT8_ACTIVATION_TESTS := os.path.join(HERE, "test_cpu_int8_activations.py"),  # vpmaddwd per width, or by hand
 ]
+# AVX-512 without VNNI: the int8-activation GEMM's vpmaddwd form at 48 columns (the native build's vpdpbusd)
+NO_VNNI = ("-mno-avx512vnni", 48)
 
 
 NARROWER_BUILDS = [
@@ -61,12 +64,22 @@ def test_the_narrowing_flags_take_effect_and_a_vector_cpu_keeps_the_portable_bui
 
 @pytest.mark.parametrize("cflags,columns", narrower_than_native())
 def test_the_layout_dependent_kernels_pass_under_a_narrower_build(cflags, columns):
+    _passes_under(cflags, columns, LAYOUT_TESTS)
+
+
+@pytest.mark.skipif("AVX-512 VNNI" not in (build.build_instruction_sets() or ()), reason="a build without VNNI is "
+                    "this machine's own")
+def test_the_int8_activation_gemm_passes_without_vnni():
+    _passes_under(*NO_VNNI, [INT8_ACTIVATION_TESTS])
+
+
+def _passes_under(cflags: str, columns: int, tests: list[str]) -> None:
     env = dict(os.environ, LORAPLEX_CPU_CFLAGS=f"{os.environ.get('LORAPLEX_CPU_CFLAGS', '')} {cflags}")  # (-Werror)
     probe = subprocess.run([sys.executable, "-c", "from loraplex.engine.kernels.cpu import linear; "
                             "print(linear.panel_columns())"], env=env, capture_output=True, text=True, timeout=300)
     assert probe.returncode == 0, probe.stderr[-2000:]
     assert int(probe.stdout.strip()) == columns
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *LAYOUT_TESTS],
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout

@@ -5,6 +5,8 @@
 - Each format's panels, the fp32 panels and the bf16 panels of the same dequantized values take turns per
   repeat; each one's best repeat counts (a shared machine's noise only slows). Ratios above 1: the blocks
   are faster.
+- Each format also over int8 activations (`int8_act`: the same panels, linear_act8.h), against the
+  float-activation blocks (int8_act_over_blocks) and the fp32 panels (int8_act_over_fp32).
 """
 
 from __future__ import annotations
@@ -74,6 +76,7 @@ def run_blocks_bench(formats: str, rows: str, repeats: int, calls: int, shapes: 
             values = dequantize(w)  # [n, k] fp32, gguf's own values
             panels = {fmt: linear.pack_blocks(w), "fp32": linear.pack(values, keep_weight=False),
                       "bf16": linear.pack(values, keep_weight=False, dtype=torch.bfloat16)}
+            panels["int8_act"] = linear.with_act8(panels[fmt])
             for m in sizes:
                 x = torch.randn(m, k)
                 best = dict.fromkeys(panels, float("inf"))
@@ -86,5 +89,7 @@ def run_blocks_bench(formats: str, rows: str, repeats: int, calls: int, shapes: 
                     "bits_per_weight": round(panels[fmt].nbytes * 8 / (n * k), 3),
                     "ms": {name: round(t * 1e3, 4) for name, t in best.items()},
                     "fp32_over_blocks": round(best["fp32"] / best[fmt], 3),
-                    "bf16_over_blocks": round(best["bf16"] / best[fmt], 3)})
+                    "bf16_over_blocks": round(best["bf16"] / best[fmt], 3),
+                    "int8_act_over_blocks": round(best[fmt] / best["int8_act"], 3),
+                    "int8_act_over_fp32": round(best["fp32"] / best["int8_act"], 3)})
     return results

@@ -1,7 +1,8 @@
 """One model at several base-weight formats under the same fp32 model (EngineConfig.weight_dtype), in one run.
 
 - Formats: fp32 and bf16 panels, int8 and int4 (Q8_0 / Q4_1 blocks quantized at load), and for a GGUF
-  model `gguf`: the file's own blocks (weight_dtype auto).
+  model `gguf`: the file's own blocks (weight_dtype auto); `int8_a8`, `int4_a8` and `gguf_a8` the same blocks with
+  int8 activations (EngineConfig.activation_dtype; not in the default list).
 - The engines take turns step by step (step_interleaved) over the same greedy requests at each batch size;
   per batch each one's tokens/s (harmonic mean of its rounds) and its ratio to fp32 (best rounds, and the
   median of per-round ratios), and how far its greedy tokens follow fp32's.
@@ -31,7 +32,9 @@ from loraplex.engine.core import EngineCore
 from loraplex.engine.models.loader import load_model, resolve_model
 
 # bench format -> EngineConfig.weight_dtype
-FORMATS = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4", "gguf": "auto"}
+FORMATS = {"fp32": "float32", "bf16": "bfloat16", "int8": "int8", "int4": "int4", "gguf": "auto",
+           "int8_a8": "int8", "int4_a8": "int4", "gguf_a8": "auto"}
+DEFAULT_FORMATS = "fp32,bf16,int8,int4,gguf"
 
 
 def _requests(prompts: list[str], new_tokens: int, model: str, tag: str) -> list[GenerateRequest]:
@@ -63,7 +66,7 @@ def _parse(batches: str, formats: str, gguf: bool) -> tuple[list[int], list[str]
     unknown = [f for f in names if f not in FORMATS]
     if unknown or "fp32" not in names:
         raise ValueError(f"--formats: fp32 and any of {', '.join(FORMATS)}, comma-separated, got {formats!r}")
-    return sizes, [f for f in FORMATS if f in names and (f != "gguf" or gguf)]
+    return sizes, [f for f in FORMATS if f in names and (not f.startswith("gguf") or gguf)]
 
 
 def _engines(model: str, formats: list[str], max_seqs: int) -> dict[str, EngineCore]:
@@ -72,13 +75,14 @@ def _engines(model: str, formats: list[str], max_seqs: int) -> dict[str, EngineC
     for name in formats:
         # speculation off: one token per pass over the weights, as the roofline assumes
         cfg = EngineConfig(model=model, device="cpu", dtype="float32", weight_dtype=FORMATS[name],
-                           max_num_seqs=max_seqs, max_num_batched_tokens=2048, speculative_tokens=0)
+                           activation_dtype="int8" if name.endswith("_a8") else "float32", max_num_seqs=max_seqs,
+                           max_num_batched_tokens=2048, speculative_tokens=0)
         cores[name] = EngineCore(cfg, loaded=load_model(src, torch.float32, torch.device("cpu"),
                                                          weight_dtype=cfg.weight_torch_dtype, quant=cfg.weight_quant))
     return cores
 
 
-def run_quant_bench(model: str, new_tokens: int, batches: str, rounds: int = 3, formats: str = ",".join(FORMATS),
+def run_quant_bench(model: str, new_tokens: int, batches: str, rounds: int = 3, formats: str = DEFAULT_FORMATS,
                     llama_cpp: bool = False) -> dict:
     src = resolve_model(model)
     sizes, names = _parse(batches, formats, src.kind == "gguf")

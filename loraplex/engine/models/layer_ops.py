@@ -91,15 +91,18 @@ class TorchOps:
 
 class CpuKernelOps(TorchOps):
     def __init__(self, rope_cos: torch.Tensor, rope_sin: torch.Tensor, packed_dtype: torch.dtype = torch.float32,
-                 fused_decode: bool = True):
+                 fused_decode: bool = True, act8: bool = False):
         """fused_decode: whether all-decode steps take the fused C step (the model family's
-        fused_cpu_decode, models/registry.py); when False they run op by op like any other step."""
+        fused_cpu_decode, models/registry.py); when False they run op by op like any other step. act8: GEMMs
+        over GGUF blocks quantize their activations to int8 (kernels/cpu/linear_act8.h), in every step (the
+        fused one too: its model table carries each weight's kind)."""
         super().__init__(rope_cos, rope_sin)
         from loraplex.engine.kernels.cpu import decode_step, layer_ops, linear
 
         self.k, self.lin, self.step = layer_ops, linear, decode_step
         self.packed_dtype = packed_dtype  # the packed projections' element type (float32 or bfloat16)
         self.fused_decode = fused_decode
+        self.act8 = act8
         # (id(kv_caches), id(layers)) -> (kv_caches, layers, DecodeStepModel); layers are the model's, or
         # a merged adapter's copy of them (lora/merged.py)
         self._step_models: dict[tuple[int, int], tuple] = {}
@@ -112,9 +115,9 @@ class CpuKernelOps(TorchOps):
 
     def prepare(self, w):
         if isinstance(w, self.lin.PanelBlocks):  # (a model built again over weights another one packed)
-            return w.packed
+            return self.lin.with_act8(w.packed, self.act8)
         if isinstance(w, BlockWeight):  # its blocks, as they are (linear.c's quantized builds)
-            return self.lin.pack_blocks(w)
+            return self.lin.pack_blocks(w, act8=self.act8)
         return self.lin.pack(w, dtype=self.packed_dtype)  # linear.c's panel layout
 
     def resident_weights(self, weights, prepared):
@@ -209,10 +212,10 @@ def resident_weight_bytes(weights: dict, device: torch.device, dtype: torch.dtyp
 
 
 def ops_for(rope_cos: torch.Tensor, rope_sin: torch.Tensor, packed_dtype: torch.dtype | None = None,
-            fused_decode: bool = True) -> TorchOps:
+            fused_decode: bool = True, act8: bool = False) -> TorchOps:
     """The model's operations; packed_dtype (CPU kernels only; default: the model's dtype) is the
     element type its projections are packed in; fused_decode (CPU kernels only) whether all-decode
     steps may take the fused C step (the family's fused_cpu_decode)."""
     if uses_cpu_kernels(rope_cos.device, rope_cos.dtype):
-        return CpuKernelOps(rope_cos, rope_sin, packed_dtype or rope_cos.dtype, fused_decode)
+        return CpuKernelOps(rope_cos, rope_sin, packed_dtype or rope_cos.dtype, fused_decode, act8)
     return TorchOps(rope_cos, rope_sin)

@@ -147,10 +147,11 @@ class LlamaModel:
 
     def __init__(self, config: LlamaConfig, weights: dict[str, torch.Tensor | BlockWeight],
                  packed_dtype: torch.dtype | None = None,
-                 attention: AttentionBackend | str = "auto"):
+                 attention: AttentionBackend | str = "auto", act8: bool = False):
         """packed_dtype: the element type the CPU kernels pack the projections and LM head in (default:
         the weights' dtype); a narrower one expects weights already rounded to it (load_model's
-        weight_dtype), so that every path computes with the same values."""
+        weight_dtype), so that every path computes with the same values. act8: the CPU kernels' GEMMs over
+        Q8_0 / Q4_0 / Q4_1 blocks quantize their activations to int8 (EngineConfig.activation_dtype)."""
         expected = config.weight_shapes()
         missing = sorted(set(expected) - set(weights))
         if missing:
@@ -177,7 +178,8 @@ class LlamaModel:
         if isinstance(attention, str):
             attention = attention_backend(attention, self.device, self.dtype, config.head_dim)
         self.attention = attention  # every layer's attention over the paged cache (engine/attention)
-        self.ops = ops_for(self.rope_cos, self.rope_sin, packed_dtype, fused_decode=family.fused_cpu_decode)
+        self.ops = ops_for(self.rope_cos, self.rope_sin, packed_dtype, fused_decode=family.fused_cpu_decode,
+                           act8=act8)
         self.lm_head_w = self.ops.prepare(lm_head)
         self.layers = [self._layer_weights(n) for n in range(config.num_layers)]
         prepared = {f"layers.{n}.{m}": getattr(layer, m) for n, layer in enumerate(self.layers) for m in PROJECTIONS}

@@ -165,7 +165,8 @@ def quantized_weights(weights: dict, fmt: str) -> dict:
     return out
 
 
-def build_model(loaded: LoadedModel, packed_dtype: torch.dtype | None = None, attention="auto") -> LlamaModel:
+def build_model(loaded: LoadedModel, packed_dtype: torch.dtype | None = None, attention="auto",
+                act8: bool = False) -> LlamaModel:
     """The model its family (models/registry.py) builds over the loaded weights."""
     family = family_for_hf(loaded.config.architecture, loaded.name)
-    return family.model(loaded.config, loaded.weights, packed_dtype, attention=attention)
+    return family.model(loaded.config, loaded.weights, packed_dtype, attention=attention, act8=act8)

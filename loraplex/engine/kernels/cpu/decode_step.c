@@ -13,7 +13,8 @@
  *   then for each i < n_logits, row r = logits_rows[i]:
  *   logits[i] = (rms_norm(h[r] + delta[r]) * norm) @ Wlm^T.
  * Each packed projection and the LM head has its own element type (the table's L_WTYPE + module and
- * M_WTYPE, LP_W_*: fp32, bf16 or a GGUF block format, served by that build of linear.c), so a merged
+ * M_WTYPE, LP_W_*: fp32, bf16 or a GGUF block format, served by that build of linear.c, with LP_W_ACT8 over
+ * int8 activations as linear_act8.h quantizes them: the per-op path's GEMMs, the same calls), so a merged
  * adapter's bf16 copy of some projections runs beside quantized ones, and a Q4_1 model's Q8_0 LM head
  * beside its Q4_1 projections (a Q4_K_M file's Q6_K LM head beside Q4_K ones). h [B, H] is the residual
  * stream (embedding rows in, updated in place); scratch holds the activations (decode_step_scratch_floats).
@@ -156,9 +157,10 @@ static lp_side_t side_spans(const step_lora_t *lo, int64_t layer, int module) {
     return side;
 }
 
-/* Whether linear.c has a build for this element type. */
+/* Whether linear.c has a build for this element type (with LP_W_ACT8: over int8 activations, linear_act8.h). */
 static int linear_type(int64_t wtype) {
-    return wtype == LP_W_F32 || wtype == LP_W_BF16 || (wtype >= LP_W_Q8_0 && wtype <= LP_W_Q6_K);
+    return wtype == LP_W_F32 || wtype == LP_W_BF16 || (wtype >= LP_W_Q8_0 && wtype <= LP_W_Q6_K) ||
+           (wtype >= (LP_W_Q8_0 | LP_W_ACT8) && wtype <= (LP_W_Q6_K | LP_W_ACT8));
 }
 
 /* return FN_<suffix>(args) for the build of linear.c that serves wtype */
@@ -172,6 +174,12 @@ static int linear_type(int64_t wtype) {
         case LP_W_Q4_K: return FN##_q4_k(__VA_ARGS__);              \
         case LP_W_Q5_K: return FN##_q5_k(__VA_ARGS__);              \
         case LP_W_Q6_K: return FN##_q6_k(__VA_ARGS__);              \
+        case LP_W_Q8_0 | LP_W_ACT8: return FN##_a8_q8_0(__VA_ARGS__); \
+        case LP_W_Q4_0 | LP_W_ACT8: return FN##_a8_q4_0(__VA_ARGS__); \
+        case LP_W_Q4_1 | LP_W_ACT8: return FN##_a8_q4_1(__VA_ARGS__); \
+        case LP_W_Q4_K | LP_W_ACT8: return FN##_a8_q4_k(__VA_ARGS__); \
+        case LP_W_Q5_K | LP_W_ACT8: return FN##_a8_q5_k(__VA_ARGS__); \
+        case LP_W_Q6_K | LP_W_ACT8: return FN##_a8_q6_k(__VA_ARGS__); \
         default: return -1;                                         \
     }
 

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from loraplex.engine.kernels.cpu.build import WEIGHT_CODES, functions, require
-from loraplex.engine.kernels.cpu.linear import KIND_CODES, PackedWeight
+from loraplex.engine.kernels.cpu.linear import PackedWeight
 from loraplex.engine.kv.kv_dtype import KV_CODES, row_width
 
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
@@ -67,7 +67,7 @@ class StepLayer(NamedTuple):
     def pointers(self) -> list[int]:
         """The layer's entries of the model table, in decode_step.c's order (0 for an absent bias)."""
         weights = [_ptr(getattr(self.weights, name)) for name in LAYER_WEIGHTS]
-        kinds = [KIND_CODES[getattr(self.weights, name).kind] for name in LORA_MODULES]
+        kinds = [getattr(self.weights, name).code for name in LORA_MODULES]
         return weights + [_ptr(self.k_cache), _ptr(self.v_cache)] + kinds
 
 
@@ -117,7 +117,7 @@ class DecodeStepModel:
         self._keep = (rope_cos, rope_sin, norm, lm_head, list(layers))
         fields = [len(layers), hidden, heads, kv_heads, head_dim, intermediate, lm_head.out_features,
                   cache_shape[1], cache_shape[0] * cache_shape[1], _double_bits(eps), _ptr(rope_cos),
-                  _ptr(rope_sin), rope_cos.shape[0], _ptr(norm), _ptr(lm_head), KIND_CODES[lm_head.kind],
+                  _ptr(rope_sin), rope_cos.shape[0], _ptr(norm), _ptr(lm_head), lm_head.code,
                   KV_CODES[kv_dtype]]
         for layer in layers:
             fields += layer.pointers()

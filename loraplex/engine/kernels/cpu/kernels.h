@@ -101,6 +101,13 @@ LP_LINEAR_DECLS(q4_1, uint8_t)
 LP_LINEAR_DECLS(q4_k, uint8_t)
 LP_LINEAR_DECLS(q5_k, uint8_t)
 LP_LINEAR_DECLS(q6_k, uint8_t)
+/* ... over int8 activations (linear_act8.h): lp_linear_packed_a8_<fmt>, lp_linear_packed_side_a8_<fmt>, ... */
+LP_LINEAR_DECLS(a8_q8_0, uint8_t)
+LP_LINEAR_DECLS(a8_q4_0, uint8_t)
+LP_LINEAR_DECLS(a8_q4_1, uint8_t)
+LP_LINEAR_DECLS(a8_q4_k, uint8_t)
+LP_LINEAR_DECLS(a8_q5_k, uint8_t)
+LP_LINEAR_DECLS(a8_q6_k, uint8_t)
 /* A fold's shrink (its fp32 panels) by thread t of nt, which every build of linear.c runs first. */
 void lp_linear_fold_shrink(const float *x, int64_t M, int64_t lda, int64_t K, const lp_fold_t *fold, int64_t t,
                            int64_t nt);

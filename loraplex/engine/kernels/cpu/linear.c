@@ -25,7 +25,9 @@
  * gguf's own value and the sums run as the fp32 build's, so y equals the fp32 build's over those values bit for
  * bit; except a lone row of 4- to 6-bit weights (ROW_SUMS), which sums x * q per sub-block (32 weights, 16 for
  * Q6_K) and applies the scale (and min times the sum of x) once a sub-block. AVX-512 builds run the K-quants
- * through the same vector body as AVX2 at their width (only compile-checked: no AVX-512 machine was at hand).
+ * through the same vector body as AVX2 at their width. Over int8 activations (lp_linear_*_a8_<fmt>,
+ * EngineConfig.activation_dtype int8) the same driver quantizes each row block and multiplies integers
+ * instead: linear_act8.h has its own Semantics.
  *
  * Fold (lp_linear_fold_f32): with one adapter's LoRA folded in, for the rows it applies to,
  *     y[m, n] += sum_{e < len_p} ys[m, e0_p + e] * bp_p[e, n - p * NR]     (p = n / NR)
@@ -481,6 +483,11 @@ static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const wt_t 
         }
 }
 #endif
+#if LP_QUANT
+#include "linear_act8.h" /* (int8 activations: a8_quantize, a8_panel) */
+#else
+#define A8 0
+#endif
 
 /* Floats per row of a fold's shrink output (its panels' columns): the row stride of fold->y. */
 static inline int64_t fold_ld(const lp_fold_t *fold) { return fold->pa * lp_fold_width(fold->S, fold->rank); }
@@ -505,15 +512,22 @@ void lp_linear_fold_shrink(const float *x, int64_t M, int64_t lda, int64_t K, co
 #endif
 
 /* y = x @ W^T (+ bias), asking for the side lines while it runs (side may be NULL), with the fold's
- * adapter delta added to its rows (fold may be NULL). */
+ * adapter delta added to its rows (fold may be NULL); act8: over int8 activations (linear_act8.h). */
 static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t *wp, int64_t N, const float *bias,
-                  float *y, const lp_side_t *side, const lp_fold_t *fold) {
+                  float *y, const lp_side_t *side, const lp_fold_t *fold, const int act8) {
     if (M < 0 || K < 1 || N < 1 || lda < K || K % K_MULTIPLE) return -1;
     if (side && side->n < 0) return -1;
     if (fold && (fold->rank < 1 || fold->S < 1 || fold->pa != lp_fold_panels(fold->S, fold->rank))) return -1;
     if (M == 0) return 0;
     const int64_t panels = (N + NR - 1) / NR, blocks = (M + ROW_BLOCK - 1) / ROW_BLOCK;
     const int64_t side_count = side_lines(side);
+#if A8
+    a8_t a8 = {0};
+    if (act8 && a8_alloc(&a8, M < ROW_BLOCK ? M : ROW_BLOCK, K)) return a8_free(&a8), -2;
+    if (act8) a8_quantize(x, lda, M < ROW_BLOCK ? M : ROW_BLOCK, &a8, 0, 1); /* (a decode step's rows: no barrier) */
+#else
+    (void)act8;
+#endif
 #pragma omp parallel if (N * K >= PARALLEL_MIN_WEIGHTS)
     {
         int64_t t = 0, nt = 1;
@@ -536,6 +550,13 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t 
         side_start(&sd, share ? side->spans : 0, share ? side->n : 0, s0, share);
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, boff = b0;
+#if A8
+            if (act8 && m0) { /* the next row block, once every thread is done with the last */
+#pragma omp barrier
+                a8_quantize(x + m0 * lda, lda, rows, &a8, t, nt);
+#pragma omp barrier
+            }
+#endif
             for (int64_t p = p0; p < p1; p++, item++) {
                 int64_t cols = N - p * NR < NR ? N - p * NR : NR;
                 ext_t ext = NO_EXT;
@@ -548,26 +569,35 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t 
                     for (int64_t off = 0; p + 1 < p1 && off < ext.len * NR; off += 16)
                         __builtin_prefetch(fold->bp + boff + off, 0, 3);
                 }
+#if A8
+                if (act8) {
+                    a8_panel(&a8, rows, wp + p * PANEL_ELEMS(K), bias ? bias + p * NR : 0, y + m0 * N + p * NR, N, cols, &ext);
+                    continue;
+                }
+#endif
                 panel(x + m0 * lda, lda, rows, K, wp + p * PANEL_ELEMS(K), 3, bias ? bias + p * NR : 0, y + m0 * N + p * NR,
                       N, cols, p + 1 < p1 ? wp + (p + 1) * PANEL_ELEMS(K) : 0, &sd,
                       share * (item + 1) / items - share * item / items, &ext);
             }
         }
     }
+#if A8
+    a8_free(&a8);
+#endif
     return 0;
 }
 
 int LINEAR_FN(lp_linear_packed_side)(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t *wp, int64_t N,
                               const float *bias, float *y, const lp_side_t *side) {
-    return linear(x, M, lda, K, wp, N, bias, y, side, 0);
+    return linear(x, M, lda, K, wp, N, bias, y, side, 0, 0);
 }
 
 int LINEAR_FN(lp_linear_fold)(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t *wp, int64_t N,
                        const float *bias, float *y, const lp_side_t *side, const lp_fold_t *fold) {
-    return linear(x, M, lda, K, wp, N, bias, y, side, fold);
+    return linear(x, M, lda, K, wp, N, bias, y, side, fold, 0);
 }
 
 int LINEAR_FN(lp_linear_packed)(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t *wp, int64_t N,
                          const float *bias, float *y) {
-    return linear(x, M, lda, K, wp, N, bias, y, 0, 0);
+    return linear(x, M, lda, K, wp, N, bias, y, 0, 0, 0);
 }

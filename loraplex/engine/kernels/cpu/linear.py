@@ -1,10 +1,13 @@
 """Linear layers over packed weights on the CPU, through linear.c (see its Semantics): fp32 panels, bf16
 ones (linear_bf16.c) widened as they are loaded, or GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks
-(linear_q*.c, quant_blocks.h) dequantized in registers, with fp32 activations and sums in every case."""
+(linear_q*.c, quant_blocks.h) dequantized in registers, with fp32 activations and sums; or, for blocks packed
+with act8 (EngineConfig.activation_dtype int8), over activations quantized to int8 per 32 k (linear_act8.h: exact
+integer sums, vpdpbusd with AVX-512 VNNI)."""
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -28,6 +31,9 @@ PACKED_DTYPES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 BLOCK_KINDS = ("q8_0", "q4_0", "q4_1", "q4_k", "q5_k", "q6_k")
 # Each kind's code in the fused decode step's model table (lora_weights.h, LP_W_*)
 KIND_CODES = {"f32": 0, "bf16": 1, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q4_k": 6, "q5_k": 7, "q6_k": 8}
+# Block formats with an int8-activation build (linear_act8.h: all), and the flag their code carries then (LP_W_ACT8)
+ACT8_KINDS = BLOCK_KINDS
+ACT8_FLAG = 16
 
 
 @functools.cache
@@ -38,7 +44,7 @@ def _fns() -> dict | None:
     for t in BLOCK_KINDS:
         per_type |= {f"lp_pack_{t}": (ctypes.c_int, [_P, _I64, _I64, _P]), f"lp_packed_bytes_{t}": (_I64, [_I64, _I64]),
                      f"lp_unpack_rows_{t}": (ctypes.c_int, [_P, _I64, _I64, _P, _I64, _P])}
-    for t in (*PACKED_DTYPES.values(), *BLOCK_KINDS):
+    for t in (*PACKED_DTYPES.values(), *BLOCK_KINDS, *(f"a8_{k}" for k in ACT8_KINDS)):
         per_type |= {
             f"lp_linear_packed_{t}": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P]),
             f"lp_linear_fold_{t}": (ctypes.c_int, [_P, _I64, _I64, _I64, _P, _I64, _P, _P, _P,
@@ -92,10 +98,21 @@ class PackedWeight:
     out_features: int
     in_features: int
     kind: str = "f32"  # "f32", "bf16" (PACKED_DTYPES) or a BLOCK_KINDS format
+    act8: bool = False  # GEMMs over it quantize the activations to int8 (an ACT8_KINDS format; linear_act8.h)
 
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
+
+    @property
+    def suffix(self) -> str:
+        """Its kernels' suffix: the kind, a8_<kind> with act8."""
+        return f"a8_{self.kind}" if self.act8 else self.kind
+
+    @property
+    def code(self) -> int:
+        """Its code in the fused decode step's model table (KIND_CODES, plus ACT8_FLAG with act8)."""
+        return KIND_CODES[self.kind] | (ACT8_FLAG if self.act8 else 0)
 
 
 def pack(w: torch.Tensor, keep_weight: bool = True, dtype: torch.dtype = torch.float32) -> PackedWeight:
@@ -112,9 +129,9 @@ def pack(w: torch.Tensor, keep_weight: bool = True, dtype: torch.dtype = torch.f
     return PackedWeight(data, w if keep_weight else None, n, k, PACKED_DTYPES[dtype])
 
 
-def pack_blocks(w: BlockWeight) -> PackedWeight:
-    """Packs GGUF blocks [out, in] once, at model load, into the panels of their format (quant_blocks.h);
-    ValueError naming the format when no kernel takes it."""
+def pack_blocks(w: BlockWeight, act8: bool = False) -> PackedWeight:
+    """Packs GGUF blocks [out, in] once, at model load, into the panels of their format (quant_blocks.h), for
+    int8 activations with act8; ValueError naming the format when no kernel takes it."""
     if w.fmt not in BLOCK_KINDS:
         raise ValueError(f"no CPU kernel takes {w.fmt} blocks (these do: {', '.join(BLOCK_KINDS)})")
     fns = _fns()
@@ -124,7 +141,14 @@ def pack_blocks(w: BlockWeight) -> PackedWeight:
     data = torch.empty(fns[f"lp_packed_bytes_{w.fmt}"](n, k), dtype=torch.uint8)
     if fns[f"lp_pack_{w.fmt}"](blocks.data_ptr(), n, k, data.data_ptr()):
         raise ValueError(f"{w.fmt} weight [{n}, {k}]: in_features must be a multiple of {BLOCK_WEIGHTS[w.fmt]}")
-    return PackedWeight(data, None, n, k, w.fmt)
+    return PackedWeight(data, None, n, k, w.fmt, act8)
+
+
+def with_act8(w: PackedWeight, act8: bool = True) -> PackedWeight:
+    """The same panels (no copy) for GEMMs over int8 (act8) or fp32 activations."""
+    if act8 and w.kind not in ACT8_KINDS:
+        raise ValueError(f"no int8-activation kernel takes {w.kind} weights (these do: {', '.join(ACT8_KINDS)})")
+    return dataclasses.replace(w, act8=act8)
 
 
 def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -143,9 +167,11 @@ def packed_linear(x: torch.Tensor, w: PackedWeight, bias: torch.Tensor | None = 
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(x.shape[0], w.out_features, dtype=torch.float32)
-    fns[f"lp_linear_packed_{w.kind}"](
+    rc = fns[f"lp_linear_packed_{w.suffix}"](
         x.data_ptr(), x.shape[0], max(x.stride(0), w.in_features), w.in_features, w.data.data_ptr(), w.out_features,
         None if bias is None else bias.data_ptr(), y.data_ptr())
+    if rc:
+        raise MemoryError(f"lp_linear_packed_{w.suffix} failed ({rc}): no memory for its int8 activations")
     return y
 
 
@@ -187,7 +213,7 @@ def packed_linear_fold(x: torch.Tensor, w: PackedWeight, block: torch.Tensor, wi
     fold = _Fold(block.data_ptr(), block.data_ptr() + pa * k * aw * 4, pa, rank, len(widths), wt.data_ptr(),
                  y_scratch.data_ptr(), None if keep is None else keep.data_ptr())
     y = torch.empty(t, w.out_features, dtype=torch.float32)
-    name = f"lp_linear_fold_{w.kind}"
+    name = f"lp_linear_fold_{w.suffix}"
     rc = _fns()[name](x.data_ptr(), t, k, k, w.data.data_ptr(), w.out_features, None, y.data_ptr(), None,
                       ctypes.byref(fold))
     if rc:

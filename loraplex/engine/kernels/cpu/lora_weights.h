@@ -29,6 +29,7 @@
 #define LP_W_Q4_K 6
 #define LP_W_Q5_K 7
 #define LP_W_Q6_K 8
+#define LP_W_ACT8 16 /* or'ed into a block format's code: GEMMs over int8 activations (linear_act8.h) */
 
 static inline int64_t lp_weight_bytes(int64_t wtype) { return wtype == LP_W_F32 ? 4 : 2; }
 
