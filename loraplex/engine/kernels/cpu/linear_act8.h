@@ -21,12 +21,12 @@
  *   other rows of the batch. With a fold, the adapter's shrink reads x in fp32 and its expand is added to acc
  *   as linear.c's fold adds it (then the bias), so folded rows agree across builds to fp32 rounding only.
  *
- * Why: at 8+ rows dequantizing every weight to fp32 costs more than the FMAs it feeds (bench blocks); here a
- * weight becomes a byte of a 4-byte word once per panel and row block (a8_build: for all its row groups), and
- * one vpdpbusd does 4 multiply-adds of 16 columns. Activations are quantized once per call and row (not per panel), a row block (ROW_BLOCK rows) at a
- * time into scratch of ROW_BLOCK * K * (1 + (4 + 4 QSUBS) / 32) bytes: the first by the calling thread before
- * the threads start (a decode step's GEMM then has no barrier, which a busy machine makes costly), the later
- * ones by the threads, each taking a share of the rows, between two barriers.
+ * Why: at 8+ rows dequantizing every weight to fp32 costs more than the FMAs it feeds (bench blocks); here a weight
+ * becomes a byte of a 4-byte word once per panel and row block (a8_build: for all its row groups), and one vpdpbusd
+ * does 4 multiply-adds of 16 columns. Activations are quantized once per call and row (not per panel), a row block
+ * (ROW_BLOCK rows) at a time into scratch of ROW_BLOCK * K * (1 + (4 + 4 QSUBS) / 32) bytes: the first by the
+ * calling thread before the threads start (a decode step's GEMM then has no barrier, which a busy machine makes
+ * costly), the later ones by the threads, each taking a share of the rows, between two barriers.
  *
  * The kernel's words: lane j of a vector holds 4 weights' unsigned integers q' (Q8_0: q + 128; the others: q,
  * the K-quants' high bits joined to the low ones) of column j, and the activation words hold the 4 matching a's,
