@@ -8,8 +8,9 @@
   digest of its cache salt), so Serve's router keeps an adapter's requests on replicas that hold it and a tenant's
   shared prompts on one prefix cache.
 - A request that fails before its first event (its replica died, or could not be reached) is sent again, at most
-  RETRIES times, and Serve routes it to a live replica; one cut off later ends with ReplicaUnavailableError,
-  which the platform bills as what the client received.
+  RETRIES times, after a growing pause (RETRY_PAUSES_S: Serve's router may still pick a replica that just died
+  until it hears of the death), and Serve routes it to a live replica; one cut off later ends with
+  ReplicaUnavailableError, which the platform bills as what the client received.
 - Adapters are registered with the client (validated on one replica); replicas read them on first use.
   Removal refuses new requests at once, then reaches every replica by broadcast.
 - models(), stats() and replicas() read the last poll (a broadcast of status() every `poll_s`): the
@@ -44,7 +45,9 @@ from loraplex.ray_serve.replica import AdapterSource, ReplicaStatus
 
 log = logging.getLogger("loraplex.ray_serve")
 
-RETRIES = 2  # resends of a request that failed before its first event
+# Resends of a request that failed before its first event, and the pause before each (8.5 s in all at most)
+RETRY_PAUSES_S = (0.1, 0.4, 1.0, 2.0, 5.0)
+RETRIES = len(RETRY_PAUSES_S)
 STATUS_TIMEOUT_S = 10.0
 # Threads that validate and tokenize requests (chat template, tokenizer, JSON-schema compile), as the engine's
 # preparer: a hostile prompt takes one of them, never the event loop.
@@ -233,6 +236,9 @@ class RayEngineClient:
                         raise replica_failed(exc) from exc
                     log.warning("request %s failed before its first token (%s); sending it again",
                                 request.request_id, type(exc).__name__)
+                    await asyncio.sleep(RETRY_PAUSES_S[attempt])
+                    if flight.aborted:  # (while it paused)
+                        raise replica_failed(exc) from exc
         finally:
             self._in_flight.pop(request.request_id, None)
 
