@@ -127,27 +127,32 @@ static inline float a8_group_t(float d, float m, int32_t S, int32_t A) {
 #define A8_XORI(v, c) _mm512_xor_si512(v, _mm512_set1_epi32(c))
 #define Q_MULLO(v, c) _mm512_mullo_epi32(v, _mm512_set1_epi32(c))
 #define A8_ADDS8 _mm512_adds_epu8
-#if defined(__AVX512VNNI__)
-#define a8_dot _mm512_dpbusd_epi32
-#else
-static inline ivec_t a8_dot(ivec_t acc, ivec_t u, ivec_t s) {
-    const ivec_t lo = _mm512_set1_epi16(0xff);
-    const ivec_t ue = _mm512_and_si512(u, lo), uo = _mm512_srli_epi16(u, 8);
-    const ivec_t se = _mm512_srai_epi16(_mm512_slli_epi16(s, 8), 8), so = _mm512_srai_epi16(s, 8);
-    return _mm512_add_epi32(acc, _mm512_add_epi32(_mm512_madd_epi16(ue, se), _mm512_madd_epi16(uo, so)));
-}
-#endif
+#define A8_LOW8(v) _mm512_and_si512(v, _mm512_set1_epi16(0xff))
+#define A8_SRL16 _mm512_srli_epi16
+#define A8_SRA16 _mm512_srai_epi16
+#define A8_SLL16 _mm512_slli_epi16
+#define A8_MADD16 _mm512_madd_epi16
+#define A8_ADD32 _mm512_add_epi32
 #else
 #define A8_SET1 _mm256_set1_epi32
 #define A8_SUBI _mm256_sub_epi32
 #define A8_XORI(v, c) _mm256_xor_si256(v, _mm256_set1_epi32(c))
 #define Q_MULLO(v, c) _mm256_mullo_epi32(v, _mm256_set1_epi32(c))
 #define A8_ADDS8 _mm256_adds_epu8
+#define A8_LOW8(v) _mm256_and_si256(v, _mm256_set1_epi16(0xff))
+#define A8_SRL16 _mm256_srli_epi16
+#define A8_SRA16 _mm256_srai_epi16
+#define A8_SLL16 _mm256_slli_epi16
+#define A8_MADD16 _mm256_madd_epi16
+#define A8_ADD32 _mm256_add_epi32
+#endif
+#if defined(__AVX512F__) && defined(__AVX512VNNI__)
+#define a8_dot _mm512_dpbusd_epi32
+#else
 static inline ivec_t a8_dot(ivec_t acc, ivec_t u, ivec_t s) {
-    const ivec_t lo = _mm256_set1_epi16(0xff);
-    const ivec_t ue = _mm256_and_si256(u, lo), uo = _mm256_srli_epi16(u, 8);
-    const ivec_t se = _mm256_srai_epi16(_mm256_slli_epi16(s, 8), 8), so = _mm256_srai_epi16(s, 8);
-    return _mm256_add_epi32(acc, _mm256_add_epi32(_mm256_madd_epi16(ue, se), _mm256_madd_epi16(uo, so)));
+    const ivec_t ue = A8_LOW8(u), uo = A8_SRL16(u, 8);                 /* unsigned even / odd bytes */
+    const ivec_t se = A8_SRA16(A8_SLL16(s, 8), 8), so = A8_SRA16(s, 8); /* signed even / odd bytes */
+    return A8_ADD32(acc, A8_ADD32(A8_MADD16(ue, se), A8_MADD16(uo, so)));
 }
 #endif
 
