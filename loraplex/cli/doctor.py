@@ -50,6 +50,7 @@ def compute_checks(device: str) -> list[Check]:
         Check("model dtype", OK, f"{path.model_dtype} (--dtype)"),
         Check("weights", OK, f"{path.weight_dtype} (--weight-dtype)"),
         Check("kv cache dtype", OK, f"{path.kv_cache_dtype} (--kv-cache-dtype)"),
+        Check("activation dtype", OK, f"{path.activation_dtype} (--activation-dtype)"),
     ]
 
 

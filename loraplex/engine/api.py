@@ -395,6 +395,7 @@ class ComputePath:
     model_dtype: str
     weight_dtype: str
     kv_cache_dtype: str
+    activation_dtype: str  # the default, and whether (with which dot) int8 activations can run here
 
     def summary(self) -> str:
         """One line, for the startup log."""

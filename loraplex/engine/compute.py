@@ -32,7 +32,22 @@ def local_compute_path(device: str = "auto") -> ComputePath:
         instruction_sets_of="cpu" if built is None else "build",
         threads=torch.get_num_threads(), model_dtype=model_dtype,
         weight_dtype=f"a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks as stored, other weights {model_dtype}",
-        kv_cache_dtype=_name(config.kv_torch_dtype))
+        kv_cache_dtype=_name(config.kv_torch_dtype),
+        activation_dtype=f"{config.activation_dtype}; int8 over GGUF blocks: {_int8_dot(ops, built)}")
+
+
+def _int8_dot(ops: str, built: tuple[str, ...] | None) -> str:
+    """Which dot product linear_act8.h compiles to in this build, or why int8 activations cannot run."""
+    if ops != "c":
+        return "not here (CPU C kernels only)" if ops == "cuda" else "not here (needs the C kernels)"
+    isa = set(built or ())
+    if {"AVX-512F", "AVX-512BW", "AVX-512 VNNI"} <= isa:
+        return "AVX-512 VNNI (vpdpbusd)"
+    if {"AVX-512F", "AVX-512BW"} <= isa:
+        return "AVX-512BW (vpmaddwd)"
+    if {"AVX2", "FMA", "F16C"} <= isa and "AVX-512F" not in isa:
+        return "AVX2 (vpmaddwd)"
+    return "portable loops"
 
 
 def _name(dtype: torch.dtype) -> str:

@@ -76,6 +76,9 @@ def test_doctor_with_this_machines_compiler(tmp_path):
     assert int(checks["threads"]["detail"]) >= 1
     assert checks["model dtype"]["detail"].startswith("float32") and checks["kv cache dtype"]["detail"].startswith(
         "float32")
+    dot = checks["activation dtype"]["detail"]  # this build's int8 dot: the kernels' build names its ISA
+    assert dot.startswith("float32; int8 over GGUF blocks: ") and dot.endswith("(--activation-dtype)")
+    assert ("VNNI" in dot) == ("AVX-512 VNNI" in checks["instruction sets"]["detail"])
     assert checks["database"]["status"] == "warn" and "no database yet" in checks["database"]["detail"]
     assert checks["redis"]["status"] == "ok" and checks["redis"]["detail"].startswith("not used")
     assert list(tmp_path.iterdir()) == []  # looking is not creating
@@ -91,6 +94,8 @@ def test_doctor_without_a_compiler_says_torch_fallback_and_why(tmp_path):
     assert checks["compute"]["detail"] == "torch ops (fallback, slower) on cpu: no C compiler ('false' is not on " \
                                           "PATH or does not run)"
     assert "the CPU's" in checks["instruction sets"]["detail"]
+    assert checks["activation dtype"]["detail"] == "float32; int8 over GGUF blocks: not here (needs the C kernels) " \
+                                                   "(--activation-dtype)"
     assert checks["redis"]["status"] == "fail" and "does not answer" in checks["redis"]["detail"]
     assert done.returncode == 1  # Redis is required once configured; the torch fallback is not
     warnings = [line for line in done.stderr.splitlines() if "CPU kernels not built" in line]

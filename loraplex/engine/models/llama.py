@@ -151,7 +151,8 @@ class LlamaModel:
         """packed_dtype: the element type the CPU kernels pack the projections and LM head in (default:
         the weights' dtype); a narrower one expects weights already rounded to it (load_model's
         weight_dtype), so that every path computes with the same values. act8: the CPU kernels' GEMMs over
-        Q8_0 / Q4_0 / Q4_1 blocks quantize their activations to int8 (EngineConfig.activation_dtype)."""
+        GGUF blocks (every format quant_blocks.h reads) quantize their activations to int8
+        (EngineConfig.activation_dtype)."""
         expected = config.weight_shapes()
         missing = sorted(set(expected) - set(weights))
         if missing:
