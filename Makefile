@@ -37,8 +37,13 @@ $(CHROMIUM):
 
 # Users build the C kernels without -Werror (a new compiler's warning must not cost them the kernels); the tests
 # keep it, so a warning fails here first (LORAPLEX_CPU_CFLAGS is part of the kernels' cache key).
+# The suite runs in TEST_WORKERS pytest-xdist processes, each test module whole on one of them (a module's
+# server or Ray cluster starts once; test_cli_platform.py's tests run in order). On the command line, not in
+# PYTEST_ADDOPTS: the tests that run pytest themselves (narrower kernel builds, gpu-check) stay in one process.
+TEST_WORKERS ?= 2
 test: lint $(CHROMIUM)
-	TRITON_INTERPRET=1 LORAPLEX_CPU_CFLAGS="-Werror $(LORAPLEX_CPU_CFLAGS)" $(PY) -m pytest -q -ra
+	TRITON_INTERPRET=1 LORAPLEX_CPU_CFLAGS="-Werror $(LORAPLEX_CPU_CFLAGS)" $(PY) -m pytest -q -ra \
+		-n $(TEST_WORKERS) --dist loadfile
 
 bench: $(STAMP)
 	$(VENV)/bin/loraplex bench engine --json bench/results/engine.json
