@@ -15,13 +15,14 @@ from dataclasses import dataclass
 
 from loraplex.engine.api import (
     ContextLengthExceededError,
+    EngineUnavailableError,
     GenerateRequest,
     InvalidRequestError,
     ModelInfo,
     ModelNotFoundError,
 )
 from loraplex.engine.config import EngineConfig
-from loraplex.engine.guided.grammar import GrammarCache, GuideLimits, SchemaError
+from loraplex.engine.guided.grammar import CompileBusy, GrammarCache, GuideLimits, SchemaError
 from loraplex.engine.guided.guide import Guide
 from loraplex.engine.guided.tokenizer import GuideTokenizer, guide_tokenizer
 from loraplex.engine.memory import kv_blocks
@@ -140,11 +141,14 @@ class RequestFrontend:
 
     def guide(self, schema_text: str) -> Guide:
         """A request's guide for its JSON schema, compiled here (cached: preparing the same schema again
-        costs a copy); InvalidRequestError names what the schema does wrong or which limit it broke."""
+        costs a copy); InvalidRequestError names what the schema does wrong or which limit it broke,
+        EngineUnavailableError (503) that no compiler was free within the limit."""
         try:
             matcher = self.grammars.matcher(schema_text)
         except SchemaError as e:
             raise InvalidRequestError(f"invalid JSON schema: {e}", "response_format") from None
+        except CompileBusy as e:
+            raise EngineUnavailableError(str(e)) from None
         return Guide(self.guide_vocabulary(), matcher, self.guide_limits.mask_timeout_s)
 
     def prepare(self, req: GenerateRequest) -> Request:

@@ -14,7 +14,8 @@ import jsonschema
 import pytest
 import torch
 
-from loraplex.engine.api import GenerateRequest, InvalidRequestError, SamplingParams
+from loraplex.engine.api import EngineUnavailableError, GenerateRequest, InvalidRequestError, SamplingParams
+from loraplex.engine.guided import grammar as grammar_module
 from loraplex.engine.guided.masks import apply_masks
 from tests.conftest import make_core, test_device
 from tests.unit.test_engine_core import MODEL, mixed_prompts
@@ -244,3 +245,17 @@ def test_a_mask_filled_on_the_engine_thread_past_the_limit_fails_that_guide_alon
     guide = core.frontend.guide('{"type": "object"}')
     assert guide.mask() is None and "took longer than" in guide.error
     assert make_core().frontend.guide('{"type": "object"}').mask() is not None
+
+
+def test_a_schema_that_finds_no_free_compiler_is_a_503_not_a_bad_schema():
+    core = make_core(guided_compile_timeout_s=0.2)
+    pool, release = grammar_module._COMPILE_POOL, threading.Event()
+    held = [pool.submit(release.wait, 60) for _ in range(pool._max_workers)]
+    try:
+        with pytest.raises(EngineUnavailableError, match="waited 0.2 s for a compiler"):
+            core.frontend.guide('{"type": "object", "properties": {"busy": {"type": "integer"}}}')
+    finally:
+        release.set()
+        for job in held:
+            job.result()
+    assert core.frontend.guide('{"type": "object", "properties": {"busy": {"type": "integer"}}}') is not None

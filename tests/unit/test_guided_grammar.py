@@ -18,7 +18,15 @@ import jsonschema
 import pytest
 
 from loraplex.engine.guided import grammar as grammar_module
-from loraplex.engine.guided.grammar import MAX_WS, GrammarCache, GuideLimits, SchemaError, check_schema
+from loraplex.engine.guided.grammar import (
+    MAX_WS,
+    CompileBusy,
+    GrammarCache,
+    GuideLimits,
+    SchemaError,
+    _Pending,
+    check_schema,
+)
 from loraplex.engine.guided.tokenizer import guide_tokenizer
 from loraplex.engine.models.tokenizer import Tokenizer
 
@@ -279,17 +287,47 @@ def test_declared_properties_close_the_object_unless_the_schema_says_otherwise()
     assert accepts({"type": "object"}, '{"b": 2}')  # JSON mode stays open
 
 
-def test_a_schema_not_compiled_within_the_limit_is_refused():
-    """The compile pool's workers held busy (as a flood of slow schemas would hold them) make this compile late
-    for certain; a schema that is merely slow to build (a few ms) races the waiting thread on a loaded machine."""
-    schema = json.dumps({"enum": [f"value {i}" for i in range(2000)]})
+ENUM_SCHEMA = json.dumps({"enum": [f"value {i}" for i in range(4700)]})  # 65 kB, about 10 ms to compile
+
+
+def test_a_compile_that_cannot_start_within_the_limit_is_busy_and_leaves_nothing_behind():
+    """The pool's workers held (as a flood of slow schemas would hold them): the schema is not at fault, so it is
+    not refused for later, and its queued compile is cancelled rather than left to run after the wait."""
     pool, release = grammar_module._COMPILE_POOL, threading.Event()
     held = [pool.submit(release.wait, 60) for _ in range(pool._max_workers)]
+    cache = grammars(compile_timeout_s=1.0)
     try:
-        with pytest.raises(SchemaError, match="did not compile within 0.05 s"):
-            grammars(compile_timeout_s=0.05).matcher(schema)
+        with pytest.raises(CompileBusy, match="waited 1 s for a compiler"):
+            cache.matcher(ENUM_SCHEMA)
+        assert ENUM_SCHEMA not in cache._entries
     finally:
         release.set()
         for job in held:
             job.result()
-    assert grammars().matcher(schema).consume_token(ord('"'))  # within the default limit it compiles
+    assert cache.matcher(ENUM_SCHEMA).consume_token(ord('"'))  # the same cache compiles it now
+
+
+def test_a_compile_still_running_at_the_limit_is_refused_until_done_then_served_without_a_second_compile():
+    for _ in range(100):  # a 2 ms wait on a 10 ms compile: late, unless the compile had not even started
+        cache = grammars(compile_timeout_s=0.002)
+        try:
+            cache.matcher(ENUM_SCHEMA)
+        except SchemaError as e:
+            assert str(e) == "the schema did not compile within 0.002 s"
+            break
+        except CompileBusy:
+            continue
+    else:
+        pytest.fail("the compile never ran past its wait")
+    pending = cache._entries[ENUM_SCHEMA]
+    assert isinstance(pending, _Pending)
+    try:  # asked again at once: refused while it runs, nothing submitted again; served if it has just finished
+        cache.matcher(ENUM_SCHEMA)
+    except SchemaError as e:
+        assert str(e) == "the schema did not compile within 0.002 s" and cache._entries[ENUM_SCHEMA] is pending
+    else:
+        assert pending.future.done()
+    pending.future.result()
+    assert cache.matcher(ENUM_SCHEMA).consume_token(ord('"'))  # its result, with no second compile
+    assert cache._entries[ENUM_SCHEMA] is not pending and not isinstance(cache._entries[ENUM_SCHEMA], _Pending)
+    assert grammars().matcher(ENUM_SCHEMA).consume_token(ord('"'))  # within the default limit it compiles

@@ -5,6 +5,12 @@ more per extra choice of `n`), and tool calls repeat their schema; a hit is a de
 matcher (microseconds), bounded by entries and bytes. Refusals are cached too, so a bad schema sent
 again costs a lookup.
 
+Compiles run in a small pool, each waited for at most compile_timeout_s:
+- one that has not started by then (other schemas hold the pool) is cancelled and CompileBusy raised: the
+  schema is not at fault, nothing is cached, and the queue cannot grow past what the waits admit;
+- one still running is left to finish (its fuel bounds it) and cached as pending: the schema is refused
+  until it is done, and then served or refused from its result, without compiling it again.
+
 What llguidance enforces that the old matcher refused: `pattern`, `format`, number bounds, `multipleOf`.
 What it cannot enforce (`uniqueItems`, `not`, `if`, ...) is refused with the keywords named.
 Whitespace between tokens is flexible but capped, so a model cannot loop on blank lines.
@@ -17,7 +23,7 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
@@ -37,6 +43,18 @@ _COMPILE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="guided-com
 
 class SchemaError(ValueError):
     """The schema is not JSON Schema, breaks a limit, or uses a keyword guided decoding cannot enforce."""
+
+
+class CompileBusy(RuntimeError):
+    """The schema's compile did not start within the limit (other schemas' compiles held the pool): retry."""
+
+
+@dataclass(frozen=True)
+class _Pending:
+    """A compile that outlived its request's wait: its result, once there, becomes the cache entry."""
+
+    future: Future
+    schema: dict | None  # for explain()
 
 
 @dataclass(frozen=True)
@@ -178,44 +196,70 @@ class GrammarCache:
         self._lock = threading.Lock()
 
     def matcher(self, text: str) -> llguidance.LLMatcher:
-        """A fresh matcher at the start of `text`'s schema; SchemaError says why it cannot be."""
+        """A fresh matcher at the start of `text`'s schema; SchemaError says why it cannot be, CompileBusy that
+        it could not be compiled now."""
         if len(text) > self.limits.schema_bytes:  # before any work on it (characters <= bytes)
             raise SchemaError(f"the schema has {len(text)} characters; the limit is {self.limits.schema_bytes} bytes")
         with self._lock:
             hit = self._entries.get(text)
             if hit is not None:
                 self._entries.move_to_end(text)
-        if hit is None:
+        if isinstance(hit, _Pending):
+            if not hit.future.done():
+                raise SchemaError(self._late())
+            hit = self._result(hit)
+            self._remember(text, hit)
+        elif hit is None:
             try:
                 hit = self._compile(text)
             except SchemaError as e:
                 hit = str(e)
             self._remember(text, hit)
+        if isinstance(hit, _Pending):
+            raise SchemaError(self._late())
         if isinstance(hit, str):
             raise SchemaError(hit)
         return hit.deep_copy()
 
-    def _compile(self, text: str) -> llguidance.LLMatcher:
+    def _late(self) -> str:
+        return f"the schema did not compile within {self.limits.compile_timeout_s:g} s"
+
+    def _compile(self, text: str) -> llguidance.LLMatcher | _Pending:
         schema, grammar = grammar_for(text, self.limits)
         tokenizer = self._tokenizer()
         # llguidance drops the GIL while it builds; the wait is bounded here, its work by the fuel limits
         future = _COMPILE_POOL.submit(llguidance.LLMatcher, tokenizer.ll, grammar, log_level=0,
                                       limits=self.limits.parser_limits())
         try:
-            matcher = future.result(timeout=self.limits.compile_timeout_s)
+            future.result(timeout=self.limits.compile_timeout_s)
         except FutureTimeout:
-            raise SchemaError(f"the schema did not compile within {self.limits.compile_timeout_s:g} s") from None
-        if matcher.is_error():
-            raise SchemaError(explain(matcher.get_error(), schema))
-        return matcher
+            if future.cancel():  # never started: the pool was busy with other schemas
+                raise CompileBusy(f"the schema waited {self.limits.compile_timeout_s:g} s for a compiler (others "
+                                  "held them all); try again") from None
+            return _Pending(future, schema)
+        return self._result(_Pending(future, schema))
 
-    def _remember(self, text: str, entry: llguidance.LLMatcher | str) -> None:
-        cost = len(text) + (len(entry) if isinstance(entry, str) else 0) + 256
+    @staticmethod
+    def _result(done: _Pending) -> llguidance.LLMatcher | str:
+        """A finished compile's matcher, or its refusal."""
+        matcher = done.future.result()
+        return explain(matcher.get_error(), done.schema) if matcher.is_error() else matcher
+
+    def _remember(self, text: str, entry: llguidance.LLMatcher | str | _Pending) -> None:
+        """Caches the entry; a pending compile's is replaced by its result, any other is kept."""
         with self._lock:
-            if text in self._entries:
+            held = self._entries.get(text)
+            if held is not None and not isinstance(held, _Pending):
                 return
+            if held is not None:
+                self._bytes -= _cost(text, held)
             self._entries[text] = entry
-            self._bytes += cost
+            self._bytes += _cost(text, entry)
             while self._entries and (len(self._entries) > CACHE_ENTRIES or self._bytes > CACHE_BYTES):
                 old, value = self._entries.popitem(last=False)
-                self._bytes -= len(old) + (len(value) if isinstance(value, str) else 0) + 256
+                self._bytes -= _cost(old, value)
+
+
+def _cost(text: str, entry) -> int:
+    """An entry's bytes as the cache counts them: its schema text, a refusal's message, and 256 for the rest."""
+    return len(text) + (len(entry) if isinstance(entry, str) else 0) + 256
