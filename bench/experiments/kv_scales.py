@@ -1,0 +1,216 @@
+"""Experiment: KV cache scale layouts by fake quantization (K/V quantized then dequantized as a cache would hold them).
+
+The engine runs as usual (fp32 weights and compute, fp32 cache holding the exact K/V) on the torch_sdpa backend,
+swapped for a subclass that keeps a shadow cache per layer: each step's K/V are written exactly, the touched blocks'
+shadow rows are recomputed under the scheme, and attention (first chunks included) reads the shadow only.
+
+Schemes per side (K or V), "kind[:sym|asym][:mode]":
+  none | fp16 | bf16                 the exact values, or cast and back
+  token[:sym|asym]                   one scale per (token, kv head); token:sym is kv_dtype.quantize itself
+  chan[:sym|asym][:exact|resid|inc][:h]  one scale (and offset) per (block of 16 tokens, kv head, channel):
+      exact  the open block requantized from its exact values at every write (a cache keeping them aside)
+      resid  the open block kept exact, quantized once full (KIVI's residual)
+      inc    incremental: a write that widens a channel's range re-rounds the block's stored entries of that
+             channel to the new grid (double rounding); a write's own tokens quantized together (a prefill
+             chunk's full blocks at once)
+":h": the block's scales and offsets rounded to fp16 as stored (else fp32).
+Asymmetric: q = round((x - min) / s) in [0, 255], s = (max - min) / 255, value = q * s + min (min kept as a float).
+
+Run: PYTHONPATH=. .venv/bin/python bench/experiments/kv_scales.py --schemes "token,token" "chan:sym:exact,token"
+(each argument "K,V"); prints one JSON line per scheme.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from loraplex.cli.bench.engine import bench_prompts
+from loraplex.cli.bench.kv import next_token_agreement, positions_alike
+from loraplex.cli.bench.lora import agreement
+from loraplex.cli.bench.quant import _requests
+from loraplex.engine.api import GenerateRequest
+from loraplex.engine.attention.base import write_kv
+from loraplex.engine.attention.torch_sdpa import TorchSdpaBackend
+from loraplex.engine.config import EngineConfig
+from loraplex.engine.core import EngineCore
+from loraplex.engine.kv.kv_dtype import dequantize, quantize
+from loraplex.engine.models.loader import load_model, resolve_model
+
+MODEL = "smollm2-135m"
+
+
+def _grid(lo: torch.Tensor, hi: torch.Tensor, sym: bool, half: bool = False):
+    """(scale, offset) of the int8 grid covering [lo, hi] (per channel); half: both stored as fp16."""
+    if sym:
+        s = torch.maximum(hi.abs(), lo.abs()) / 127
+        off = torch.zeros_like(s)
+    else:
+        s, off = (hi - lo) / 255, lo
+    return (s.half().float(), off.half().float()) if half else (s, off)
+
+
+def _round(x: torch.Tensor, s: torch.Tensor, off: torch.Tensor, sym: bool) -> torch.Tensor:
+    safe = torch.where(s > 0, s, 1.0)
+    if sym:
+        return (x / safe).round().clamp(-127, 127) * s
+    return ((x - off) / safe).round().clamp(0, 255) * s + off
+
+
+class Side:
+    """One scheme over one cache (K or V of one layer): the shadow rows attention reads."""
+
+    def __init__(self, spec: str, true: torch.Tensor):
+        parts = spec.split(":")
+        self.kind = parts[0]
+        self.sym = (parts[1] if len(parts) > 1 else "sym") == "sym"
+        self.mode = parts[2] if len(parts) > 2 else "exact"
+        self.half = len(parts) > 3 and parts[3] == "h"  # block scales and offsets kept as fp16
+        self.true = true  # [blocks, bs, kv_heads, head_dim] fp32, exact values
+        self.shadow = torch.zeros_like(true)
+        if self.kind == "chan" and self.mode == "inc":
+            self.lo = torch.zeros(true.shape[0], *true.shape[2:])  # [blocks, kv_heads, head_dim]
+            self.hi = torch.zeros_like(self.lo)
+
+    def update(self, slots: torch.Tensor) -> None:
+        bs, hd = self.true.shape[1], self.true.shape[-1]
+        flat_t = self.true.view(-1, *self.true.shape[2:])
+        flat_s = self.shadow.view(-1, *self.true.shape[2:])
+        if self.kind in ("none", "fp16", "bf16", "token"):
+            x = flat_t[slots]
+            if self.kind == "fp16":
+                x = x.half().float()
+            elif self.kind == "bf16":
+                x = x.bfloat16().float()
+            elif self.kind == "token" and self.sym:
+                x = dequantize(quantize(x, torch.int8), hd, torch.float32)
+            elif self.kind == "token":
+                x = _round(x, *_grid(x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), False), False)
+            flat_s[slots] = x
+            return
+        blocks, offs = slots // bs, slots % bs
+        for b in blocks.unique().tolist():
+            sel = blocks == b
+            first, last = int(offs[sel].min()), int(offs[sel].max())
+            if self.mode == "inc":
+                self._inc(b, first, last)
+                continue
+            x = self.true[b, :last + 1]  # [t, kv_heads, head_dim]
+            if self.mode == "resid" and last < bs - 1:
+                self.shadow[b, :last + 1] = x
+                continue
+            s, off = _grid(x.amin(0), x.amax(0), self.sym, self.half)
+            self.shadow[b, :last + 1] = _round(x, s, off, self.sym)
+
+    def _inc(self, b: int, first: int, last: int) -> None:
+        x = self.true[b, first:last + 1]
+        lo, hi = x.amin(0), x.amax(0)
+        if first > 0:  # the block's range so far (a write at offset 0 starts a block: a fresh one, or reused)
+            lo, hi = torch.minimum(lo, self.lo[b]), torch.maximum(hi, self.hi[b])
+        s, off = _grid(lo, hi, self.sym, self.half)
+        if first > 0:
+            old = _grid(self.lo[b], self.hi[b], self.sym, self.half)
+            changed = (s != old[0]) | (off != old[1])  # [kv_heads, head_dim]: only those channels re-rounded
+            prev = self.shadow[b, :first]
+            self.shadow[b, :first] = torch.where(changed, _round(prev, s, off, self.sym), prev)
+        self.shadow[b, first:last + 1] = _round(x, s, off, self.sym)
+        self.lo[b], self.hi[b] = lo, hi
+
+
+class FakeQuantBackend(TorchSdpaBackend):
+    name = "torch_sdpa"
+
+    def __init__(self, k_spec: str, v_spec: str):
+        self.specs = (k_spec, v_spec)
+        self.sides: dict[int, tuple[Side, Side]] = {}
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        write_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # the exact values
+        key = k_cache.data_ptr()
+        if key not in self.sides:
+            self.sides[key] = (Side(self.specs[0], k_cache), Side(self.specs[1], v_cache))
+        ks, vs = self.sides[key]
+        ks.update(meta.slot_mapping)
+        vs.update(meta.slot_mapping)
+        n_kv = k.shape[1]
+        kq = ks.shadow.view(-1, n_kv, k.shape[2])[meta.slot_mapping]
+        vq = vs.shadow.view(-1, n_kv, k.shape[2])[meta.slot_mapping]
+        return super().forward(q, kq, vq, ks.shadow, vs.shadow, meta)
+
+
+def make_core(loaded, backend: str, kv: str, n: int, threads: int) -> EngineCore:
+    cfg = EngineConfig(model=MODEL, device="cpu", dtype="float32", kv_cache_dtype=kv, max_num_seqs=n,
+                       max_num_batched_tokens=2048, speculative_tokens=0, kv_cache_bytes=256 * 2**20,
+                       attention_backend=backend, num_threads=threads)
+    return EngineCore(cfg, loaded=loaded)
+
+
+def generate(core: EngineCore, prompts: list[str], new_tokens: int) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    for ev in core.run(_requests(prompts, new_tokens, MODEL, "g")):
+        out.setdefault(ev.request_id.rsplit("-", 1)[1], []).extend(ev.token_ids)
+    return out
+
+
+def per_prompt(got: dict[str, list[int]], want: dict[str, list[int]]) -> list[float]:
+    return [next((i for i, (a, b) in enumerate(zip(got[r], w, strict=False)) if a != b), len(w)) / len(w)
+            for r, w in want.items()]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--schemes", nargs="+", required=True, help='"K,V" each; "engine:<backend>:<kv dtype>" '
+                    "runs the engine itself")
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--wide", action="store_true", help="the 48 distinct bench prompts and each again ending "
+                    "'End with a summary.' instead of 'Begin with an introduction.' (96; --prompts is ignored)")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--tf", action="store_true", help="teacher-forced next-token agreement too")
+    ap.add_argument("--dump", help="a JSON file for every scheme's tokens (the reference's under 'ref')")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    loaded = load_model(resolve_model(MODEL), torch.float32, torch.device("cpu"))
+    prompts = bench_prompts(args.prompts)
+    if args.wide:
+        base = bench_prompts(48)
+        prompts = base + [p.replace("Begin with an introduction.", "End with a summary.") for p in base]
+        args.prompts = len(prompts)
+    ref_core = make_core(loaded, "torch_sdpa", "float32", args.prompts, args.threads)
+    ref = generate(ref_core, prompts, args.new_tokens)  # the fp32 cache on torch_sdpa: the reference
+    ids = [ref_core.prepare(GenerateRequest(f"ids-{i}", MODEL, prompt=prompts[int(i)])).prompt_ids for i in ref]
+    del ref_core
+    dump = {"ref": ref}
+    for scheme in args.schemes:
+        t0 = time.perf_counter()
+        if scheme.startswith("engine:"):
+            _, backend, kv = scheme.split(":")
+            core = make_core(loaded, backend, kv, args.prompts, args.threads)
+        else:
+            core = make_core(loaded, "torch_sdpa", "float32", args.prompts, args.threads)
+            core.runner.model.attention = FakeQuantBackend(*scheme.split(","))
+        out = generate(core, prompts, args.new_tokens)
+        gen_s = time.perf_counter() - t0
+        pp = per_prompt(out, ref)
+        row = {"scheme": scheme, **agreement(out, ref), "positions_alike": positions_alike(out, ref),
+               "per_prompt_min": round(min(pp), 3), "per_prompt_median": round(statistics.median(pp), 3),
+               "per_prompt_q1": round(statistics.quantiles(pp, n=4)[0], 3), "gen_s": round(gen_s, 1)}
+        if args.tf:
+            t1 = time.perf_counter()
+            row["next_token_agreement"] = next_token_agreement(core, MODEL, ids, list(ref.values()))
+            row["tf_s"] = round(time.perf_counter() - t1, 1)
+        print(json.dumps(row), flush=True)
+        dump[scheme] = out
+        if args.dump:
+            with open(args.dump, "w") as f:
+                json.dump(dump, f)
+        del core
+
+
+if __name__ == "__main__":
+    main()
