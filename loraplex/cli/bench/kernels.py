@@ -81,7 +81,9 @@ def compare(triton_fn: Callable[[], object], torch_fn: Callable[[], object], sha
     """Seconds per call of each path (synchronised), and how many times faster Triton is."""
     tri = roofline.best_seconds(triton_fn, shapes.repeats, device, shapes.iters)
     tor = roofline.best_seconds(torch_fn, shapes.repeats, device, shapes.iters)
-    return {"triton_us": round(tri * 1e6, 2), "torch_us": round(tor * 1e6, 2), "triton_speedup": round(tor / tri, 3)}
+    # the speedup to 3 significant digits: the interpreter can run 1000s of times slower (3 decimals would say 0)
+    return {"triton_us": round(tri * 1e6, 2), "torch_us": round(tor * 1e6, 2),
+            "triton_speedup": float(f"{tor / tri:.3g}")}
 
 
 def _randn(gen: torch.Generator, *shape: int, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
