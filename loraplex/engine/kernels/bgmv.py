@@ -18,6 +18,7 @@ import triton.language as tl
 from loraplex.engine.kernels.launch import on_device
 from loraplex.engine.kernels.lora_ops import check_a, check_expand, check_token_slots, check_x, check_y
 from loraplex.engine.kernels.sgmv import check_blocks, check_triton_device, padded_widths, pow2_block, slice_bounds
+from loraplex.engine.kernels.split_k import adapter_rank, k_range, store_split
 
 
 @triton.jit
@@ -33,17 +34,13 @@ def _bgmv_shrink_kernel(x_ptr, a_ptr, y_ptr, slots_ptr, ranks_ptr, in_features, 
         return
     s = pid_n // n_blocks
     n0 = (pid_n % n_blocks) * BLOCK_N
-    rank = r_max
-    if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot), r_max)
+    rank = adapter_rank(ranks_ptr, slot, r_max, HAS_RANKS)
     if n0 >= rank:
         return  # all-padding rows: y was zero-filled
     offs_r = n0 + tl.arange(0, BLOCK_N)
     mask_r = offs_r < rank
     a_rows = s * r_max + offs_r
-    k_len = tl.cdiv(in_features, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_start = pid_k * k_len
-    k_end = tl.minimum(k_start + k_len, in_features)
+    k_start, k_end = k_range(pid_k, in_features, SPLIT_K, BLOCK_K)
     acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -53,10 +50,7 @@ def _bgmv_shrink_kernel(x_ptr, a_ptr, y_ptr, slots_ptr, ranks_ptr, in_features, 
                      mask=mask_r[:, None] & mask_k[None, :], other=0.0)
         acc += at.to(tl.float32) * xv.to(tl.float32)[None, :]
     yv = tl.sum(acc, axis=1)
-    if SPLIT_K == 1:
-        tl.store(y_ptr + t * stride_ym + a_rows, yv, mask=mask_r)
-    else:
-        tl.atomic_add(y_ptr + t * stride_ym + a_rows, yv, mask=mask_r)
+    store_split(y_ptr + t * stride_ym + a_rows, yv, mask_r, SPLIT_K)
 
 
 @triton.jit
@@ -72,9 +66,7 @@ def _bgmv_expand_kernel(y_ptr, b_ptr, out_ptr, slots_ptr, ranks_ptr, w0, w1, w2,
     off, width = slice_bounds(s, w0, w1, w2, w3)
     if n0 >= width:
         return
-    rank = r_max
-    if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot), r_max)
+    rank = adapter_rank(ranks_ptr, slot, r_max, HAS_RANKS)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < width
     cols = off + offs_n

@@ -26,6 +26,7 @@ from loraplex.engine.kernels.lora_ops import (
     check_y,
     triton_available,
 )
+from loraplex.engine.kernels.split_k import adapter_rank, k_range, store_split
 
 
 @triton.jit
@@ -57,9 +58,7 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, y_ptr, seg_starts_ptr, seg_slots_ptr, rank
     m0 = start + pid_m * BLOCK_M
     if m0 >= end:
         return
-    rank = r_max
-    if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot), r_max)
+    rank = adapter_rank(ranks_ptr, slot, r_max, HAS_RANKS)
     if nb * BLOCK_N >= rank:
         return  # all-padding columns: y was zero-filled
     offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
@@ -67,9 +66,7 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, y_ptr, seg_starts_ptr, seg_slots_ptr, rank
     mask_m = offs_m < end
     mask_r = offs_r < rank
     a_rows = s * r_max + offs_r
-    k_len = tl.cdiv(in_features, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_start = pid_k * k_len
-    k_end = tl.minimum(k_start + k_len, in_features)
+    k_start, k_end = k_range(pid_k, in_features, SPLIT_K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -83,10 +80,7 @@ def _sgmv_shrink_kernel(x_ptr, a_ptr, y_ptr, seg_starts_ptr, seg_slots_ptr, rank
         acc += tl.dot(xt, at, input_precision=PRECISION)
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + a_rows[None, :]
     mask = mask_m[:, None] & mask_r[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc, mask=mask)
-    else:
-        tl.atomic_add(y_ptrs, acc, mask=mask)
+    store_split(y_ptrs, acc, mask, SPLIT_K)
 
 
 @triton.jit
@@ -108,9 +102,7 @@ def _sgmv_expand_kernel(y_ptr, b_ptr, out_ptr, seg_starts_ptr, seg_slots_ptr, ra
     off, width = slice_bounds(s, w0, w1, w2, w3)
     if m0 >= end or n0 >= width:
         return
-    rank = r_max
-    if HAS_RANKS:
-        rank = tl.minimum(tl.load(ranks_ptr + slot), r_max)
+    rank = adapter_rank(ranks_ptr, slot, r_max, HAS_RANKS)
     offs_m = (m0 + tl.arange(0, BLOCK_M)).to(tl.int64)
     offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_m = offs_m < end

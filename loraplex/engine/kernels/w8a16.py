@@ -19,6 +19,7 @@ import triton.language as tl
 from loraplex.engine.kernels.launch import on_device
 from loraplex.engine.kernels.quant import FLOAT_DTYPES, check_group_size
 from loraplex.engine.kernels.sgmv import check_blocks, check_triton_device, dot_config, pow2_block
+from loraplex.engine.kernels.split_k import k_range, store_split
 
 MAX_SPLIT_K = 8
 MIN_K_PER_SPLIT = 512  # no split leaves a program fewer K columns than this
@@ -36,9 +37,7 @@ def _w8a16_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
     offs_n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    k_len = tl.cdiv(K, SPLIT_K * BLOCK_K) * BLOCK_K
-    k_start = pid_k * k_len
-    k_end = tl.minimum(k_start + k_len, K)
+    k_start, k_end = k_range(pid_k, K, SPLIT_K, BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -64,10 +63,7 @@ def _w8a16_kernel(x_ptr, q_ptr, s_ptr, b_ptr, y_ptr, M, N, K, stride_xm, stride_
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :] * first
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        tl.atomic_add(y_ptrs, acc, mask=mask)
+    store_split(y_ptrs, acc, mask, SPLIT_K)
 
 
 def check_w8a16(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None,
