@@ -92,14 +92,23 @@ def replica_failed(exc: Exception) -> ReplicaUnavailableError:
     return ReplicaUnavailableError(f"engine replica failed: {type(exc).__name__}: {exc}")
 
 
+def _streaming(handle):
+    """The handle that streams generations: by value over the replicas' gRPC server (as Serve's proxy does when
+    throughput-optimized), not as Ray object refs, so a call costs less and each stream item about half (bench
+    fleet's hop). `_by_reference` is a private option: a Ray without it streams by reference, slower but alike."""
+    try:
+        return handle.options(stream=True, _by_reference=False)
+    except TypeError:
+        log.warning("this Ray's handles have no _by_reference option: generations stream as object refs")
+        return handle.options(stream=True)
+
+
 class RayEngineClient:
     def __init__(self, handle, *, poll_s: float = 1.0, tagged: bool = True):
         """tagged=False sends no multiplexed ids: Serve then routes on load alone (a benchmark's baseline)."""
         self._handle = handle
         self.tagged = tagged
-        # generations stream by value over the replicas' gRPC server (as Serve's proxy does when throughput-optimized),
-        # not as Ray object refs: a call costs less, each stream item about half (bench fleet's hop)
-        self._stream = handle.options(stream=True, _by_reference=False)
+        self._stream = _streaming(handle)
         self.poll_s = poll_s
         self._replicas: list[ReplicaStatus] = []
         self._adapters: dict[str, AdapterSource] = {}
