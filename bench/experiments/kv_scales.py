@@ -13,11 +13,16 @@ Schemes per side (K or V), "kind[:sym|asym][:mode]":
       inc    incremental: a write that widens a channel's range re-rounds the block's stored entries of that
              channel to the new grid (double rounding); a write's own tokens quantized together (a prefill
              chunk's full blocks at once)
+      seq    incremental, one token at a time in position order whatever the write: per token, widen each
+             channel's [min, max] by it, re-round the block's earlier rows of the widened channels from their
+             stored values, then quantize the token; a block's bytes depend only on its tokens (not on chunking)
 ":h": the block's scales and offsets rounded to fp16 as stored (else fp32).
 Asymmetric: q = round((x - min) / s) in [0, 255], s = (max - min) / 255, value = q * s + min (min kept as a float).
 
 Run: PYTHONPATH=. .venv/bin/python bench/experiments/kv_scales.py --schemes "token,token" "chan:sym:exact,token"
-(each argument "K,V"); prints one JSON line per scheme.
+(each argument "K,V"); prints one JSON line per scheme. --block-size: the engine's (and the scales') block;
+--budget: the chunked-prefill budget of the schemes' engines; --selftest only checks that "seq" stores the same
+values whatever the chunking.
 """
 
 from __future__ import annotations
@@ -72,7 +77,7 @@ class Side:
         self.half = len(parts) > 3 and parts[3] == "h"  # block scales and offsets kept as fp16
         self.true = true  # [blocks, bs, kv_heads, head_dim] fp32, exact values
         self.shadow = torch.zeros_like(true)
-        if self.kind == "chan" and self.mode == "inc":
+        if self.kind == "chan" and self.mode in ("inc", "seq"):
             self.lo = torch.zeros(true.shape[0], *true.shape[2:])  # [blocks, kv_heads, head_dim]
             self.hi = torch.zeros_like(self.lo)
 
@@ -99,6 +104,10 @@ class Side:
             if self.mode == "inc":
                 self._inc(b, first, last)
                 continue
+            if self.mode == "seq":  # one token at a time: the same bytes whatever the write's chunking
+                for o in range(first, last + 1):
+                    self._inc(b, o, o)
+                continue
             x = self.true[b, :last + 1]  # [t, kv_heads, head_dim]
             if self.mode == "resid" and last < bs - 1:
                 self.shadow[b, :last + 1] = x
@@ -119,6 +128,36 @@ class Side:
             self.shadow[b, :first] = torch.where(changed, _round(prev, s, off, self.sym), prev)
         self.shadow[b, first:last + 1] = _round(x, s, off, self.sym)
         self.lo[b], self.hi[b] = lo, hi
+
+
+def selftest() -> None:
+    """"seq" on random data with outlier channels: one write, token by token, and two chunks store the same."""
+    g = torch.Generator().manual_seed(0)
+    bs, heads, hd = 16, 3, 64
+    true = torch.randn(2, bs, heads, hd, generator=g)
+    true[..., [3, 17, 40]] *= 30  # outlier channels
+    true[:, 5:9, :, 17] += 200  # a late widening of one channel
+    for spec in ("chan:asym:seq", "chan:sym:seq", "chan:asym:seq:h"):
+        stores = []
+        for cuts in ([0, 2 * bs], list(range(2 * bs + 1)), [0, 7, 2 * bs], [0, 3, 16, 21, 2 * bs]):
+            side = Side(spec, true)
+            for a, z in zip(cuts, cuts[1:], strict=False):
+                side.update(torch.arange(a, z))
+            stores.append(side.shadow.clone())
+        assert all(torch.equal(stores[0], x) for x in stores[1:]), spec
+        one = Side(spec.replace("seq", "exact"), true)  # each block rounded once from its exact values
+        one.update(torch.arange(2 * bs))
+        rms = [((x - true)[..., :3].pow(2).mean().sqrt().item()) for x in (stores[0], one.shadow)]
+        print(f"selftest {spec}: 4 chunkings store identical values; rms err (plain channels) {rms[0]:.4g} "
+              f"vs {rms[1]:.4g} rounded once")
+    inc = []
+    for cuts in ([0, 2 * bs], list(range(2 * bs + 1))):
+        side = Side("chan:asym:inc", true)
+        for a, z in zip(cuts, cuts[1:], strict=False):
+            side.update(torch.arange(a, z))
+        inc.append(side.shadow.clone())
+    n = (inc[0] != inc[1]).sum().item()
+    print(f"selftest chan:asym:inc (for contrast): one write vs token by token differ in {n} values")
 
 
 class FakeQuantBackend(TorchSdpaBackend):
@@ -142,10 +181,11 @@ class FakeQuantBackend(TorchSdpaBackend):
         return super().forward(q, kq, vq, ks.shadow, vs.shadow, meta)
 
 
-def make_core(loaded, backend: str, kv: str, n: int, threads: int) -> EngineCore:
+def make_core(loaded, backend: str, kv: str, n: int, threads: int, block_size: int = 16,
+              budget: int = 2048) -> EngineCore:
     cfg = EngineConfig(model=MODEL, device="cpu", dtype="float32", kv_cache_dtype=kv, max_num_seqs=n,
-                       max_num_batched_tokens=2048, speculative_tokens=0, kv_cache_bytes=256 * 2**20,
-                       attention_backend=backend, num_threads=threads)
+                       max_num_batched_tokens=budget, speculative_tokens=0, kv_cache_bytes=256 * 2**20,
+                       attention_backend=backend, num_threads=threads, block_size=block_size)
     return EngineCore(cfg, loaded=loaded)
 
 
@@ -163,7 +203,7 @@ def per_prompt(got: dict[str, list[int]], want: dict[str, list[int]]) -> list[fl
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--schemes", nargs="+", required=True, help='"K,V" each; "engine:<backend>:<kv dtype>" '
+    ap.add_argument("--schemes", nargs="+", default=[], help='"K,V" each; "engine:<backend>:<kv dtype>" '
                     "runs the engine itself")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -172,7 +212,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--tf", action="store_true", help="teacher-forced next-token agreement too")
     ap.add_argument("--dump", help="a JSON file for every scheme's tokens (the reference's under 'ref')")
+    ap.add_argument("--block-size", type=int, default=16, help="the engine's KV block (and the scales' block)")
+    ap.add_argument("--budget", type=int, default=2048, help="the schemes' max_num_batched_tokens (chunked "
+                    "prefill's budget; the reference keeps 2048)")
+    ap.add_argument("--selftest", action="store_true", help='only check "seq" against chunking, then exit')
     args = ap.parse_args()
+    if args.selftest:
+        selftest()
+        return
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     loaded = load_model(resolve_model(MODEL), torch.float32, torch.device("cpu"))
@@ -181,7 +228,7 @@ def main() -> None:
         base = bench_prompts(48)
         prompts = base + [p.replace("Begin with an introduction.", "End with a summary.") for p in base]
         args.prompts = len(prompts)
-    ref_core = make_core(loaded, "torch_sdpa", "float32", args.prompts, args.threads)
+    ref_core = make_core(loaded, "torch_sdpa", "float32", args.prompts, args.threads, args.block_size)
     ref = generate(ref_core, prompts, args.new_tokens)  # the fp32 cache on torch_sdpa: the reference
     ids = [ref_core.prepare(GenerateRequest(f"ids-{i}", MODEL, prompt=prompts[int(i)])).prompt_ids for i in ref]
     del ref_core
@@ -190,9 +237,10 @@ def main() -> None:
         t0 = time.perf_counter()
         if scheme.startswith("engine:"):
             _, backend, kv = scheme.split(":")
-            core = make_core(loaded, backend, kv, args.prompts, args.threads)
+            core = make_core(loaded, backend, kv, args.prompts, args.threads, args.block_size, args.budget)
         else:
-            core = make_core(loaded, "torch_sdpa", "float32", args.prompts, args.threads)
+            core = make_core(loaded, "torch_sdpa", "float32", args.prompts, args.threads, args.block_size,
+                             args.budget)
             core.runner.model.attention = FakeQuantBackend(*scheme.split(","))
         out = generate(core, prompts, args.new_tokens)
         gen_s = time.perf_counter() - t0
