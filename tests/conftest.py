@@ -9,9 +9,12 @@ attention and kernel tests build their engines and tensors there (`device` fixtu
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -152,3 +155,16 @@ def tiny_core():
 def default_model():
     """The real default model on the CPU: the side the HF transformers references read."""
     return _loaded("smollm2-135m", CPU)
+
+
+@contextlib.contextmanager
+def one_ray_cluster():
+    """Holds this machine's one local Ray cluster for the block: tests join "the newest cluster" (address="auto")
+    and two clusters starve a small machine, so with pytest-xdist a test that starts one waits for the other's end
+    (an exclusive lock on a file, held across processes)."""
+    with open(Path(tempfile.gettempdir()) / "loraplex-tests-ray.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

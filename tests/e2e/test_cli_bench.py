@@ -13,6 +13,7 @@ from loraplex.cli.bench.engine import BenchTarget
 from loraplex.cli.bench.kernels import run_kernels_bench
 from loraplex.cli.bench.soak_hostile import hostile_requests
 from loraplex.engine.kernels.cpu.linear import panel_columns
+from tests.conftest import one_ray_cluster
 from tests.e2e.server import PG_SERVER
 from tests.e2e.test_cli_generate import loraplex
 
@@ -118,9 +119,10 @@ def test_bench_speculative_compares_both_engines_on_the_same_tokens(tmp_path):
 
 
 def test_bench_fleet_runs_each_routing_on_a_real_ray_serve_deployment(tmp_path):
-    r = run_bench(tmp_path, "fleet", "--model", "synthetic:tiny", "--replicas", "2", "--adapters", "6",
-                  "--requests", "12", "--new-tokens", "4", "--rounds", "1", "--max-loras", "2", "--max-cpu-loras", "2",
-                  "--hop-requests", "5", "--popularity", "zipf:1.5")
+    with one_ray_cluster():
+        r = run_bench(tmp_path, "fleet", "--model", "synthetic:tiny", "--replicas", "2", "--adapters", "6",
+                      "--requests", "12", "--new-tokens", "4", "--rounds", "1", "--max-loras", "2",
+                      "--max-cpu-loras", "2", "--hop-requests", "5", "--popularity", "zipf:1.5")
     assert r["popularity"] == "zipf:1.5" and 1 <= r["adapters_used"] <= 6 and r["threads_per_replica"] >= 1
     assert set(r["policies"]) == {"affinity", "serve_default", "serve_untagged"}
     for p in r["policies"].values():

@@ -13,11 +13,20 @@ import openai
 import pytest
 import ray
 
+from tests.conftest import one_ray_cluster
 from tests.e2e.server import admin_request, postgres_redis_env, start
 from tests.e2e.test_cli_platform import loraplex
 
 ADMIN = "e2e-ray-admin-token"
 MODEL = "synthetic:tiny"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _the_machines_one_ray_cluster():
+    """Every test here starts or joins a local Ray cluster: none runs beside another module's (set up first,
+    torn down last)."""
+    with one_ray_cluster():
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ from loraplex.cli.engine_args import ENGINE_OPTIONS, build_engine
 from loraplex.engine.api import EngineError, GenerateRequest, SamplingParams
 from loraplex.ray_serve.client import RayEngineClient
 from loraplex.ray_serve.deploy import APP_NAME, DEPLOYMENT_NAME, ReplicaPlan, deploy
-from tests.conftest import _loaded
+from tests.conftest import _loaded, one_ray_cluster
 from tests.integration.billing_support import SLOW_OK, app_client, complete, flood_two_instances, new_tenant
 from tests.integration.conftest import Backend
 from tests.lora_factory import make_peft_dir
@@ -39,12 +39,13 @@ def engine_factory(threads: int | None = 1):
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
-    try:
-        yield
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with one_ray_cluster():
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, logging_level="ERROR")
+        try:
+            yield
+        finally:
+            serve.shutdown()
+            ray.shutdown()
 
 
 def gateway_client() -> RayEngineClient:
