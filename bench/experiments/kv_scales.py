@@ -17,6 +17,10 @@ Schemes per side (K or V), "kind[:sym|asym][:mode]":
              channel's [min, max] by it, re-round the block's earlier rows of the widened channels from their
              stored values, then quantize the token; a block's bytes depend only on its tokens (not on chunking)
 ":h": the block's scales and offsets rounded to fp16 as stored (else fp32).
+  chan|token[:sym|asym]:pos|pos16    by position: a block is quantized once, from its exact values, when it fills;
+      a query at position p reads the blocks before its own (index < p // block) quantized and its own block's
+      rows (positions <= p) exact (pos16: rounded to fp16, as a side buffer held in fp16 would keep them), so
+      attention does not depend on how a prompt was cut into chunks (a custom attention, _pos_attend)
 Asymmetric: q = round((x - min) / s) in [0, 255], s = (max - min) / 255, value = q * s + min (min kept as a float).
 
 Run: PYTHONPATH=. .venv/bin/python bench/experiments/kv_scales.py --schemes "token,token" "chan:sym:exact,token"
@@ -76,7 +80,10 @@ class Side:
         self.mode = parts[2] if len(parts) > 2 else "exact"
         self.half = len(parts) > 3 and parts[3] == "h"  # block scales and offsets kept as fp16
         self.true = true  # [blocks, bs, kv_heads, head_dim] fp32, exact values
-        self.shadow = torch.zeros_like(true)
+        self.shadow = torch.zeros_like(true)  # pos modes: the full blocks' quantized values ("far")
+        self.pos = self.mode in ("pos", "pos16")
+        # what a query reads of its own block: the exact values (pos), fp16 (pos16), else the shadow itself
+        self.near = (true if self.mode == "pos" else torch.zeros_like(true)) if self.pos else self.shadow
         if self.kind == "chan" and self.mode in ("inc", "seq"):
             self.lo = torch.zeros(true.shape[0], *true.shape[2:])  # [blocks, kv_heads, head_dim]
             self.hi = torch.zeros_like(self.lo)
@@ -85,6 +92,12 @@ class Side:
         bs, hd = self.true.shape[1], self.true.shape[-1]
         flat_t = self.true.view(-1, *self.true.shape[2:])
         flat_s = self.shadow.view(-1, *self.true.shape[2:])
+        if self.pos:
+            if self.mode == "pos16":
+                self.near.view(-1, *self.true.shape[2:])[slots] = flat_t[slots].half().float()
+            for b in (slots[slots % bs == bs - 1] // bs).unique().tolist():  # blocks this write fills
+                self.shadow[b] = self._whole(self.true[b])
+            return
         if self.kind in ("none", "fp16", "bf16", "token"):
             x = flat_t[slots]
             if self.kind == "fp16":
@@ -114,6 +127,17 @@ class Side:
                 continue
             s, off = _grid(x.amin(0), x.amax(0), self.sym, self.half)
             self.shadow[b, :last + 1] = _round(x, s, off, self.sym)
+
+    def _whole(self, x: torch.Tensor) -> torch.Tensor:
+        """A full block [bs, kv_heads, head_dim] quantized once: per channel over the block, or per token."""
+        if self.kind == "none":  # "none:sym:pos": the custom attention over exact values (a check of it)
+            return x
+        if self.kind == "chan":
+            return _round(x, *_grid(x.amin(0), x.amax(0), self.sym, self.half), self.sym)
+        assert self.kind == "token", self.kind
+        if self.sym:
+            return dequantize(quantize(x, torch.int8), x.shape[-1], torch.float32)
+        return _round(x, *_grid(x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), False), False)
 
     def _inc(self, b: int, first: int, last: int) -> None:
         x = self.true[b, first:last + 1]
@@ -150,6 +174,7 @@ def selftest() -> None:
         rms = [((x - true)[..., :3].pow(2).mean().sqrt().item()) for x in (stores[0], one.shadow)]
         print(f"selftest {spec}: 4 chunkings store identical values; rms err (plain channels) {rms[0]:.4g} "
               f"vs {rms[1]:.4g} rounded once")
+    _selftest_pos(true)
     inc = []
     for cuts in ([0, 2 * bs], list(range(2 * bs + 1))):
         side = Side("chan:asym:inc", true)
@@ -158,6 +183,37 @@ def selftest() -> None:
         inc.append(side.shadow.clone())
     n = (inc[0] != inc[1]).sum().item()
     print(f"selftest chan:asym:inc (for contrast): one write vs token by token differ in {n} values")
+
+
+def _selftest_pos(true: torch.Tensor) -> None:
+    """"pos": the same shadows whatever the chunking, and _pos_attend (rows sharing a context, or each its own)
+    against a direct loop: query p over the quantized rows of the blocks before its own, then its own exactly."""
+    g = torch.Generator().manual_seed(1)
+    bs, n = true.shape[1], true.shape[0] * true.shape[1]
+    q = torch.randn(n, 6, true.shape[-1], generator=g)  # 6 heads over 3 kv heads
+    for spec in ("chan:asym:pos", "chan:asym:pos16", "token:asym:pos"):
+        sides = []
+        for cuts in ([0, n], list(range(n + 1)), [0, 7, 16, 21, n]):
+            ks, vs = Side(spec, true), Side("token:asym:pos", true * 0.5)
+            for a, z in zip(cuts, cuts[1:], strict=False):
+                ks.update(torch.arange(a, z))
+                vs.update(torch.arange(a, z))
+            sides.append((ks, vs))
+        assert all(torch.equal(sides[0][i].shadow, x[i].shadow) for x in sides[1:] for i in (0, 1)), spec
+        ks, vs = sides[0]
+        kv = [t.view(-1, *t.shape[2:]) for t in (ks.shadow, ks.near, vs.shadow, vs.near)]
+        pos = torch.arange(n)
+        shared = _pos_attend(q, *kv, pos, pos, bs)
+        per_row = _pos_attend(q, *(x.expand(n, *x.shape) for x in kv), pos, pos, bs)
+        want = []
+        for p in range(n):
+            cut = p // bs * bs
+            k = torch.cat([kv[0][:cut], kv[1][cut:p + 1]]).repeat_interleave(2, 1).transpose(0, 1)
+            v = torch.cat([kv[2][:cut], kv[3][cut:p + 1]]).repeat_interleave(2, 1).transpose(0, 1)
+            want.append(torch.nn.functional.scaled_dot_product_attention(q[p].unsqueeze(1), k, v)[:, 0])
+        err = max((x - torch.stack(want)).abs().max().item() for x in (shared, per_row))
+        assert err < 1e-4, (spec, err)
+        print(f"selftest {spec}: 3 chunkings store identical values; attention matches a direct loop ({err:.1e})")
 
 
 class FakeQuantBackend(TorchSdpaBackend):
@@ -175,10 +231,49 @@ class FakeQuantBackend(TorchSdpaBackend):
         ks, vs = self.sides[key]
         ks.update(meta.slot_mapping)
         vs.update(meta.slot_mapping)
+        if ks.pos or vs.pos:
+            return self._by_position(q, ks, vs, meta)
         n_kv = k.shape[1]
         kq = ks.shadow.view(-1, n_kv, k.shape[2])[meta.slot_mapping]
         vq = vs.shadow.view(-1, n_kv, k.shape[2])[meta.slot_mapping]
         return super().forward(q, kq, vq, ks.shadow, vs.shadow, meta)
+
+    @staticmethod
+    def _by_position(q: torch.Tensor, ks: Side, vs: Side, meta) -> torch.Tensor:
+        """Every row attends by its position: earlier blocks from the sides' shadows, its own block from near."""
+        n_tok, heads, hd = q.shape
+        bs = meta.block_size
+        srcs = [t.view(-1, *t.shape[2:]) for t in (ks.shadow, ks.near, vs.shadow, vs.near)]  # [slots, kv, hd]
+        out = q.new_empty(n_tok, heads, hd)
+        if meta.decode_rows is not None:  # each row its own context: block table, length
+            n = meta.decode_rows.shape[0]
+            ctx = (meta.decode_blocks.unsqueeze(-1) * bs + torch.arange(bs)).view(n, -1)  # [n, C] slots
+            kv = [x[ctx] for x in srcs]  # [n, C, kv, hd]
+            out[meta.decode_rows] = _pos_attend(q[meta.decode_rows], *kv, meta.decode_lens - 1,
+                                                torch.arange(ctx.shape[1]), bs)
+        for p in meta.prefills:
+            ctx = meta.slot_mapping[p.start:p.end] if p.gather is None else p.gather
+            n = p.end - p.start
+            kv = [x[ctx] for x in srcs]  # [C, kv, hd]: shared by the chunk's rows
+            out[p.start:p.end] = _pos_attend(q[p.start:p.end], *kv, torch.arange(len(ctx) - n, len(ctx)),
+                                             torch.arange(len(ctx)), bs)
+        return out.view(n_tok, heads * hd)
+
+
+def _pos_attend(q, kf, kn, vf, vn, q_pos, k_pos, bs):
+    """q [n, heads, hd] at positions q_pos [n]; keys at k_pos [C]: k*/v* [C, kv, hd] shared, or [n, C, kv, hd]
+    per row; "f" (quantized) for blocks before the query's own, "n" (exact) for its own block up to itself."""
+    group = q.shape[1] // kf.shape[-2]
+    kf, kn, vf, vn = (x.repeat_interleave(group, dim=-2) for x in (kf, kn, vf, vn))
+    eq = "nhd,chd->nhc" if kf.dim() == 3 else "nhd,nchd->nhc"
+    qb, kb = (q_pos // bs).unsqueeze(1), (k_pos // bs).unsqueeze(0)
+    near = ((kb == qb) & (k_pos.unsqueeze(0) <= q_pos.unsqueeze(1))).unsqueeze(1)  # [n, 1, C]
+    far = (kb < qb).unsqueeze(1)
+    scale = q.shape[-1] ** -0.5
+    s = torch.where(near, torch.einsum(eq, q, kn), torch.einsum(eq, q, kf)) * scale
+    p = torch.softmax(s.masked_fill(~(near | far), float("-inf")), dim=-1)
+    ev = "nhc,chd->nhd" if vf.dim() == 3 else "nhc,nchd->nhd"
+    return torch.einsum(ev, p * near, vn) + torch.einsum(ev, p * far, vf)
 
 
 def make_core(loaded, backend: str, kv: str, n: int, threads: int, block_size: int = 16,
