@@ -86,7 +86,7 @@ BENCHMARKS: dict[str, tuple[str, str, list[tuple[str, dict]]]] = {
         ("--model", {"default": DEFAULT_MODEL}),
         ("--new-tokens", {"type": int, "default": 64}),
         ("--batches", {"default": "1,32", "help": "batch sizes, comma-separated"}),
-        ("--kv-cache-dtypes", {"default": "float32,int8,bfloat16,fp8",
+        ("--kv-cache-dtypes", {"default": "float32,int8,bfloat16,float16,fp8",
                                "help": "cache dtypes, comma-separated (float32, the base, always runs)"}),
         ("--kv-cache-mb", {"type": int, "default": 1024, "help": "each engine's KV cache"}),
         ("--decode-contexts", {"default": "256,512",
