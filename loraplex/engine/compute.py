@@ -46,7 +46,7 @@ def _int8_dot(ops: str, built: tuple[str, ...] | None) -> str:
     if {"AVX-512F", "AVX-512BW"} <= isa:
         return "AVX-512BW (vpmaddwd)"
     if {"AVX2", "FMA", "F16C"} <= isa and "AVX-512F" not in isa:
-        return "AVX2 (vpmaddwd)"
+        return "AVX-VNNI (vpdpbusd, 256-bit)" if "AVX-VNNI" in isa else "AVX2 (vpmaddwd)"
     return "portable loops"
 
 

@@ -89,7 +89,7 @@ class EngineConfig:
     weight_dtype: str = "auto"
     # The CPU kernels' activations in GEMMs over GGUF blocks (a GGUF's own Q8_0 ... Q6_K, or weight_dtype int8 /
     # int4): "float32" (exact: the fp32 GEMM over the blocks' values) or "int8": each row quantized per 32 features
-    # (absmax / 127, round to nearest) and multiplied as integers (kernels/cpu/linear_act8.h, vpdpbusd with AVX-512
+    # (absmax / 127, round to nearest) and multiplied as integers (kernels/cpu/linear_act8.h, vpdpbusd with
     # VNNI), in prefill and in the fused decode step alike. Other weights (fp32 / bf16 panels, a merged adapter's
     # copy) keep fp32 activations; the engine refuses int8 when no projection would take it.
     activation_dtype: str = "float32"

@@ -39,6 +39,8 @@ LAYOUT_TESTS = [
 ]
 # AVX-512 without VNNI: the int8-activation GEMM's vpmaddwd form at 48 columns (the native build's vpdpbusd)
 NO_VNNI = ("-mno-avx512vnni", 48)
+# AVX2 without AVX-VNNI: its vpmaddwd form at 24 columns, where -mno-avx512f keeps AVX-VNNI's 256-bit vpdpbusd
+AVX2_NO_VNNI = ("-mno-avx512f -mno-avxvnni", 24)
 
 
 NARROWER_BUILDS = [
@@ -71,6 +73,12 @@ def test_the_layout_dependent_kernels_pass_under_a_narrower_build(cflags, column
                     "this machine's own")
 def test_the_int8_activation_gemm_passes_without_vnni():
     _passes_under(*NO_VNNI, [INT8_ACTIVATION_TESTS])
+
+
+@pytest.mark.skipif("AVX-VNNI" not in (build.build_instruction_sets(("-mno-avx512f",)) or ()),
+                    reason="the AVX2 build here has no AVX-VNNI: -mno-avx512f already runs its vpmaddwd form")
+def test_the_int8_activation_gemm_passes_in_an_avx2_build_without_avx_vnni():
+    _passes_under(*AVX2_NO_VNNI, [INT8_ACTIVATION_TESTS])
 
 
 def _passes_under(cflags: str, columns: int, tests: list[str]) -> None:

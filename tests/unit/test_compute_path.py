@@ -1,5 +1,5 @@
 """The compute path's int8-activation line names the dot product linear_act8.h compiles to for a build's
-instruction sets (its #if: AVX-512 needs BW, AVX2 needs FMA and F16C), or why int8 activations cannot run."""
+instruction sets (its #if: AVX-512 needs BW, AVX2 needs FMA and F16C; VNNI's vpdpbusd at either width), or why int8 activations cannot run."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ AVX2 = ("AVX2", "FMA", "F16C")
     ("c", ("AVX-512F", "AVX-512BW", "AVX-512VL", *AVX2), "AVX-512BW (vpmaddwd)"),
     ("c", ("AVX-512F", *AVX2), "portable loops"),  # AVX-512F without BW: linear_act8.h's plain loops
     ("c", AVX2, "AVX2 (vpmaddwd)"),
+    ("c", ("AVX-VNNI", *AVX2), "AVX-VNNI (vpdpbusd, 256-bit)"),
+    ("c", ("AVX-512F", "AVX-512BW", "AVX-VNNI", *AVX2), "AVX-512BW (vpmaddwd)"),  # AVX-VNNI is for 256-bit builds
     ("c", ("AVX2", "FMA"), "portable loops"),
     ("c", (), "portable loops"),
     ("torch", None, "not here (needs the C kernels)"),

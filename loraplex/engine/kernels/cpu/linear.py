@@ -2,7 +2,7 @@
 ones (linear_bf16.c) widened as they are loaded, or GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q5_K / Q6_K blocks
 (linear_q*.c, quant_blocks.h) dequantized in registers, with fp32 activations and sums; or, for blocks packed
 with act8 (EngineConfig.activation_dtype int8), over activations quantized to int8 per 32 k (linear_act8.h: exact
-integer sums, vpdpbusd with AVX-512 VNNI)."""
+integer sums, vpdpbusd with VNNI)."""
 
 from __future__ import annotations
 

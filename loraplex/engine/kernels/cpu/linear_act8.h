@@ -16,7 +16,7 @@
  *     t = d * (float)S + m * (float)A           (Q4_1: the products first, then their sum)
  *     t = d * (float)S - m * (float)A           (Q4_K, Q5_K)
  *     acc = acc + sa * t                        (acc from 0, sub-blocks in order of k)
- *   y[m, n] = acc (+ bias[n]). Every build (AVX-512 with VNNI's vpdpbusd, AVX-512BW or AVX2 by vpmaddwd
+ *   y[m, n] = acc (+ bias[n]). Every build (vpdpbusd with AVX-512 VNNI or AVX-VNNI, AVX-512BW or AVX2 by vpmaddwd
  *   on widened bytes, the portable loops) gives the same y bit for bit, and a row's y does not depend on the
  *   other rows of the batch. With a fold, the adapter's shrink reads x in fp32 and its expand is added to acc
  *   as linear.c's fold adds it (then the bias), so folded rows agree across builds to fp32 rounding only.
@@ -148,6 +148,8 @@ static inline float a8_group_t(float d, float m, int32_t S, int32_t A) {
 #endif
 #if defined(__AVX512F__) && defined(__AVX512VNNI__)
 #define a8_dot _mm512_dpbusd_epi32
+#elif !defined(__AVX512F__) && defined(__AVXVNNI__)
+#define a8_dot _mm256_dpbusd_avx_epi32 /* AVX-VNNI: the 256-bit VEX form (CPUs with AVX2 and no AVX-512) */
 #else
 static inline ivec_t a8_dot(ivec_t acc, ivec_t u, ivec_t s) {
     const ivec_t ue = A8_LOW8(u), uo = A8_SRL16(u, 8);                 /* unsigned even / odd bytes */
