@@ -1,5 +1,6 @@
 """The compute path's int8-activation line names the dot product linear_act8.h compiles to for a build's
-instruction sets (its #if: AVX-512 needs BW, AVX2 needs FMA and F16C; VNNI's vpdpbusd at either width), or why int8 activations cannot run."""
+instruction sets (its #if: AVX-512 needs BW, AVX2 needs FMA and F16C; VNNI's vpdpbusd at either width), or
+why int8 activations cannot run."""
 
 from __future__ import annotations
 
