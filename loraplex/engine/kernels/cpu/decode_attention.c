@@ -315,26 +315,51 @@ static void att_rows(const att_t *a, const int64_t *table, int64_t np, int64_t *
     for (; p % 16; p++) kp[p] = kp[0], vp[p] = vp[0];
 }
 
+/* Asks for bytes [off, off + bytes) of the K and V slots kp, vp [n] (the piece's kv heads' rows) in L1. */
+ALWAYS_INLINE void att_prefetch(const char *const *kp, const char *const *vp, int64_t n, int64_t off, int64_t bytes) {
+    for (int64_t p = 0; p < n; p++) {
+        for (int64_t i = 0; i < bytes; i += 64)
+            __builtin_prefetch(kp[p] + off + i, 0, 3), __builtin_prefetch(vp[p] + off + i, 0, 3);
+        __builtin_prefetch(kp[p] + off + bytes - 1, 0, 3), __builtin_prefetch(vp[p] + off + bytes - 1, 0, 3);
+    }
+}
+
 /* Query heads [h0, h0 + nh) (nh <= ATT_HEADS) of sequence b over its context [j0, j1), from
- * scratch: acc [nh, D], m, l [nh]. */
+ * scratch: acc [nh, D], m, l [nh].
+ * 16- and 8-bit rows: each chunk first asks for the next chunk's rows (of the piece's kv heads). A kv head's row
+ * is a slice of each slot's kv heads, so reading one kv head at a time skips through memory in a walk the
+ * hardware prefetcher does not follow, and a chunk waited on a miss per row (Zen 4, 2048 tokens of context:
+ * 16-bit rows 1.24-1.33x faster with it). fp32 rows stream well alone and were slower with it. */
 static void att_piece(const att_t *a, int64_t b, int64_t h0, int64_t nh, int64_t j0, int64_t j1, float *acc,
                       float *m, float *l) {
     const int64_t D = a->D, G = a->group, *table = a->tables + b * a->max_blocks;
     for (int64_t i = 0; i < nh * D; i++) acc[i] = 0.0f;
     for (int64_t r = 0; r < nh; r++) m[r] = -INFINITY, l[r] = 0.0f;
+    if (j0 >= j1) return;
     const float *q = a->q + b * a->q_stride + h0 * D;
-    const char *kp[ATT_CHUNK], *vp[ATT_CHUNK];
+    const char *rows[2][2][ATT_CHUNK]; /* [this chunk, the next][K, V] slots */
     float s[ATT_HEADS * ATT_CHUNK];
+    const int prefetch = a->kt != LP_KV_F32;
+    const int64_t pf_off = h0 / G * a->row_bytes, pf_bytes = ((h0 + nh - 1) / G + 1) * a->row_bytes - pf_off;
     int64_t blk = j0 / a->bs, o = j0 % a->bs; /* walk the blocks: no division per position */
-    for (int64_t j = j0, np; j < j1; j += np) {
-        np = j1 - j < ATT_CHUNK ? j1 - j : ATT_CHUNK;
-        att_rows(a, table, np, &blk, &o, kp, vp);
+    int64_t np = j1 - j0 < ATT_CHUNK ? j1 - j0 : ATT_CHUNK;
+    att_rows(a, table, np, &blk, &o, rows[0][0], rows[0][1]);
+    for (int64_t j = j0, c = 0;; c ^= 1) {
+        const char *const *kp = rows[c][0], *const *vp = rows[c][1];
+        const int64_t next = j1 - j - np < ATT_CHUNK ? j1 - j - np : ATT_CHUNK;
+        if (next > 0) {
+            att_rows(a, table, next, &blk, &o, rows[c ^ 1][0], rows[c ^ 1][1]);
+            if (prefetch) att_prefetch(rows[c ^ 1][0], rows[c ^ 1][1], next, pf_off, pf_bytes);
+        }
         for (int64_t h = h0, hn; h < h0 + nh; h += hn) { /* the heads of one kv head at a time */
             int64_t g = h / G, end = (g + 1) * G < h0 + nh ? (g + 1) * G : h0 + nh;
             hn = end - h;
             att_chunk(a, q + (h - h0) * D, hn, kp, vp, g * a->row_bytes, np, s, acc + (h - h0) * D, m + (h - h0),
                       l + (h - h0));
         }
+        j += np;
+        if (next <= 0) break;
+        np = next;
     }
 }
 
