@@ -163,8 +163,5 @@ def one_ray_cluster():
     and two clusters starve a small machine, so with pytest-xdist a test that starts one waits for the other's end
     (an exclusive lock on a file, held across processes)."""
     with open(Path(tempfile.gettempdir()) / "loraplex-tests-ray.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # (released when the file closes)
+        yield

@@ -29,6 +29,7 @@ CUDA_GRAPHS_HELP = ("decode steps over static bucket-padded buffers, on CUDA cap
                     "eagerly) or off")
 ASYNC_SCHEDULING_HELP = ("schedule the next step while the device runs the current one: auto (default: on with "
                          "CUDA, off on the CPU, where nothing overlaps), on or off")
+ACTIVATION_DTYPES = ("float32", "int8")  # EngineConfig's (engine.config imports torch, which `loraplex` need not)
 ACTIVATION_DTYPE_HELP = ("CPU GEMMs over GGUF blocks (a GGUF's own, or --weight-dtype int8/int4): float32 "
                          "(default, exact) or int8 (activations quantized per 32 features, integer dot products: "
                          "faster at larger batches, ~0.5%% output error); refused when no projection would take it")
@@ -68,7 +69,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
                                         "float16; 16-bit slots under a float32 model on the CPU halve what a step of "
                                         "many adapters reads, rounding each adapter's weights once")
     g.add_argument("--weight-dtype", help=WEIGHT_DTYPE_HELP)
-    g.add_argument("--activation-dtype", choices=("float32", "int8"), help=ACTIVATION_DTYPE_HELP)
+    g.add_argument("--activation-dtype", choices=ACTIVATION_DTYPES, help=ACTIVATION_DTYPE_HELP)
     g.add_argument("--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP)
     g.add_argument("--threads", type=int, help="CPU: threads for the model's kernels (default: torch's)")
     g.add_argument("--attention-backend", help=ATTENTION_BACKEND_HELP)

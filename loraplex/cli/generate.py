@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from loraplex.cli.engine_args import (
     ACTIVATION_DTYPE_HELP,
+    ACTIVATION_DTYPES,
     ATTENTION_BACKEND_HELP,
     CUDA_GRAPHS_HELP,
     KV_CACHE_DTYPE_HELP,
@@ -43,7 +44,7 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="auto", help="auto (default: bfloat16 on CUDA, float32 on the CPU), float32, "
                                                    "bfloat16 or float16")
     p.add_argument("--weight-dtype", default="auto", help=WEIGHT_DTYPE_HELP)
-    p.add_argument("--activation-dtype", default="float32", choices=("float32", "int8"), help=ACTIVATION_DTYPE_HELP)
+    p.add_argument("--activation-dtype", default="float32", choices=ACTIVATION_DTYPES, help=ACTIVATION_DTYPE_HELP)
     p.add_argument("--kv-cache-dtype", default="auto", help=KV_CACHE_DTYPE_HELP)
     p.add_argument("--attention-backend", default="auto", help=ATTENTION_BACKEND_HELP)
     p.add_argument("--cuda-graphs", default="auto", choices=("auto", "on", "off"), help=CUDA_GRAPHS_HELP)

@@ -105,7 +105,7 @@ def reference(x: torch.Tensor, w: BlockWeight) -> torch.Tensor:
 
 
 def a8_linear(x: torch.Tensor, w: BlockWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return packed_linear(x, pack_blocks(w, act8=True), bias)
+    return packed_linear(x, with_act8(pack_blocks(w)), bias)
 
 
 def activations(rows: int, k: int, seed: int) -> torch.Tensor:
@@ -265,7 +265,7 @@ def test_a_folded_adapter_adds_its_fp32_delta_to_the_int8_gemm(fmt):
     b = torch.randn(n, rank, generator=g) * 0.05
     keep = (torch.rand(33, generator=g) < 0.6).to(torch.uint8)
     keep[0], keep[-1] = 1, 0
-    got = linear.packed_linear_fold(x, pack_blocks(w, act8=True), fold_block(a, b, widths, rank), widths, rank, keep)
+    got = linear.packed_linear_fold(x, with_act8(pack_blocks(w)), fold_block(a, b, widths, rank), widths, rank, keep)
     plain = a8_linear(x, w)
     assert torch.equal(got[keep == 0], plain[keep == 0])
     delta = torch.cat([x @ a[s * rank:(s + 1) * rank].T @ b[off:off + wd].T

@@ -117,7 +117,7 @@ class CpuKernelOps(TorchOps):
         if isinstance(w, self.lin.PanelBlocks):  # (a model built again over weights another one packed)
             return self.lin.with_act8(w.packed, self.act8)
         if isinstance(w, BlockWeight):  # its blocks, as they are (linear.c's quantized builds)
-            return self.lin.pack_blocks(w, act8=self.act8)
+            return self.lin.with_act8(self.lin.pack_blocks(w), self.act8)
         return self.lin.pack(w, dtype=self.packed_dtype)  # linear.c's panel layout
 
     def resident_weights(self, weights, prepared):

@@ -129,9 +129,9 @@ def pack(w: torch.Tensor, keep_weight: bool = True, dtype: torch.dtype = torch.f
     return PackedWeight(data, w if keep_weight else None, n, k, PACKED_DTYPES[dtype])
 
 
-def pack_blocks(w: BlockWeight, act8: bool = False) -> PackedWeight:
-    """Packs GGUF blocks [out, in] once, at model load, into the panels of their format (quant_blocks.h), for
-    int8 activations with act8; ValueError naming the format when no kernel takes it."""
+def pack_blocks(w: BlockWeight) -> PackedWeight:
+    """Packs GGUF blocks [out, in] once, at model load, into the panels of their format (quant_blocks.h);
+    ValueError naming the format when no kernel takes it (with_act8: the same panels over int8 activations)."""
     if w.fmt not in BLOCK_KINDS:
         raise ValueError(f"no CPU kernel takes {w.fmt} blocks (these do: {', '.join(BLOCK_KINDS)})")
     fns = _fns()
@@ -141,7 +141,7 @@ def pack_blocks(w: BlockWeight, act8: bool = False) -> PackedWeight:
     data = torch.empty(fns[f"lp_packed_bytes_{w.fmt}"](n, k), dtype=torch.uint8)
     if fns[f"lp_pack_{w.fmt}"](blocks.data_ptr(), n, k, data.data_ptr()):
         raise ValueError(f"{w.fmt} weight [{n}, {k}]: in_features must be a multiple of {BLOCK_WEIGHTS[w.fmt]}")
-    return PackedWeight(data, None, n, k, w.fmt, act8)
+    return PackedWeight(data, None, n, k, w.fmt)
 
 
 def with_act8(w: PackedWeight, act8: bool = True) -> PackedWeight:
