@@ -21,12 +21,21 @@ Schemes per side (K or V), "kind[:sym|asym][:mode]":
       a query at position p reads the blocks before its own (index < p // block) quantized and its own block's
       rows (positions <= p) exact (pos16: rounded to fp16, as a side buffer held in fp16 would keep them), so
       attention does not depend on how a prompt was cut into chunks (a custom attention, _pos_attend)
+  smooth[:sym|asym][:int8|fp8][:alpha][:nomean]   static per-channel smoothing, then one scale per (token, kv
+      head): x' = (x - m) / s^alpha, with m and s each channel's mean and RMS (per layer and kv head) over a
+      calibration text that is not a bench prompt (CALIBRATION); rows hold x' quantized per token, and the
+      reader gets x'' s^alpha + m. In an engine m and s fold into the query (q.m shifts a row's scores by a
+      constant, which softmax ignores; q_c s_c multiplies back), so the cache layout stays per token.
+  group[:sym|asym]:G[:smooth]        per token, one scale (fp16) per G channels, after smoothing or not
+  chan[:sym|asym]:posq               as pos, but the open block held per token (int8, symmetric) and full blocks
+      made from those rows (no exact side buffer): the cheap variant of pos
 Asymmetric: q = round((x - min) / s) in [0, 255], s = (max - min) / 255, value = q * s + min (min kept as a float).
 
 Run: PYTHONPATH=. .venv/bin/python bench/experiments/kv_scales.py --schemes "token,token" "chan:sym:exact,token"
-(each argument "K,V"); prints one JSON line per scheme. --block-size: the engine's (and the scales') block;
---budget: the chunked-prefill budget of the schemes' engines; --selftest only checks that "seq" stores the same
-values whatever the chunking.
+(each argument "K,V"); prints one JSON line per scheme. Smoothing is calibrated on CALIBRATION with
+--calib-tokens generated tokens each (--oracle: on the bench prompts, a diagnosis). --block-size: the engine's
+(and the scales') block; --budget: the chunked-prefill budget of the schemes' engines; --selftest only checks
+that "seq" stores the same values whatever the chunking.
 """
 
 from __future__ import annotations
@@ -73,15 +82,31 @@ def _round(x: torch.Tensor, s: torch.Tensor, off: torch.Tensor, sym: bool) -> to
 class Side:
     """One scheme over one cache (K or V of one layer): the shadow rows attention reads."""
 
-    def __init__(self, spec: str, true: torch.Tensor):
+    def __init__(self, spec: str, true: torch.Tensor, calib: tuple[torch.Tensor, torch.Tensor] | None = None):
         parts = spec.split(":")
+        self.group = 0
+        if parts[0] == "group":  # group:sym|asym:G[:smooth]: per token, one scale per G channels
+            self.group = int(parts[2])
+            if len(parts) > 3:
+                mean, rms = calib
+                self.m, self.s = mean, rms.clamp_min(1e-6)
+            else:
+                self.m, self.s = 0.0, 1.0
+            parts = parts[:2]
+        if parts[0] == "smooth":  # smooth:sym:int8:alpha[:nomean]
+            self.elem = torch.float8_e4m3fn if len(parts) > 2 and parts[2] == "fp8" else torch.int8
+            alpha = float(parts[3]) if len(parts) > 3 else 1.0
+            mean, rms = calib  # [kv_heads, head_dim] each
+            self.m = torch.zeros_like(mean) if len(parts) > 4 and parts[4] == "nomean" else mean
+            self.s = rms.clamp_min(1e-6) ** alpha
+            parts = parts[:2]
         self.kind = parts[0]
         self.sym = (parts[1] if len(parts) > 1 else "sym") == "sym"
         self.mode = parts[2] if len(parts) > 2 else "exact"
         self.half = len(parts) > 3 and parts[3] == "h"  # block scales and offsets kept as fp16
         self.true = true  # [blocks, bs, kv_heads, head_dim] fp32, exact values
         self.shadow = torch.zeros_like(true)  # pos modes: the full blocks' quantized values ("far")
-        self.pos = self.mode in ("pos", "pos16")
+        self.pos = self.mode in ("pos", "pos16", "posq")
         # what a query reads of its own block: the exact values (pos), fp16 (pos16), else the shadow itself
         self.near = (true if self.mode == "pos" else torch.zeros_like(true)) if self.pos else self.shadow
         if self.kind == "chan" and self.mode in ("inc", "seq"):
@@ -95,8 +120,30 @@ class Side:
         if self.pos:
             if self.mode == "pos16":
                 self.near.view(-1, *self.true.shape[2:])[slots] = flat_t[slots].half().float()
+            if self.mode == "posq":  # the open block held per token (int8, symmetric), full blocks made from it
+                self.near.view(-1, *self.true.shape[2:])[slots] = dequantize(quantize(flat_t[slots], torch.int8),
+                                                                            hd, torch.float32)
+            src = self.near if self.mode == "posq" else self.true
             for b in (slots[slots % bs == bs - 1] // bs).unique().tolist():  # blocks this write fills
-                self.shadow[b] = self._whole(self.true[b])
+                self.shadow[b] = self._whole(src[b])
+            return
+        if self.kind == "group":
+            x = (flat_t[slots] - self.m) / self.s
+            g = x.unflatten(-1, (-1, self.group))  # [t, kv, groups, G]
+            if self.sym:
+                sc = g.abs().amax(-1, keepdim=True).half().float() / 127
+                g = (g / torch.where(sc > 0, sc, 1.0)).round().clamp(-127, 127) * sc
+            else:
+                g = _round(g, *_grid(g.amin(-1, keepdim=True), g.amax(-1, keepdim=True), False, True), False)
+            flat_s[slots] = g.flatten(-2) * self.s + self.m
+            return
+        if self.kind == "smooth":
+            x = (flat_t[slots] - self.m) / self.s
+            if self.sym:
+                x = dequantize(quantize(x, self.elem), hd, torch.float32)
+            else:
+                x = _round(x, *_grid(x.amin(-1, keepdim=True), x.amax(-1, keepdim=True), False), False)
+            flat_s[slots] = x * self.s + self.m
             return
         if self.kind in ("none", "fp16", "bf16", "token"):
             x = flat_t[slots]
@@ -216,18 +263,67 @@ def _selftest_pos(true: torch.Tensor) -> None:
         print(f"selftest {spec}: 3 chunkings store identical values; attention matches a direct loop ({err:.1e})")
 
 
+CALIBRATION = [  # written for this experiment: mixed registers, none of them an essay request
+    "def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0) if a[0] < b[0] else b.pop(0))"
+    "\n    return out + a + b\n\nExplain what this function does and fix its complexity.",
+    "A train leaves at 3:15 pm and travels 240 km at 80 km/h. It stops for 20 minutes. When does it arrive? "
+    "Show each step, then give the answer as HH:MM.",
+    "Translate into French: The meeting moved to Thursday because half the team is travelling, and the "
+    "budget review needs everyone in the room.",
+    "List five uses of vinegar around the house, one line each, no more than ten words per line.",
+    "Hi! I just adopted a kitten and she keeps biting my hands when we play. Is that normal? What should I do?",
+    "Summarize the causes of the French Revolution in three bullet points for a high-school student.",
+]
+
+
+class Collect(TorchSdpaBackend):
+    """The exact K rows each layer writes (keyed by its cache), for calibration."""
+
+    name = "torch_sdpa"
+
+    def __init__(self):
+        self.ks: dict[int, list[torch.Tensor]] = {}
+        self.vs: dict[int, list[torch.Tensor]] = {}
+
+    def forward(self, q, k, v, k_cache, v_cache, meta):
+        self.ks.setdefault(k_cache.data_ptr(), []).append(k.detach().clone())
+        self.vs.setdefault(k_cache.data_ptr(), []).append(v.detach().clone())
+        return super().forward(q, k, v, k_cache, v_cache, meta)
+
+
+def calibrate(loaded, threads: int, new_tokens: int, texts: list[str] = CALIBRATION
+              ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer (in call order): each K channel's mean and RMS about it [kv_heads, head_dim] over CALIBRATION
+    and the model's greedy replies to it."""
+    core = make_core(loaded, "torch_sdpa", "float32", len(texts), threads)
+    core.runner.model.attention = col = Collect()
+    generate(core, texts, new_tokens)
+    out = []
+    for key, rows in col.ks.items():
+        stats = []
+        for x in (torch.cat(rows), torch.cat(col.vs[key])):  # [tokens, kv_heads, head_dim]
+            mean = x.mean(0)
+            stats.append((mean, (x - mean).pow(2).mean(0).sqrt()))
+        out.append(tuple(stats))
+    print(f"calibrated on {sum(len(r) for r in next(iter(col.ks.values())))} steps' rows: "
+          f"{torch.cat(next(iter(col.ks.values()))).shape[0]} tokens", flush=True)
+    return out
+
+
 class FakeQuantBackend(TorchSdpaBackend):
     name = "torch_sdpa"
 
-    def __init__(self, k_spec: str, v_spec: str):
+    def __init__(self, k_spec: str, v_spec: str, calib: list | None = None):
         self.specs = (k_spec, v_spec)
         self.sides: dict[int, tuple[Side, Side]] = {}
+        self.calib = calib
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
         write_kv(k, v, k_cache, v_cache, meta.slot_mapping)  # the exact values
         key = k_cache.data_ptr()
         if key not in self.sides:
-            self.sides[key] = (Side(self.specs[0], k_cache), Side(self.specs[1], v_cache))
+            ck, cv = self.calib[len(self.sides)] if self.calib else (None, None)
+            self.sides[key] = (Side(self.specs[0], k_cache, ck), Side(self.specs[1], v_cache, cv))
         ks, vs = self.sides[key]
         ks.update(meta.slot_mapping)
         vs.update(meta.slot_mapping)
@@ -310,6 +406,10 @@ def main() -> None:
     ap.add_argument("--block-size", type=int, default=16, help="the engine's KV block (and the scales' block)")
     ap.add_argument("--budget", type=int, default=2048, help="the schemes' max_num_batched_tokens (chunked "
                     "prefill's budget; the reference keeps 2048)")
+    ap.add_argument("--calib-tokens", type=int, default=64, help="greedy tokens generated after each "
+                    "calibration text (their K rows count too)")
+    ap.add_argument("--oracle", action="store_true", help="calibrate smoothing on the bench prompts themselves "
+                    "(a diagnosis: what a perfect calibration would give)")
     ap.add_argument("--selftest", action="store_true", help='only check "seq" against chunking, then exit')
     args = ap.parse_args()
     if args.selftest:
@@ -328,6 +428,9 @@ def main() -> None:
     ids = [ref_core.prepare(GenerateRequest(f"ids-{i}", MODEL, prompt=prompts[int(i)])).prompt_ids for i in ref]
     del ref_core
     dump = {"ref": ref}
+    calib = None
+    if any("smooth" in x for x in args.schemes):
+        calib = calibrate(loaded, args.threads, args.calib_tokens, prompts if args.oracle else CALIBRATION)
     for scheme in args.schemes:
         t0 = time.perf_counter()
         if scheme.startswith("engine:"):
@@ -336,7 +439,7 @@ def main() -> None:
         else:
             core = make_core(loaded, "torch_sdpa", "float32", args.prompts, args.threads, args.block_size,
                              args.budget)
-            core.runner.model.attention = FakeQuantBackend(*scheme.split(","))
+            core.runner.model.attention = FakeQuantBackend(*scheme.split(","), calib=calib)
         out = generate(core, prompts, args.new_tokens)
         gen_s = time.perf_counter() - t0
         pp = per_prompt(out, ref)

@@ -20,7 +20,8 @@ _CONFIG_OPTIONS = {"device": "device", "dtype": "dtype", "max_model_len": "max_m
                    "speculative_tokens": "speculative_tokens", "max_loras": "max_loras",
                    "max_cpu_loras": "max_cpu_loras", "max_lora_rank": "max_lora_rank", "lora_dtype": "lora_dtype",
                    "weight_dtype": "weight_dtype", "activation_dtype": "activation_dtype",
-                   "kv_cache_dtype": "kv_cache_dtype", "threads": "num_threads",
+                   "kv_cache_dtype": "kv_cache_dtype", "kv_cache_smoothing": "kv_cache_smoothing",
+                   "threads": "num_threads",
                    "attention_backend": "attention_backend", "gpu_memory_utilization": "gpu_memory_utilization",
                    "cuda_graphs": "cuda_graphs", "async_scheduling": "async_scheduling"}
 ENGINE_OPTIONS = ("model", "memory_budget_mb", "kv_cache_mb", *_CONFIG_OPTIONS)
@@ -36,6 +37,8 @@ ACTIVATION_DTYPE_HELP = ("CPU GEMMs over GGUF blocks (a GGUF's own, or --weight-
 KV_CACHE_DTYPE_HELP = ("the KV cache's element type: auto (default: the model's dtype), float32, bfloat16, float16, "
                        "int8 or fp8; the 8-bit ones keep a scale per token and kv head, fit ~4x the blocks of fp32 "
                        "in the same memory and are dequantized as attention reads them")
+KV_CACHE_SMOOTHING_HELP = ("int8 KV cache: on (default) centres and scales K per channel before rounding it, from "
+                           "a calibration prefill at start (more greedy tokens kept, same bytes), or off")
 ATTENTION_BACKEND_HELP = ("attention kernels: auto (default: triton_paged on CUDA, cpu_c on the CPU with the C "
                           "kernels, else torch_sdpa), torch_sdpa, cpu_c or triton_paged")
 
@@ -71,6 +74,7 @@ def add_engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--weight-dtype", help=WEIGHT_DTYPE_HELP)
     g.add_argument("--activation-dtype", choices=ACTIVATION_DTYPES, help=ACTIVATION_DTYPE_HELP)
     g.add_argument("--kv-cache-dtype", help=KV_CACHE_DTYPE_HELP)
+    g.add_argument("--kv-cache-smoothing", choices=("on", "off"), help=KV_CACHE_SMOOTHING_HELP)
     g.add_argument("--threads", type=int, help="CPU: threads for the model's kernels (default: torch's)")
     g.add_argument("--attention-backend", help=ATTENTION_BACKEND_HELP)
     g.add_argument("--cuda-graphs", choices=("auto", "on", "off"), help=CUDA_GRAPHS_HELP)

@@ -98,6 +98,9 @@ class EngineConfig:
     # (absmax / 127, absmax / 448), about a quarter of an fp32 cache: more blocks in the same memory and a
     # quarter of what a decode step reads of it. Attention dequantizes as it reads, in fp32.
     kv_cache_dtype: str = "auto"
+    # 8-bit KV caches: "on" centres and scales K per channel before quantizing it, from statistics of a
+    # calibration prefill at start (kv/smoothing.py); "off": rows as they come
+    kv_cache_smoothing: str = "on"
     # CPU fused decode steps: once one adapter has held every token of this many decode steps in a row,
     # it is merged into a copy of the projection weights and such steps run without LoRA work
     # (lora/merged.py; one copy, about the size of the projections). 0: never.
@@ -132,6 +135,8 @@ class EngineConfig:
         if self.kv_cache_dtype != "auto" and self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"engine config: kv_cache_dtype must be auto or one of {', '.join(KV_CACHE_DTYPES)}, "
                              f"got {self.kv_cache_dtype!r}")
+        if self.kv_cache_smoothing not in ("on", "off"):
+            raise ValueError(f"engine config: kv_cache_smoothing must be on or off, got {self.kv_cache_smoothing!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"engine config: attention_backend must be one of {', '.join(ATTENTION_BACKENDS)}, "
                              f"got {self.attention_backend!r}")

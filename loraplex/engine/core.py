@@ -38,6 +38,7 @@ from loraplex.engine.config import EngineConfig
 from loraplex.engine.detokenizer import IncrementalDetokenizer
 from loraplex.engine.frontend import RequestFrontend, max_model_len
 from loraplex.engine.guided.masks import start_masks
+from loraplex.engine.kv import smoothing
 from loraplex.engine.kv.block_pool import BlockPool
 from loraplex.engine.kv.manager import KVManager
 from loraplex.engine.lora.merged import MergedAdapter
@@ -111,6 +112,9 @@ class EngineCore:
                                       config.kv_torch_dtype)
         model = build_model(loaded, wdtype, attention, act8=config.activation_dtype == "int8")
         _check_act8(config, model)
+        if config.kv_torch_dtype == torch.int8 and config.kv_cache_smoothing == "on":
+            model.kv_smoothing = smoothing.calibrate(model, smoothing.calibration_prompts(loaded.tokenizer),
+                                                     config.block_size)
         if model.w is not loaded.weights:  # (blocks became their panels: keep those, not a second copy)
             self.loaded = loaded = dataclasses.replace(loaded, weights=model.w)
         self.weight_bytes = model.resident_bytes()  # (what stats() reports)

@@ -11,6 +11,8 @@
     its scales, and prefix-cache hits share them, with nothing beside the cache to keep in step;
   - one token's outlier spoils only its own row, and 4 bytes per 64 values (head_dim 64) keep the cache at 68/256
     of fp32's bytes.
+- int8 caches hold K centred and scaled per channel (kv/smoothing.py, unless kv_cache_smoothing is off): the rows
+  are this module's all the same.
 - Readers: the C kernels (kernels/cpu/decode_attention.c, kv_types.h) and the Triton kernels
   (kernels/paged_attention.py). The fused CPU decode step writes it with lp_kv_store, which rounds exactly as
   `quantize` does (its cache equals the per-op path's, byte for byte).

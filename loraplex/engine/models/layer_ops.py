@@ -151,22 +151,24 @@ class CpuKernelOps(TorchOps):
             *lora_args, merged = kernel_args
             if merged is not None:  # every token on one merged adapter: its weights, no LoRA work
                 layers = merged
-        key = (id(kv_caches), id(layers))
+        smoothing = model.kv_smoothing
+        key = (id(kv_caches), id(layers), id(smoothing))
         entry = self._step_models.get(key)
-        if entry is None or entry[0] is not kv_caches or entry[1] is not layers:
+        if entry is None or entry[0] is not kv_caches or entry[1] is not layers or entry[2] is not smoothing:
             if len(self._step_models) >= 4:  # runners come and go with model residency, merged copies with adapters
                 self._step_models.clear()
-            entry = (kv_caches, layers, self._step_model(model, kv_caches, layers))
+            entry = (kv_caches, layers, smoothing, self._step_model(model, kv_caches, layers))
             self._step_models[key] = entry
         h = embed_rows(model.w["embed"], input_ids, model.dtype)  # [tokens, hidden]
-        return entry[2].run(h, positions, attn.slot_mapping, attn.decode_blocks, attn.decode_lens, logits_indices,
+        return entry[3].run(h, positions, attn.slot_mapping, attn.decode_blocks, attn.decode_lens, logits_indices,
                             *lora_args)
 
     def _step_model(self, model, kv_caches, weights):
         """The model table of `weights` (LayerWeights per layer: the model's or a merged copy) over
-        kv_caches [(k, v) per layer]."""
-        cfg = model.config
-        layers = [self.step.StepLayer(w, k, v) for w, (k, v) in zip(weights, kv_caches, strict=True)]
+        kv_caches [(k, v) per layer], with the model's K smoothing if it has one."""
+        cfg, sm = model.config, model.kv_smoothing
+        layers = [self.step.StepLayer(w, k, v, None if sm is None else sm.layer_table(i))
+                  for i, (w, (k, v)) in enumerate(zip(weights, kv_caches, strict=True))]
         return self.step.DecodeStepModel(
             hidden=cfg.hidden_size, heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
             intermediate=cfg.intermediate_size, eps=cfg.rms_norm_eps, rope_cos=self.rope_cos, rope_sin=self.rope_sin,

@@ -32,6 +32,7 @@ import torch
 from loraplex.engine.attention.base import AttentionBackend
 from loraplex.engine.attention.registry import attention_backend
 from loraplex.engine.kv.kv_dtype import row_width
+from loraplex.engine.kv.smoothing import KvSmoothing
 from loraplex.engine.models.layer_ops import embed_rows, ops_for
 from loraplex.engine.quant import BlockWeight
 
@@ -179,6 +180,9 @@ class LlamaModel:
         if isinstance(attention, str):
             attention = attention_backend(attention, self.device, self.dtype, config.head_dim)
         self.attention = attention  # every layer's attention over the paged cache (engine/attention)
+        # 8-bit KV caches: K centred and scaled per channel, queries scaled to match (kv/smoothing.py); set by the
+        # engine before the first step
+        self.kv_smoothing: KvSmoothing | None = None
         self.ops = ops_for(self.rope_cos, self.rope_sin, packed_dtype, fused_decode=family.fused_cpu_decode,
                            act8=act8)
         self.lm_head_w = self.ops.prepare(lm_head)
@@ -248,6 +252,8 @@ class LlamaModel:
             if lora is not None:
                 lora.apply(li, "qkv", x, qkv)
             q, k = ops.rope_qk(qkv, rope, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+            if self.kv_smoothing is not None:
+                self.kv_smoothing.apply(li, q, k)
             v = qkv[:, qk_size:].view(n_tok, cfg.num_kv_heads, cfg.head_dim)
             k_cache, v_cache = kv_caches[li]
             attn_out = attention.forward(q, k, v, k_cache, v_cache, attn)  # [tokens, q_size]

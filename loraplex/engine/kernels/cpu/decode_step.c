@@ -6,6 +6,7 @@
  *     h += delta; x = rms_norm(h) * in_norm                       lp_add_rms_norm_f32
  *     qkv = x @ Wqkv^T (+ bias) (+ LoRA qkv)                      lp_linear_packed_side_f32, lp_lora_f32_packed
  *     rotate q and k heads of qkv at positions[b]                 lp_rope_f32
+ *     with the layer's K smoothing (8-bit caches): q *= s, k = (k - m) * (1 / s)   smooth_qk
  *     k_cache[slot[b]] = k, v_cache[slot[b]] = v                  lp_kv_store (rows of M_KV_TYPE)
  *     a = decode attention of q over each sequence's context      lp_decode_attention_f32
  *     o = a @ Wo^T (+ LoRA o); h += o; x = rms_norm(h) * post_norm
@@ -43,7 +44,7 @@
 /* Model table: MODEL_FIELDS header fields, then LAYER_FIELDS per layer. */
 enum { M_LAYERS, M_HIDDEN, M_HEADS, M_KV_HEADS, M_HEAD_DIM, M_INTER, M_VOCAB, M_BLOCK_SIZE, M_CACHE_SLOTS,
        M_EPS_BITS, M_ROPE_COS, M_ROPE_SIN, M_MAX_POS, M_NORM, M_LM_HEAD, M_WTYPE, M_KV_TYPE, MODEL_FIELDS };
-enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE,
+enum { L_IN_NORM, L_QKV, L_QKV_BIAS, L_O, L_POST_NORM, L_GATE_UP, L_DOWN, L_K_CACHE, L_V_CACHE, L_KV_SMOOTH,
        L_WTYPE, /* the projections' element types, in MOD_* order (4 fields) */
        LAYER_FIELDS = L_WTYPE + 4 };
 /* The LoRA table's layout is in kernels.h (LP_R_*). */
@@ -71,6 +72,17 @@ static int64_t model_floats(const int64_t *model, int64_t B) {
     int64_t qkv_out = (model[M_HEADS] + 2 * model[M_KV_HEADS]) * D;
     /* x, qkv, attention out, gate_up, act, delta; rounded to whole 64-byte lines */
     return (B * (H + qkv_out + model[M_HEADS] * D + 2 * I + I + H) + 15) / 16 * 16;
+}
+
+/* K smoothing (kv/smoothing.py's apply, the same fp32 operations in the same order): sm holds q's scale
+ * [q_size], then K's mean and inverse scale [kv_size] each; qkv rows [B, qkv_out], q then k at the start. */
+static void smooth_qk(float *qkv, int64_t B, int64_t qkv_out, int64_t q_size, int64_t kv_size, const float *sm) {
+    const float *km = sm + q_size, *kinv = km + kv_size;
+    for (int64_t b = 0; b < B; b++) {
+        float *q = qkv + b * qkv_out, *k = q + q_size;
+        for (int64_t i = 0; i < q_size; i++) q[i] *= sm[i];
+        for (int64_t i = 0; i < kv_size; i++) k[i] = (k[i] - km[i]) * kinv[i];
+    }
 }
 
 /* Side spans a step may ask for: up to LORA_WIDTHS + 1 per adapter (a step has at most B), and one
@@ -316,6 +328,7 @@ int lp_decode_step_f32(const int64_t *model, const int64_t *step) {
                        PTR(const float *, w[L_QKV_BIAS]), qkv)))
             return rc;
         lp_rope_f32(qkv, B, qkv_out, nh + kvh, D, pos, cos_t, sin_t);
+        if (w[L_KV_SMOOTH]) smooth_qk(qkv, B, qkv_out, q_size, kv_size, PTR(const float *, w[L_KV_SMOOTH]));
         char *k_cache = PTR(char *, w[L_K_CACHE]), *v_cache = PTR(char *, w[L_V_CACHE]);
         for (int64_t b = 0; b < B; b++) { /* k, v: [slots, kv_heads] rows of M_KV_TYPE, slot_bytes a slot */
             lp_kv_store(k_cache + slot[b] * slot_bytes, qkv + b * qkv_out + q_size, kvh, D, kv_type);

@@ -23,8 +23,8 @@ from loraplex.engine.kv.kv_dtype import KV_CODES, row_width
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 LORA_MODULES = ("qkv", "o", "gate_up", "down")  # decode_step.c's order
 # A layer's weights in the model table, by name (models/llama.py's LayerWeights fields), in decode_step.c's
-# order (L_IN_NORM .. L_DOWN); its K and V cache follow (L_K_CACHE, L_V_CACHE), then the projections' element
-# types (L_WTYPE, in LORA_MODULES order).
+# order (L_IN_NORM .. L_DOWN); its K and V cache follow (L_K_CACHE, L_V_CACHE), its K smoothing (L_KV_SMOOTH), then
+# the projections' element types (L_WTYPE, in LORA_MODULES order).
 LAYER_WEIGHTS = ("input_norm", "qkv", "qkv_bias", "o", "post_norm", "gate_up", "down")
 _LORA_WIDTHS = 4
 _STEP = struct.Struct("20q")
@@ -58,25 +58,28 @@ def _double_bits(v: float) -> int:
 
 class StepLayer(NamedTuple):
     """One layer of the model table: its weights (any object with the LAYER_WEIGHTS fields: a
-    LayerWeights) and its K and V cache, each [blocks, block_size, kv_heads, row width] (kv/kv_dtype.py)."""
+    LayerWeights), its K and V cache, each [blocks, block_size, kv_heads, row width] (kv/kv_dtype.py), and
+    its K smoothing or None (kv/smoothing.py's layer_table: fp32 [heads * head_dim + 2 * kv_heads * head_dim])."""
 
     weights: Any
     k_cache: torch.Tensor
     v_cache: torch.Tensor
+    kv_smoothing: torch.Tensor | None = None
 
     def pointers(self) -> list[int]:
-        """The layer's entries of the model table, in decode_step.c's order (0 for an absent bias)."""
+        """The layer's entries of the model table, in decode_step.c's order (0 for an absent bias or
+        smoothing)."""
         weights = [_ptr(getattr(self.weights, name)) for name in LAYER_WEIGHTS]
         kinds = [getattr(self.weights, name).code for name in LORA_MODULES]
-        return weights + [_ptr(self.k_cache), _ptr(self.v_cache)] + kinds
+        return weights + [_ptr(self.k_cache), _ptr(self.v_cache), _ptr(self.kv_smoothing)] + kinds
 
 
 class DecodeStepModel:
     """The model table: dimensions, then per layer (StepLayer.pointers) input norm, qkv, qkv bias or
-    None, o, post norm, gate_up, down, K cache, V cache, the projections' kinds. Projections and the LM
-    head are PackedWeights, each of its own kind (fp32, bf16 or GGUF blocks); caches [blocks, block_size,
-    kv_heads, row width] contiguous, all of one kv/kv_dtype.py type (the table's last header field, M_KV_TYPE:
-    the step writes and reads that type); rope tables [max_pos, head_dim]."""
+    None, o, post norm, gate_up, down, K cache, V cache, K smoothing or None, the projections' kinds.
+    Projections and the LM head are PackedWeights, each of its own kind (fp32, bf16 or GGUF blocks); caches
+    [blocks, block_size, kv_heads, row width] contiguous, all of one kv/kv_dtype.py type (the table's last header
+    field, M_KV_TYPE: the step writes and reads that type); rope tables [max_pos, head_dim]."""
 
     def __init__(self, *, hidden: int, heads: int, kv_heads: int, head_dim: int, intermediate: int, eps: float,
                  rope_cos: torch.Tensor, rope_sin: torch.Tensor, norm: torch.Tensor, lm_head: PackedWeight,
@@ -107,6 +110,11 @@ class DecodeStepModel:
                     require(name, t, 1)
                     if t.shape[0] != width:
                         raise ValueError(f"{name} has {t.shape[0]} entries, expected {width}")
+            if layer.kv_smoothing is not None:
+                require("kv_smoothing", layer.kv_smoothing, 1, torch.float32)
+                if layer.kv_smoothing.shape[0] != (heads + 2 * kv_heads) * head_dim:
+                    raise ValueError(f"kv_smoothing has {layer.kv_smoothing.shape[0]} entries, expected "
+                                     f"{(heads + 2 * kv_heads) * head_dim}")
             for name, t in (("k_cache", layer.k_cache), ("v_cache", layer.v_cache)):
                 require(name, t, 4, kv_dtype)
                 if tuple(t.shape) != cache_shape or t.shape[2:] != (kv_heads, row_width(head_dim, kv_dtype)):
