@@ -57,6 +57,7 @@ from loraplex.engine.attention.torch_sdpa import TorchSdpaBackend
 from loraplex.engine.config import EngineConfig
 from loraplex.engine.core import EngineCore
 from loraplex.engine.kv.kv_dtype import dequantize, quantize
+from loraplex.engine.kv.smoothing import CALIBRATION
 from loraplex.engine.models.loader import load_model, resolve_model
 
 MODEL = "smollm2-135m"
@@ -263,17 +264,6 @@ def _selftest_pos(true: torch.Tensor) -> None:
         print(f"selftest {spec}: 3 chunkings store identical values; attention matches a direct loop ({err:.1e})")
 
 
-CALIBRATION = [  # written for this experiment: mixed registers, none of them an essay request
-    "def merge(a, b):\n    out = []\n    while a and b:\n        out.append(a.pop(0) if a[0] < b[0] else b.pop(0))"
-    "\n    return out + a + b\n\nExplain what this function does and fix its complexity.",
-    "A train leaves at 3:15 pm and travels 240 km at 80 km/h. It stops for 20 minutes. When does it arrive? "
-    "Show each step, then give the answer as HH:MM.",
-    "Translate into French: The meeting moved to Thursday because half the team is travelling, and the "
-    "budget review needs everyone in the room.",
-    "List five uses of vinegar around the house, one line each, no more than ten words per line.",
-    "Hi! I just adopted a kitten and she keeps biting my hands when we play. Is that normal? What should I do?",
-    "Summarize the causes of the French Revolution in three bullet points for a high-school student.",
-]
 
 
 class Collect(TorchSdpaBackend):
@@ -291,13 +281,13 @@ class Collect(TorchSdpaBackend):
         return super().forward(q, k, v, k_cache, v_cache, meta)
 
 
-def calibrate(loaded, threads: int, new_tokens: int, texts: list[str] = CALIBRATION
+def calibrate(loaded, threads: int, new_tokens: int, texts=CALIBRATION
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (in call order): each K channel's mean and RMS about it [kv_heads, head_dim] over CALIBRATION
     and the model's greedy replies to it."""
     core = make_core(loaded, "torch_sdpa", "float32", len(texts), threads)
     core.runner.model.attention = col = Collect()
-    generate(core, texts, new_tokens)
+    generate(core, list(texts), new_tokens)
     out = []
     for key, rows in col.ks.items():
         stats = []
