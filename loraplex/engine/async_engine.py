@@ -95,10 +95,14 @@ class AsyncEngine:
 
     def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateEvent]:
         """Streams the request's events; validates (and, unless it comes from prepare(), tokenizes) on
-        the caller's thread first, raising EngineError before anything is queued."""
+        the caller's thread first, raising EngineError before anything is queued.
+
+        A tokenized request (from prepare(), or given as token ids) does not compile its JSON schema here, on
+        the caller's event loop, where a compile would hold every other request on it: prepare() compiled
+        it, and if other schemas have since pushed it out of the cache, EngineUnavailableError (503: retry)."""
         if self._stopping:
             raise RuntimeError("engine is shut down")
-        entry, prepared = self.pool.prepare(request)
+        entry, prepared = self.pool.prepare(request, compile_schema=request.prompt_token_ids is None)
         rid = request.request_id
         if rid in self._streams:
             raise InvalidRequestError(f"request id {rid!r} is already in flight", "request_id")

@@ -139,20 +139,22 @@ class RequestFrontend:
         first request with a schema does not pay for it on the caller's thread."""
         return guide_tokenizer(self.tokenizer, self.vocab_size)
 
-    def guide(self, schema_text: str) -> Guide:
+    def guide(self, schema_text: str, compile: bool = True) -> Guide:
         """A request's guide for its JSON schema, compiled here (cached: preparing the same schema again
         costs a copy); InvalidRequestError names what the schema does wrong or which limit it broke,
-        EngineUnavailableError (503) that no compiler was free within the limit."""
+        EngineUnavailableError (503) that no compiler was free within the limit, or, with compile False,
+        that the compiled schema is not cached."""
         try:
-            matcher = self.grammars.matcher(schema_text)
+            matcher = self.grammars.matcher(schema_text, compile)
         except SchemaError as e:
             raise InvalidRequestError(f"invalid JSON schema: {e}", "response_format") from None
         except CompileBusy as e:
             raise EngineUnavailableError(str(e)) from None
         return Guide(self.guide_vocabulary(), matcher, self.guide_limits.mask_timeout_s)
 
-    def prepare(self, req: GenerateRequest) -> Request:
-        """Validates and tokenizes; raises EngineError (nothing is queued)."""
+    def prepare(self, req: GenerateRequest, compile_schema: bool = True) -> Request:
+        """Validates and tokenizes; raises EngineError (nothing is queued). compile_schema False: a schema is
+        only taken from the compiled-grammar cache (a 503 if it left it), for a caller on an event loop."""
         ids = self.tokenize(req)
         limit = self.max_model_len
         sp = req.sampling
@@ -172,7 +174,7 @@ class RequestFrontend:
             raise InvalidRequestError(
                 f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{self.vocab_size - 1})", "logit_bias")
         stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.tokenizer.eos_token_ids)
-        guide = self.guide(sp.json_schema) if sp.json_schema is not None else None
+        guide = self.guide(sp.json_schema, compile_schema) if sp.json_schema is not None else None
         return Request(
             request_id=req.request_id, prompt_ids=ids, sampling=sp,
             max_tokens=min(limit, self.kv_capacity) - len(ids) if sp.max_tokens is None else sp.max_tokens,

@@ -248,9 +248,9 @@ class ModelPool:
 
     # --- requests ------------------------------------------------------------------------------
 
-    def prepare(self, req) -> tuple[ModelEntry, Request]:
+    def prepare(self, req, compile_schema: bool = True) -> tuple[ModelEntry, Request]:
         entry = self.entry(req.model)
-        return entry, entry.frontend.prepare(req)
+        return entry, entry.frontend.prepare(req, compile_schema)
 
     def submit(self, entry: ModelEntry, req: Request) -> None:
         entry.last_used = time.monotonic()

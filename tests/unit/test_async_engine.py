@@ -215,3 +215,36 @@ def test_a_fault_in_the_forward_pass_ends_every_request_and_the_engine_goes_on(e
         assert last.usage.prompt_tokens == 4
     assert after[-1].finish_reason == "length" and after[-1].usage.completion_tokens == 5
     assert engine.stats().kv.blocks_used == 0
+
+
+def test_a_prepared_schema_is_never_compiled_on_the_event_loop(engine, monkeypatch):
+    """prepare() compiles a request's schema on its own threads; if other schemas push the compiled grammar out
+    of the cache before generate(), generate() answers 503 (retry) instead of compiling on the caller's loop,
+    where the compile would hold every other request on it."""
+    from loraplex.engine.api import EngineUnavailableError
+    from loraplex.engine.guided.grammar import GrammarCache
+
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}}'
+    req = GenerateRequest("s", MODEL, prompt_token_ids=(1, 2, 3),
+                          sampling=SamplingParams(max_tokens=4, temperature=0.0, json_schema=schema))
+    loop_compiles = []
+    compile_ = GrammarCache._compile
+
+    def watched(self, text):
+        loop_compiles.append(threading.current_thread().name)
+        return compile_(self, text)
+
+    monkeypatch.setattr(GrammarCache, "_compile", watched)
+
+    async def go():
+        prepared = await engine.prepare(req)
+        assert loop_compiles and loop_compiles[0].startswith("loraplex-prepare")  # compiled off the loop
+        ok = [e async for e in engine.generate(prepared)]  # still cached: served without a second compile
+        assert ok[-1].finished and len(loop_compiles) == 1
+        engine.pool.entry(MODEL).frontend.grammars._entries.clear()  # other schemas took its place
+        with pytest.raises(EngineUnavailableError, match="left the cache"):
+            engine.generate(dataclasses.replace(prepared, request_id="s2"))
+        assert len(loop_compiles) == 1  # nothing compiled on the loop
+        await _wait_idle(engine)
+
+    asyncio.run(go())

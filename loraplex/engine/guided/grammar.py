@@ -195,9 +195,10 @@ class GrammarCache:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def matcher(self, text: str) -> llguidance.LLMatcher:
+    def matcher(self, text: str, compile: bool = True) -> llguidance.LLMatcher:
         """A fresh matcher at the start of `text`'s schema; SchemaError says why it cannot be, CompileBusy that
-        it could not be compiled now."""
+        it could not be compiled now (or, with compile False, that it is not cached: the caller must not
+        compile, and the request may try again)."""
         if len(text) > self.limits.schema_bytes:  # before any work on it (characters <= bytes)
             raise SchemaError(f"the schema has {len(text)} characters; the limit is {self.limits.schema_bytes} bytes")
         with self._lock:
@@ -210,6 +211,9 @@ class GrammarCache:
             hit = self._result(hit)
             self._remember(text, hit)
         elif hit is None:
+            if not compile:
+                raise CompileBusy("the schema's compiled grammar left the cache (other schemas took its place) "
+                                  "before the request was queued; try again")
             try:
                 hit = self._compile(text)
             except SchemaError as e:
