@@ -139,13 +139,14 @@ class RequestFrontend:
         first request with a schema does not pay for it on the caller's thread."""
         return guide_tokenizer(self.tokenizer, self.vocab_size)
 
-    def guide(self, schema_text: str, compile: bool = True) -> Guide:
+    def guide(self, schema_text: str, compile: bool = True, owner: str | None = None) -> Guide:
         """A request's guide for its JSON schema, compiled here (cached: preparing the same schema again
         costs a copy); InvalidRequestError names what the schema does wrong or which limit it broke,
-        EngineUnavailableError (503) that no compiler was free within the limit, or, with compile False,
-        that the compiled schema is not cached."""
+        EngineUnavailableError (503) that no compiler was free within the limit, that `owner` (a tenant's
+        cache salt) already has its share of compiles running, or, with compile False, that the compiled
+        schema is not cached."""
         try:
-            matcher = self.grammars.matcher(schema_text, compile)
+            matcher = self.grammars.matcher(schema_text, compile, owner)
         except SchemaError as e:
             raise InvalidRequestError(f"invalid JSON schema: {e}", "response_format") from None
         except CompileBusy as e:
@@ -174,7 +175,7 @@ class RequestFrontend:
             raise InvalidRequestError(
                 f"logit_bias names token id {bad[0]}, outside the vocabulary (0..{self.vocab_size - 1})", "logit_bias")
         stop_ids = frozenset(sp.stop_token_ids) | (frozenset() if sp.ignore_eos else self.tokenizer.eos_token_ids)
-        guide = self.guide(sp.json_schema, compile_schema) if sp.json_schema is not None else None
+        guide = self.guide(sp.json_schema, compile_schema, req.cache_salt) if sp.json_schema is not None else None
         return Request(
             request_id=req.request_id, prompt_ids=ids, sampling=sp,
             max_tokens=min(limit, self.kv_capacity) - len(ids) if sp.max_tokens is None else sp.max_tokens,

@@ -230,9 +230,9 @@ def test_a_prepared_schema_is_never_compiled_on_the_event_loop(engine, monkeypat
     loop_compiles = []
     compile_ = GrammarCache._compile
 
-    def watched(self, text):
+    def watched(self, text, owner):
         loop_compiles.append(threading.current_thread().name)
-        return compile_(self, text)
+        return compile_(self, text, owner)
 
     monkeypatch.setattr(GrammarCache, "_compile", watched)
 

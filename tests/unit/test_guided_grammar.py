@@ -13,6 +13,7 @@ import dataclasses
 import json
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
 
 import jsonschema
 import pytest
@@ -331,3 +332,34 @@ def test_a_compile_still_running_at_the_limit_is_refused_until_done_then_served_
     assert cache.matcher(ENUM_SCHEMA).consume_token(ord('"'))  # its result, with no second compile
     assert cache._entries[ENUM_SCHEMA] is not pending and not isinstance(cache._entries[ENUM_SCHEMA], _Pending)
     assert grammars().matcher(ENUM_SCHEMA).consume_token(ord('"'))  # within the default limit it compiles
+
+
+def test_one_tenant_holds_at_most_its_share_of_the_compilers(monkeypatch):
+    """A tenant whose schemas compile slowly (as hostile ones would) gets CompileBusy for a third one at once,
+    without waiting; another tenant's schema compiles meanwhile; once the first tenant's compiles end, it may
+    compile again."""
+    gate, started = threading.Event(), threading.Semaphore(0)
+    real = grammar_module.llguidance.LLMatcher
+
+    def slow(tokenizer, grammar, **kw):
+        if "held" in str(grammar):
+            started.release()
+            gate.wait(60)
+        return real(tokenizer, grammar, **kw)
+
+    slow.grammar_from_json_schema = real.grammar_from_json_schema
+    monkeypatch.setattr(grammar_module.llguidance, "LLMatcher", slow)
+    cache = grammars(compile_timeout_s=30.0)
+    held = [json.dumps({"type": "object", "properties": {f"held{i}": {"type": "integer"}}}) for i in range(3)]
+    with ThreadPoolExecutor(2) as waiters:
+        first = [waiters.submit(cache.matcher, text, True, "tenant-a") for text in held[:2]]
+        for _ in range(2):
+            assert started.acquire(timeout=30)  # both of tenant a's compiles hold a compiler
+        with pytest.raises(CompileBusy, match="already has 2 schemas compiling"):
+            cache.matcher(held[2], True, "tenant-a")
+        assert held[2] not in cache._entries  # not refused for later
+        assert cache.matcher(ENUM_SCHEMA, True, "tenant-b").consume_token(ord('"'))  # others still compile
+        gate.set()
+        assert all(f.result(30).consume_token(ord("{")) for f in first)
+    assert cache.matcher(held[2], True, "tenant-a").consume_token(ord("{"))
+    assert not grammar_module._OWNERS._count  # every count released

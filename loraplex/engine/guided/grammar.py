@@ -9,7 +9,10 @@ Compiles run in a small pool, each waited for at most compile_timeout_s:
 - one that has not started by then (other schemas hold the pool) is cancelled and CompileBusy raised: the
   schema is not at fault, nothing is cached, and the queue cannot grow past what the waits admit;
 - one still running is left to finish (its fuel bounds it) and cached as pending: the schema is refused
-  until it is done, and then served or refused from its result, without compiling it again.
+  until it is done, and then served or refused from its result, without compiling it again;
+- one owner (a tenant: the request's cache salt) has at most COMPILES_PER_OWNER compiles queued or running,
+  across every model: a tenant sending many slow schemas gets CompileBusy for its own, and the other threads
+  stay free for other tenants.
 
 What llguidance enforces that the old matcher refused: `pattern`, `format`, number bounds, `multipleOf`.
 What it cannot enforce (`uniqueItems`, `not`, `if`, ...) is refused with the keywords named.
@@ -39,6 +42,7 @@ CACHE_ENTRIES = 64
 CACHE_BYTES = 8 << 20  # schema texts (each at most guided_schema_max_bytes) and refusals
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
 _COMPILE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="guided-compile")
+COMPILES_PER_OWNER = 2  # of the pool's 4 threads, the most one owner's schemas may hold or wait for
 
 
 class SchemaError(ValueError):
@@ -47,6 +51,36 @@ class SchemaError(ValueError):
 
 class CompileBusy(RuntimeError):
     """The schema's compile did not start within the limit (other schemas' compiles held the pool): retry."""
+
+
+class _OwnerCompiles:
+    """Compiles queued or running per owner, for every model's cache (they share _COMPILE_POOL)."""
+
+    def __init__(self):
+        self._count: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def take(self, owner: str) -> Callable[[Future], None]:
+        """Counts one more compile of `owner` (CompileBusy past COMPILES_PER_OWNER); returns its release, for
+        the compile's future to call when it ends or is cancelled."""
+        with self._lock:
+            n = self._count.get(owner, 0)
+            if n >= COMPILES_PER_OWNER:
+                raise CompileBusy(f"this tenant already has {n} schemas compiling; try again when they are done")
+            self._count[owner] = n + 1
+
+        def release(_: Future | None = None) -> None:
+            with self._lock:
+                left = self._count[owner] - 1
+                if left:
+                    self._count[owner] = left
+                else:
+                    del self._count[owner]
+
+        return release
+
+
+_OWNERS = _OwnerCompiles()
 
 
 @dataclass(frozen=True)
@@ -195,10 +229,11 @@ class GrammarCache:
         self._bytes = 0
         self._lock = threading.Lock()
 
-    def matcher(self, text: str, compile: bool = True) -> llguidance.LLMatcher:
+    def matcher(self, text: str, compile: bool = True, owner: str | None = None) -> llguidance.LLMatcher:
         """A fresh matcher at the start of `text`'s schema; SchemaError says why it cannot be, CompileBusy that
         it could not be compiled now (or, with compile False, that it is not cached: the caller must not
-        compile, and the request may try again)."""
+        compile, and the request may try again). owner: whose compiles count against COMPILES_PER_OWNER
+        (None: no limit)."""
         if len(text) > self.limits.schema_bytes:  # before any work on it (characters <= bytes)
             raise SchemaError(f"the schema has {len(text)} characters; the limit is {self.limits.schema_bytes} bytes")
         with self._lock:
@@ -215,7 +250,7 @@ class GrammarCache:
                 raise CompileBusy("the schema's compiled grammar left the cache (other schemas took its place) "
                                   "before the request was queued; try again")
             try:
-                hit = self._compile(text)
+                hit = self._compile(text, owner)
             except SchemaError as e:
                 hit = str(e)
             self._remember(text, hit)
@@ -228,12 +263,20 @@ class GrammarCache:
     def _late(self) -> str:
         return f"the schema did not compile within {self.limits.compile_timeout_s:g} s"
 
-    def _compile(self, text: str) -> llguidance.LLMatcher | _Pending:
+    def _compile(self, text: str, owner: str | None) -> llguidance.LLMatcher | _Pending:
         schema, grammar = grammar_for(text, self.limits)
         tokenizer = self._tokenizer()
+        release = _OWNERS.take(owner) if owner is not None else None
         # llguidance drops the GIL while it builds; the wait is bounded here, its work by the fuel limits
-        future = _COMPILE_POOL.submit(llguidance.LLMatcher, tokenizer.ll, grammar, log_level=0,
-                                      limits=self.limits.parser_limits())
+        try:
+            future = _COMPILE_POOL.submit(llguidance.LLMatcher, tokenizer.ll, grammar, log_level=0,
+                                          limits=self.limits.parser_limits())
+        except BaseException:
+            if release is not None:
+                release()
+            raise
+        if release is not None:
+            future.add_done_callback(release)
         try:
             future.result(timeout=self.limits.compile_timeout_s)
         except FutureTimeout:
