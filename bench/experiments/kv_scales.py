@@ -275,18 +275,24 @@ class Collect(TorchSdpaBackend):
         self.ks: dict[int, list[torch.Tensor]] = {}
         self.vs: dict[int, list[torch.Tensor]] = {}
 
+    skip_sink = False  # leave out each sequence's first token (kept exact by ",sink" schemes)
+
     def forward(self, q, k, v, k_cache, v_cache, meta):
-        self.ks.setdefault(k_cache.data_ptr(), []).append(k.detach().clone())
-        self.vs.setdefault(k_cache.data_ptr(), []).append(v.detach().clone())
+        keep = torch.ones(k.shape[0], dtype=torch.bool)
+        if self.skip_sink:
+            keep[[p.start for p in meta.prefills if p.gather is None]] = False
+        self.ks.setdefault(k_cache.data_ptr(), []).append(k[keep].detach().clone())
+        self.vs.setdefault(k_cache.data_ptr(), []).append(v[keep].detach().clone())
         return super().forward(q, k, v, k_cache, v_cache, meta)
 
 
-def calibrate(loaded, threads: int, new_tokens: int, texts=CALIBRATION
+def calibrate(loaded, threads: int, new_tokens: int, texts=CALIBRATION, skip_sink: bool = False
               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per layer (in call order): each K channel's mean and RMS about it [kv_heads, head_dim] over CALIBRATION
     and the model's greedy replies to it."""
     core = make_core(loaded, "torch_sdpa", "float32", len(texts), threads)
     core.runner.model.attention = col = Collect()
+    col.skip_sink = skip_sink
     generate(core, list(texts), new_tokens)
     out = []
     for key, rows in col.ks.items():
@@ -303,8 +309,9 @@ def calibrate(loaded, threads: int, new_tokens: int, texts=CALIBRATION
 class FakeQuantBackend(TorchSdpaBackend):
     name = "torch_sdpa"
 
-    def __init__(self, k_spec: str, v_spec: str, calib: list | None = None):
+    def __init__(self, k_spec: str, v_spec: str, calib: list | None = None, sink: str = ""):
         self.specs = (k_spec, v_spec)
+        self.sink = sink
         self.sides: dict[int, tuple[Side, Side]] = {}
         self.calib = calib
 
@@ -317,6 +324,16 @@ class FakeQuantBackend(TorchSdpaBackend):
         ks, vs = self.sides[key]
         ks.update(meta.slot_mapping)
         vs.update(meta.slot_mapping)
+        if self.sink:  # sink/sinkk/sinkv: a sequence's first token (a first chunk's first row) kept exact on
+            # both sides, K only or V only; row0: every block's first row
+            if self.sink == "row0":
+                sink = meta.slot_mapping[meta.slot_mapping % meta.block_size == 0]
+            else:
+                sink = torch.stack([meta.slot_mapping[p.start] for p in meta.prefills if p.gather is None] or
+                                   [meta.slot_mapping[:0].sum()])[: sum(p.gather is None for p in meta.prefills)]
+            for side in {"sink": (ks, vs), "sinkk": (ks,), "sinkv": (vs,), "row0": (ks, vs)}[self.sink]:
+                flat_t, flat_s = (t.view(-1, *side.true.shape[2:]) for t in (side.true, side.shadow))
+                flat_s[sink] = flat_t[sink]
         if ks.pos or vs.pos:
             return self._by_position(q, ks, vs, meta)
         n_kv = k.shape[1]
@@ -398,6 +415,8 @@ def main() -> None:
                     "prefill's budget; the reference keeps 2048)")
     ap.add_argument("--calib-tokens", type=int, default=64, help="greedy tokens generated after each "
                     "calibration text (their K rows count too)")
+    ap.add_argument("--calib-skip-sink", action="store_true", help="calibration leaves out each text's first "
+                    "token")
     ap.add_argument("--oracle", action="store_true", help="calibrate smoothing on the bench prompts themselves "
                     "(a diagnosis: what a perfect calibration would give)")
     ap.add_argument("--selftest", action="store_true", help='only check "seq" against chunking, then exit')
@@ -420,7 +439,8 @@ def main() -> None:
     dump = {"ref": ref}
     calib = None
     if any("smooth" in x for x in args.schemes):
-        calib = calibrate(loaded, args.threads, args.calib_tokens, prompts if args.oracle else CALIBRATION)
+        calib = calibrate(loaded, args.threads, args.calib_tokens, prompts if args.oracle else CALIBRATION,
+                          args.calib_skip_sink)
     for scheme in args.schemes:
         t0 = time.perf_counter()
         if scheme.startswith("engine:"):
@@ -429,7 +449,8 @@ def main() -> None:
         else:
             core = make_core(loaded, "torch_sdpa", "float32", args.prompts, args.threads, args.block_size,
                              args.budget)
-            core.runner.model.attention = FakeQuantBackend(*scheme.split(","), calib=calib)
+            core.runner.model.attention = FakeQuantBackend(*scheme.split(",")[:2], calib=calib,
+                                                               sink=(scheme.split(",") + [""])[2])
         out = generate(core, prompts, args.new_tokens)
         gen_s = time.perf_counter() - t0
         pp = per_prompt(out, ref)
