@@ -180,7 +180,7 @@ class LlamaModel:
         if isinstance(attention, str):
             attention = attention_backend(attention, self.device, self.dtype, config.head_dim)
         self.attention = attention  # every layer's attention over the paged cache (engine/attention)
-        # 8-bit KV caches: K centred and scaled per channel, queries scaled to match (kv/smoothing.py); set by the
+        # int8 KV caches: K centred and scaled per channel, queries scaled to match (kv/smoothing.py); set by the
         # engine before the first step
         self.kv_smoothing: KvSmoothing | None = None
         self.ops = ops_for(self.rope_cos, self.rope_sin, packed_dtype, fused_decode=family.fused_cpu_decode,
