@@ -99,7 +99,8 @@ class AsyncEngine:
 
         A tokenized request (from prepare(), or given as token ids) does not compile its JSON schema here, on
         the caller's event loop, where a compile would hold every other request on it: prepare() compiled
-        it, and if other schemas have since pushed it out of the cache, EngineUnavailableError (503: retry)."""
+        it, and if other schemas have since pushed it out of the cache, EngineUnavailableError (503: retry). So a
+        caller that gives token ids and a schema prepares it first, as the platform and the replicas do."""
         if self._stopping:
             raise RuntimeError("engine is shut down")
         entry, prepared = self.pool.prepare(request, compile_schema=request.prompt_token_ids is None)

@@ -242,7 +242,7 @@ def test_a_prepared_schema_is_never_compiled_on_the_event_loop(engine, monkeypat
         ok = [e async for e in engine.generate(prepared)]  # still cached: served without a second compile
         assert ok[-1].finished and len(loop_compiles) == 1
         engine.pool.entry(MODEL).frontend.grammars._entries.clear()  # other schemas took its place
-        with pytest.raises(EngineUnavailableError, match="left the cache"):
+        with pytest.raises(EngineUnavailableError, match="pushed it out of the cache"):
             engine.generate(dataclasses.replace(prepared, request_id="s2"))
         assert len(loop_compiles) == 1  # nothing compiled on the loop
         await _wait_idle(engine)

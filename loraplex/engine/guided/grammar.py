@@ -247,8 +247,8 @@ class GrammarCache:
             self._remember(text, hit)
         elif hit is None:
             if not compile:
-                raise CompileBusy("the schema's compiled grammar left the cache (other schemas took its place) "
-                                  "before the request was queued; try again")
+                raise CompileBusy("the schema is not compiled: prepare() compiles it, and other schemas "
+                                  "pushed it out of the cache since; try again")
             try:
                 hit = self._compile(text, owner)
             except SchemaError as e:

@@ -6,7 +6,7 @@
  *     h += delta; x = rms_norm(h) * in_norm                       lp_add_rms_norm_f32
  *     qkv = x @ Wqkv^T (+ bias) (+ LoRA qkv)                      lp_linear_packed_side_f32, lp_lora_f32_packed
  *     rotate q and k heads of qkv at positions[b]                 lp_rope_f32
- *     with the layer's K smoothing (8-bit caches): q *= s, k = (k - m) * (1 / s)   smooth_qk
+ *     with the layer's K smoothing (int8 caches): q *= s, k = (k - m) * (1 / s)   smooth_qk
  *     k_cache[slot[b]] = k, v_cache[slot[b]] = v                  lp_kv_store (rows of M_KV_TYPE)
  *     a = decode attention of q over each sequence's context      lp_decode_attention_f32
  *     o = a @ Wo^T (+ LoRA o); h += o; x = rms_norm(h) * post_norm
