@@ -49,7 +49,7 @@ def compute_checks(device: str) -> list[Check]:
         Check("threads", OK, str(path.threads)),
         Check("model dtype", OK, f"{path.model_dtype} (--dtype)"),
         Check("weights", OK, f"{path.weight_dtype} (--weight-dtype)"),
-        Check("kv cache dtype", OK, f"{path.kv_cache_dtype} (--kv-cache-dtype)"),
+        Check("kv cache dtype", OK, f"{path.kv_cache_dtype} (--kv-cache-dtype, --kv-cache-smoothing)"),
         Check("activation dtype", OK, f"{path.activation_dtype} (--activation-dtype)"),
     ]
 

@@ -32,7 +32,7 @@ def local_compute_path(device: str = "auto") -> ComputePath:
         instruction_sets_of="cpu" if built is None else "build",
         threads=torch.get_num_threads(), model_dtype=model_dtype,
         weight_dtype=f"a GGUF's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks as stored, other weights {model_dtype}",
-        kv_cache_dtype=_name(config.kv_torch_dtype),
+        kv_cache_dtype=f"{_name(config.kv_torch_dtype)}; int8 caches smooth K per channel: {config.kv_cache_smoothing}",
         activation_dtype=f"{config.activation_dtype}; int8 over GGUF blocks: {_int8_dot(ops, built)}")
 
 

@@ -74,8 +74,9 @@ def test_doctor_with_this_machines_compiler(tmp_path):
     assert checks["compute"]["status"] == "ok" and checks["compute"]["detail"].startswith("C kernels on cpu: built")
     assert "AVX2" in checks["instruction sets"]["detail"] and "kernels' build" in checks["instruction sets"]["detail"]
     assert int(checks["threads"]["detail"]) >= 1
-    assert checks["model dtype"]["detail"].startswith("float32") and checks["kv cache dtype"]["detail"].startswith(
-        "float32")
+    kv = checks["kv cache dtype"]["detail"]
+    assert checks["model dtype"]["detail"].startswith("float32") and kv.startswith("float32")
+    assert kv.endswith("int8 caches smooth K per channel: on (--kv-cache-dtype, --kv-cache-smoothing)")
     dot = checks["activation dtype"]["detail"]  # this build's int8 dot: the kernels' build names its ISA
     assert dot.startswith("float32; int8 over GGUF blocks: ") and dot.endswith("(--activation-dtype)")
     assert ("VNNI" in dot) == ("AVX-512 VNNI" in checks["instruction sets"]["detail"])
