@@ -141,3 +141,18 @@ def test_the_engine_calibrates_int8_caches_only_unless_turned_off():
         assert _engine(kv_cache_dtype=dtype).runner.model.kv_smoothing is None
     with pytest.raises(ValueError, match="kv_cache_smoothing must be on or off"):
         EngineConfig(model="synthetic:tiny", kv_cache_smoothing="maybe")
+
+
+def test_the_serve_flag_reaches_the_engine_and_a_bad_value_is_refused_by_the_parser(capsys):
+    from tests.unit.test_memory_sizing import _args, build_engine
+
+    for flag, smoothed in (("on", True), ("off", False)):
+        engine = build_engine(_args("--model", "synthetic:tiny", "--device", "cpu", "--kv-cache-dtype", "int8",
+                                    "--kv-cache-smoothing", flag, "--kv-cache-mb", "16"))
+        try:
+            assert (engine.core.runner.model.kv_smoothing is not None) == smoothed
+        finally:
+            engine.shutdown()
+    with pytest.raises(SystemExit):
+        _args("--kv-cache-smoothing", "maybe")
+    assert "invalid choice: 'maybe'" in capsys.readouterr().err
