@@ -329,8 +329,7 @@ class FakeQuantBackend(TorchSdpaBackend):
             if self.sink == "row0":
                 sink = meta.slot_mapping[meta.slot_mapping % meta.block_size == 0]
             else:
-                sink = torch.stack([meta.slot_mapping[p.start] for p in meta.prefills if p.gather is None] or
-                                   [meta.slot_mapping[:0].sum()])[: sum(p.gather is None for p in meta.prefills)]
+                sink = meta.slot_mapping[[p.start for p in meta.prefills if p.gather is None]]
             for side in {"sink": (ks, vs), "sinkk": (ks,), "sinkv": (vs,), "row0": (ks, vs)}[self.sink]:
                 flat_t, flat_s = (t.view(-1, *side.true.shape[2:]) for t in (side.true, side.shadow))
                 flat_s[sink] = flat_t[sink]
