@@ -27,6 +27,8 @@ Schemes per side (K or V), "kind[:sym|asym][:mode]":
       reader gets x'' s^alpha + m. In an engine m and s fold into the query (q.m shifts a row's scores by a
       constant, which softmax ignores; q_c s_c multiplies back), so the cache layout stays per token.
   group[:sym|asym]:G[:smooth]        per token, one scale (fp16) per G channels, after smoothing or not
+  third field "own": a row scheme (smooth, token, group) read as pos reads, its own block exact ("own+sink":
+      and the sequence's first token exact)
   chan[:sym|asym]:posq               as pos, but the open block held per token (int8, symmetric) and full blocks
       made from those rows (no exact side buffer): the cheap variant of pos
 Asymmetric: q = round((x - min) / s) in [0, 255], s = (max - min) / 255, value = q * s + min (min kept as a float).
@@ -108,6 +110,7 @@ class Side:
         self.true = true  # [blocks, bs, kv_heads, head_dim] fp32, exact values
         self.shadow = torch.zeros_like(true)  # pos modes: the full blocks' quantized values ("far")
         self.pos = self.mode in ("pos", "pos16", "posq")
+        self.rowwise_pos = False  # set by keep_own_block_exact: rows quantized one by one, own block exact
         # what a query reads of its own block: the exact values (pos), fp16 (pos16), else the shadow itself
         self.near = (true if self.mode == "pos" else torch.zeros_like(true)) if self.pos else self.shadow
         if self.kind == "chan" and self.mode in ("inc", "seq"):
@@ -118,7 +121,7 @@ class Side:
         bs, hd = self.true.shape[1], self.true.shape[-1]
         flat_t = self.true.view(-1, *self.true.shape[2:])
         flat_s = self.shadow.view(-1, *self.true.shape[2:])
-        if self.pos:
+        if self.pos and not self.rowwise_pos:
             if self.mode == "pos16":
                 self.near.view(-1, *self.true.shape[2:])[slots] = flat_t[slots].half().float()
             if self.mode == "posq":  # the open block held per token (int8, symmetric), full blocks made from it
@@ -175,6 +178,10 @@ class Side:
                 continue
             s, off = _grid(x.amin(0), x.amax(0), self.sym, self.half)
             self.shadow[b, :last + 1] = _round(x, s, off, self.sym)
+
+    def keep_own_block_exact(self) -> None:
+        """A row scheme (smooth, token, ...) whose reader takes its own block's rows exact (an fp side block)."""
+        self.pos, self.rowwise_pos, self.near = True, True, self.true
 
     def _whole(self, x: torch.Tensor) -> torch.Tensor:
         """A full block [bs, kv_heads, head_dim] quantized once: per channel over the block, or per token."""
@@ -324,15 +331,20 @@ class FakeQuantBackend(TorchSdpaBackend):
         ks, vs = self.sides[key]
         ks.update(meta.slot_mapping)
         vs.update(meta.slot_mapping)
-        if self.sink:  # sink/sinkk/sinkv: a sequence's first token (a first chunk's first row) kept exact on
+        if "own" in self.sink:  # a row scheme with each query's own block exact: see Side.keep_own_block_exact
+            for side in (ks, vs):
+                if not side.rowwise_pos:
+                    side.keep_own_block_exact()
+        sink = self.sink.replace("own", "").strip("+")
+        if sink:  # sink/sinkk/sinkv: a sequence's first token (a first chunk's first row) kept exact on
             # both sides, K only or V only; row0: every block's first row
-            if self.sink == "row0":
-                sink = meta.slot_mapping[meta.slot_mapping % meta.block_size == 0]
+            if sink == "row0":
+                rows = meta.slot_mapping[meta.slot_mapping % meta.block_size == 0]
             else:
-                sink = meta.slot_mapping[[p.start for p in meta.prefills if p.gather is None]]
-            for side in {"sink": (ks, vs), "sinkk": (ks,), "sinkv": (vs,), "row0": (ks, vs)}[self.sink]:
+                rows = meta.slot_mapping[[p.start for p in meta.prefills if p.gather is None]]
+            for side in {"sink": (ks, vs), "sinkk": (ks,), "sinkv": (vs,), "row0": (ks, vs)}[sink]:
                 flat_t, flat_s = (t.view(-1, *side.true.shape[2:]) for t in (side.true, side.shadow))
-                flat_s[sink] = flat_t[sink]
+                flat_s[rows] = flat_t[rows]
         if ks.pos or vs.pos:
             return self._by_position(q, ks, vs, meta)
         n_kv = k.shape[1]
