@@ -250,7 +250,7 @@ def test_a_mask_filled_on_the_engine_thread_past_the_limit_fails_that_guide_alon
 def test_a_schema_that_finds_no_free_compiler_is_a_503_not_a_bad_schema():
     core = make_core(guided_compile_timeout_s=0.2)
     pool, release = grammar_module._COMPILE_POOL, threading.Event()
-    held = [pool.submit(release.wait, 60) for _ in range(pool._max_workers)]
+    held = [pool.submit(None, release.wait, 60) for _ in range(pool.workers)]
     try:
         with pytest.raises(EngineUnavailableError, match="waited 0.2 s for a compiler"):
             core.frontend.guide('{"type": "object", "properties": {"busy": {"type": "integer"}}}')

@@ -295,7 +295,7 @@ def test_a_compile_that_cannot_start_within_the_limit_is_busy_and_leaves_nothing
     """The pool's workers held (as a flood of slow schemas would hold them): the schema is not at fault, so it is
     not refused for later, and its queued compile is cancelled rather than left to run after the wait."""
     pool, release = grammar_module._COMPILE_POOL, threading.Event()
-    held = [pool.submit(release.wait, 60) for _ in range(pool._max_workers)]
+    held = [pool.submit(None, release.wait, 60) for _ in range(pool.workers)]
     cache = grammars(compile_timeout_s=1.0)
     try:
         with pytest.raises(CompileBusy, match="waited 1 s for a compiler"):
@@ -362,4 +362,4 @@ def test_one_tenant_holds_at_most_its_share_of_the_compilers(monkeypatch):
         gate.set()
         assert all(f.result(30).consume_token(ord("{")) for f in first)
     assert cache.matcher(held[2], True, "tenant-a").consume_token(ord("{"))
-    assert not grammar_module._OWNERS._count  # every count released
+    assert grammar_module._COMPILE_POOL.held("tenant-a") == 0  # every count released

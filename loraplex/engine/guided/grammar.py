@@ -11,8 +11,8 @@ Compiles run in a small pool, each waited for at most compile_timeout_s:
 - one still running is left to finish (its fuel bounds it) and cached as pending: the schema is refused
   until it is done, and then served or refused from its result, without compiling it again;
 - one owner (a tenant: the request's cache salt) has at most COMPILES_PER_OWNER compiles queued or running,
-  across every model: a tenant sending many slow schemas gets CompileBusy for its own, and the other threads
-  stay free for other tenants.
+  across every model, and a free thread goes to the tenant with the fewest running (compile_pool.py): a tenant
+  sending many slow schemas gets CompileBusy for its own, and other tenants' schemas go ahead of its backlog.
 
 What llguidance enforces that the old matcher refused: `pattern`, `format`, number bounds, `multipleOf`.
 What it cannot enforce (`uniqueItems`, `not`, `if`, ...) is refused with the keywords named.
@@ -26,13 +26,14 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 import llguidance
 
 from loraplex.engine.config import EngineConfig
+from loraplex.engine.guided.compile_pool import CompileBusy, FairCompilePool
 from loraplex.engine.guided.tokenizer import GuideTokenizer
 
 MAX_WS = 32  # whitespace bytes between two tokens of the JSON text
@@ -41,46 +42,14 @@ MAX_DEPTH = 100  # JSON nesting of a schema document (llguidance's own parser st
 CACHE_ENTRIES = 64
 CACHE_BYTES = 8 << 20  # schema texts (each at most guided_schema_max_bytes) and refusals
 _UNIMPLEMENTED = re.compile(r"Unimplemented keys: (\[[^\]]*\])")
-_COMPILE_POOL = ThreadPoolExecutor(max_workers=4, thread_name_prefix="guided-compile")
 COMPILES_PER_OWNER = 2  # of the pool's 4 threads, the most one owner's schemas may hold or wait for
+_COMPILE_POOL = FairCompilePool(workers=4, per_owner=COMPILES_PER_OWNER, name="guided-compile")
 
 
 class SchemaError(ValueError):
     """The schema is not JSON Schema, breaks a limit, or uses a keyword guided decoding cannot enforce."""
 
 
-class CompileBusy(RuntimeError):
-    """The schema's compile did not start within the limit (other schemas' compiles held the pool): retry."""
-
-
-class _OwnerCompiles:
-    """Compiles queued or running per owner, for every model's cache (they share _COMPILE_POOL)."""
-
-    def __init__(self):
-        self._count: dict[str, int] = {}
-        self._lock = threading.Lock()
-
-    def take(self, owner: str) -> Callable[[Future], None]:
-        """Counts one more compile of `owner` (CompileBusy past COMPILES_PER_OWNER); returns its release, for
-        the compile's future to call when it ends or is cancelled."""
-        with self._lock:
-            n = self._count.get(owner, 0)
-            if n >= COMPILES_PER_OWNER:
-                raise CompileBusy(f"this tenant already has {n} schemas compiling; try again when they are done")
-            self._count[owner] = n + 1
-
-        def release(_: Future | None = None) -> None:
-            with self._lock:
-                left = self._count[owner] - 1
-                if left:
-                    self._count[owner] = left
-                else:
-                    del self._count[owner]
-
-        return release
-
-
-_OWNERS = _OwnerCompiles()
 
 
 @dataclass(frozen=True)
@@ -266,17 +235,9 @@ class GrammarCache:
     def _compile(self, text: str, owner: str | None) -> llguidance.LLMatcher | _Pending:
         schema, grammar = grammar_for(text, self.limits)
         tokenizer = self._tokenizer()
-        release = _OWNERS.take(owner) if owner is not None else None
         # llguidance drops the GIL while it builds; the wait is bounded here, its work by the fuel limits
-        try:
-            future = _COMPILE_POOL.submit(llguidance.LLMatcher, tokenizer.ll, grammar, log_level=0,
-                                          limits=self.limits.parser_limits())
-        except BaseException:
-            if release is not None:
-                release()
-            raise
-        if release is not None:
-            future.add_done_callback(release)
+        future = _COMPILE_POOL.submit(owner, llguidance.LLMatcher, tokenizer.ll, grammar, log_level=0,
+                                      limits=self.limits.parser_limits())
         try:
             future.result(timeout=self.limits.compile_timeout_s)
         except FutureTimeout:
