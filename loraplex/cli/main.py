@@ -3,50 +3,34 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import traceback
 
-from loraplex.cli import (
-    adapters,
-    bench_cmd,
-    billing,
-    budgets,
-    db,
-    doctor,
-    generate,
-    keys,
-    models,
-    prices,
-    router,
-    serve,
-    tenants,
-)
+# Sub-commands in `loraplex --help` order: name -> the module that declares (add_parser) and runs it. A command
+# line that names one imports only its module, so `loraplex keys list` does not pay for the engine's, the
+# server's and the benchmarks' imports (seconds, most of a short command's time).
+COMMANDS = {"generate": "generate", "bench": "bench_cmd", "serve": "serve", "db": "db", "doctor": "doctor",
+            "tenants": "tenants", "keys": "keys", "models": "models", "adapters": "adapters", "budgets": "budgets",
+            "prices": "prices", "billing": "billing", "router": "router"}
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The parser of every sub-command; of the named one only when argv starts with a sub-command's name."""
     parser = argparse.ArgumentParser(prog="loraplex", description="Multi-tenant LoRA and multi-model LLM serving.")
     sub = parser.add_subparsers(dest="command", required=True)
-    generate.add_parser(sub)
-    bench_cmd.add_parser(sub)
-    serve.add_parser(sub)
-    db.add_parser(sub)
-    doctor.add_parser(sub)
-    tenants.add_parser(sub)
-    keys.add_parser(sub)
-    models.add_parser(sub)
-    adapters.add_parser(sub)
-    budgets.add_parser(sub)
-    prices.add_parser(sub)
-    billing.add_parser(sub)
-    router.add_parser(sub)
+    names = [argv[0]] if argv and argv[0] in COMMANDS else list(COMMANDS)
+    for name in names:
+        importlib.import_module(f"loraplex.cli.{COMMANDS[name]}").add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     """Runs one command. Errors the user can fix (bad input, a missing file, a refusal) are one line,
     exit 2; anything else is a bug: one line saying so, exit 1. LORAPLEX_DEBUG=1 adds the traceback."""
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except KeyboardInterrupt:

@@ -7,6 +7,10 @@ these tests instead of skipping them.
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -18,12 +22,33 @@ from loraplex.engine.kernels.cpu.linear import pack, packed_linear
 from loraplex.engine.models.layer_ops import CpuKernelOps, TorchOps, ops_for
 
 
-def test_kernels_build_and_load(tmp_path):
+def test_kernels_build_and_load(tmp_path, monkeypatch):
+    """A build from nothing into an empty cache, then a cache hit. At -O0 (half the compile time): the -O3 build
+    the suite runs on is the default cache's, compiled whenever a source, a flag or the compiler changes."""
+    monkeypatch.setenv("LORAPLEX_CPU_CFLAGS", f"{os.environ.get('LORAPLEX_CPU_CFLAGS', '')} -O0")
     path = build.build(tmp_path)
     assert path.exists() and path.parent == tmp_path / "kernels"
     assert build.build(tmp_path) == path  # cached: same key, no rebuild
+    monkeypatch.undo()
     assert build.library() is not None
     assert isinstance(ops_for(torch.zeros(8, 4), torch.zeros(8, 4)), CpuKernelOps)
+
+
+def test_processes_starting_together_build_the_kernels_once(tmp_path):
+    """Two processes asking for the same build into an empty cache at once: one compiles (its link is the only
+    one the compiler wrapper logs) and both load the same library."""
+    log, cc = tmp_path / "cc.log", tmp_path / "cc"
+    cc.write_text(f'#!/bin/sh\necho "$*" >> {log}\nexec {shutil.which("cc")} "$@"\n')
+    cc.chmod(0o755)
+    env = dict(os.environ, CC=str(cc), LORAPLEX_CPU_CFLAGS=f"{os.environ.get('LORAPLEX_CPU_CFLAGS', '')} -O0")
+    code = ("from pathlib import Path; from loraplex.engine.kernels.cpu import build; "
+            f"print(build.build(Path({str(tmp_path)!r})))")
+    procs = [subprocess.Popen([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    paths = [p.communicate(timeout=300)[0].strip() for p in procs]
+    assert all(p.returncode == 0 for p in procs) and paths[0] == paths[1] and os.path.exists(paths[0])
+    links = [line for line in log.read_text().splitlines() if " -c " not in f" {line} " and "--version" not in line]
+    assert len(links) == 1, links
 
 
 def test_kernels_can_be_switched_off(monkeypatch):

@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
 
-from loraplex.cli.main import build_parser
+from loraplex.cli.main import COMMANDS, build_parser
 from loraplex.cli.table import format_table, print_rows
 
 
@@ -40,6 +42,23 @@ def test_every_subcommand_has_its_own_help():
     tenants = next(g for p, g in groups if p == ("loraplex", "tenants"))
     enable = next(c.help for c in tenants._choices_actions if c.dest == "enable")
     assert "disabled tenant" in enable and "work again" in enable
+
+
+def test_a_command_line_builds_only_its_own_sub_command_and_imports_only_what_it_needs():
+    """Each module declares the command COMMANDS names it for; a command line naming one imports that module
+    only (a short database command does not import torch or the benchmarks); any other builds them all."""
+    def commands(parser):
+        return list(next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction)).choices)
+
+    assert commands(build_parser()) == list(COMMANDS)
+    assert commands(build_parser(["--help"])) == commands(build_parser(["tenant", "list"])) == list(COMMANDS)
+    for name in COMMANDS:
+        assert commands(build_parser([name, "--help"])) == [name]
+    probe = ("import sys; from loraplex.cli.main import build_parser; build_parser(['tenants', 'list']); "
+             "print(sorted(m for m in ('torch', 'loraplex.cli.bench_cmd', 'loraplex.cli.serve', 'httpx') "
+             "if m in sys.modules))")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "[]", done.stdout + done.stderr
 
 
 def test_tables_align_under_their_headers():

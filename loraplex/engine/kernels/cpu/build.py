@@ -8,7 +8,8 @@ on OpenMP; torch ships `libgomp.so.1` and has it loaded before this library, so 
 OpenMP runtime and one thread pool (two runtimes would fight over the same cores).
 
 The shared object is cached under `<cache dir>/kernels/`, keyed by the sources, the flags, the
-compiler and the CPU, and written atomically, so concurrent processes can build it at once. When
+compiler and the CPU, and written atomically. Processes starting together (a node's replicas) build it once:
+the first takes a lock on the cache folder, the others wait for it and then load its build. When
 there is no compiler, the build fails, or LORAPLEX_CPU_KERNELS=0, `library()` is None and callers use
 torch ops; `status()` says which and why.
 
@@ -19,6 +20,7 @@ torch ops; `status()` says which and why.
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -103,14 +105,18 @@ def build(cache_dir: Path | None = None) -> Path:
     if target.exists():
         return target
     out_dir.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
-    os.close(fd)
-    try:
-        _compile(cc, out_dir, tmp)
-        os.replace(tmp, target)  # atomic: a concurrent build loses nothing
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with open(out_dir / ".build.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, or when this process dies
+        if target.exists():  # built by the process that held the lock
+            return target
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out_dir)
+        os.close(fd)
+        try:
+            _compile(cc, out_dir, tmp)
+            os.replace(tmp, target)  # atomic: a reader never sees half a library
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
 
 
