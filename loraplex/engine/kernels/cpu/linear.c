@@ -24,7 +24,8 @@
  * linear_q6_k.c build this file again over quant_blocks.h's panels): each weight is dequantized in registers to
  * gguf's own value and the sums run as the fp32 build's, so y equals the fp32 build's over those values bit for
  * bit; except a lone row of 4- to 6-bit weights (ROW_SUMS), which sums x * q per sub-block (32 weights, 16 for
- * Q6_K) and applies the scale (and min times the sum of x) once a sub-block. AVX-512 builds run the K-quants
+ * Q6_K; even and odd k in two sums, added at the sub-block's end) and applies the scale (and min times the sum
+ * of x) once a sub-block. AVX-512 builds run the K-quants
  * through the same vector body as AVX2 at their width. Over int8 activations (lp_linear_*_a8_<fmt>,
  * EngineConfig.activation_dtype int8) the same driver quantizes each row block and multiplies integers
  * instead: linear_act8.h has its own Semantics.
@@ -321,6 +322,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
 #define Q_AT_K(k_, e, ...)                                                                                     \
     {                                                                                                          \
         const int kk = (k_);                                                                                   \
+        __attribute__((unused)) const int odd = (e) & 1; /* k odd (a constant once the k loop is unrolled) */ \
         const ivec_t i0 = Q_INTS(r0, h0, e), i1 = Q_INTS(r1, h1, e), i2 = Q_INTS(r2, h2, e);                   \
         __VA_ARGS__                                                                                            \
     }
@@ -343,14 +345,25 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
         const wt_t *hd = Q_HEAD(wp, g), *gp = Q_GROUP(wp, g), *vals = gp + QSCALES;
         (void)hd;
         for (int h = 0; h < QSUBS; h++) {
-            vec_t s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), xs = VZERO(); /* sum x q per column; sum x */
+            /* sum x q per column and sum x, even k and odd k apart: each sum waits for the FMA before it
+             * (4-5 cycles), and one chain per vector left the FMA units idle most of the time */
+            vec_t s0 = VZERO(), s1 = VZERO(), s2 = VZERO(), xs = VZERO();
+            vec_t t0 = VZERO(), t1 = VZERO(), t2 = VZERO(), xt = VZERO();
             Q_FOR_INTS(vals, h, {
                 const vec_t a = VSET1(x[g * QK + kk]);
-                s0 = VFMA(a, Q_FLOAT(i0), s0);
-                if (NV > 1) s1 = VFMA(a, Q_FLOAT(i1), s1);
-                if (NV > 2) s2 = VFMA(a, Q_FLOAT(i2), s2);
-                if (QMIN) xs = VADD(xs, a);
+                if (odd) {
+                    t0 = VFMA(a, Q_FLOAT(i0), t0);
+                    if (NV > 1) t1 = VFMA(a, Q_FLOAT(i1), t1);
+                    if (NV > 2) t2 = VFMA(a, Q_FLOAT(i2), t2);
+                    if (QMIN) xt = VADD(xt, a);
+                } else {
+                    s0 = VFMA(a, Q_FLOAT(i0), s0);
+                    if (NV > 1) s1 = VFMA(a, Q_FLOAT(i1), s1);
+                    if (NV > 2) s2 = VFMA(a, Q_FLOAT(i2), s2);
+                    if (QMIN) xs = VADD(xs, a);
+                }
             })
+            s0 = VADD(s0, t0), s1 = VADD(s1, t1), s2 = VADD(s2, t2), xs = VADD(xs, xt);
             acc[0][0] = VFMA(Q_SCALE(hd, gp, h, 0), s0, acc[0][0]);
             if (NV > 1) acc[0][1] = VFMA(Q_SCALE(hd, gp, h, 1), s1, acc[0][1]);
             if (NV > 2) acc[0][2] = VFMA(Q_SCALE(hd, gp, h, 2), s2, acc[0][2]);
