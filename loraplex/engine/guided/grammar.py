@@ -50,8 +50,6 @@ class SchemaError(ValueError):
     """The schema is not JSON Schema, breaks a limit, or uses a keyword guided decoding cannot enforce."""
 
 
-
-
 @dataclass(frozen=True)
 class _Pending:
     """A compile that outlived its request's wait: its result, once there, becomes the cache entry."""
