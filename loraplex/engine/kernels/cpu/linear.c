@@ -25,7 +25,8 @@
  * gguf's own value and the sums run as the fp32 build's, so y equals the fp32 build's over those values bit for
  * bit; except a lone row of 4- to 6-bit weights (ROW_SUMS), which sums x * q per sub-block (32 weights, 16 for
  * Q6_K; even and odd k in two sums, added at the sub-block's end) and applies the scale (and min times the sum
- * of x) once a sub-block. AVX-512 builds run the K-quants
+ * of x) once a sub-block. From DEQ_MIN_ROWS rows a vector build dequantizes each panel once into fp32 and runs
+ * the fp32 build's panel() over it (lp_panel_f32): the same values in the same order, so the same y. AVX-512 builds run the K-quants
  * through the same vector body as AVX2 at their width. Over int8 activations (lp_linear_*_a8_<fmt>,
  * EngineConfig.activation_dtype int8) the same driver quantizes each row block and multiplies integers
  * instead: linear_act8.h has its own Semantics.
@@ -37,6 +38,7 @@
  * extension of each panel's k loop (16 more steps after K at rank 16, on the same accumulators).
  */
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kernels.h"
@@ -164,6 +166,11 @@ typedef struct {
 
 static const ext_t NO_EXT = {0};
 
+/* One panel's GEMM over fp32 weights [K][NR] (the fp32 build's panel(), exported by it): a quantized build
+ * runs a panel of DEQ_MIN_ROWS rows or more through it once dequantized (see linear()). */
+void lp_panel_f32(const float *x, int64_t lda, int64_t M, int64_t K, const float *wp, const float *bias, float *y,
+                  int64_t ldy, int64_t cols, const ext_t *ext);
+
 #if LP_LINEAR_WTYPE == LP_W_F32
 int64_t lp_fold_ext(const int64_t *widths, int64_t S, int64_t rank, int64_t N, int64_t p, int64_t *e0) {
     int64_t c0 = p * NR, c1 = (c0 + NR < N ? c0 + NR : N) - 1, s0 = -1, s1 = -1, off = 0;
@@ -214,6 +221,7 @@ void LINEAR_FN(lp_pack)(const float *w, int64_t N, int64_t K, wt_t *wp) {
 
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__) && (!LP_QUANT || defined(__F16C__)))
 #include <immintrin.h>
+#define VECTOR_PANELS 1
 /* One kernel body for both vector widths: a panel row is three vectors (NR = 3 * VW columns). With
  * AVX-512, 8 rows x 48 columns (24 accumulators of the 32 registers); with AVX2, 4 x 24 (12 of 16). */
 #if defined(__AVX512F__)
@@ -268,6 +276,9 @@ _Static_assert(NR == 3 * VW, "a panel row is three vectors");
 static __attribute__((noinline)) void store_cols(const float *tmp, int64_t cols, const float *bias, float *y) {
     for (int64_t j = 0; j < cols; j++) y[j] = tmp[j] + (bias ? bias[j] : 0.0f);
 }
+#if LP_QUANT
+#include "linear_qpanels.h" /* (Q_FOR_INTS: a block panel's integers in vectors; dequant_panel) */
+#endif
 
 /* R (<= MR) rows of x against one panel of NV (1 to 3) vectors per k (a GEMM's panels have 3, a fold's
  * shrink panels may be narrower), writing `cols` (<= NV * VW) columns of y; inlined with constant R,
@@ -305,42 +316,13 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, int
         }                                                                                                  \
     } while (0)
 #if LP_QUANT
-/* Over the integers of sub-block h of group g (vals: its value bytes): the statements given per k = 32 g + kk, with i0, i1,
- * i2 the three vectors of k's integers (less QOFF). The low-bit bytes of a k pair and the high-bit bytes of
- * QHSTEP k's are widened once. */
-#define Q_FOR_INTS(vals, h, ...)                                                                               \
-    for (int k0 = (h) * QK / QSUBS; k0 < ((h) + 1) * QK / QSUBS; k0 += QHSTEP) {                                \
-        __attribute__((unused)) const ivec_t h0 = Q_HRAW(vals, k0, 0), h1 = Q_HRAW(vals, k0, 1),               \
-                                             h2 = Q_HRAW(vals, k0, 2);                                         \
-        _Pragma("GCC unroll 8") for (int kp = k0; kp < k0 + QHSTEP; kp += QSTEP) {                             \
-            const ivec_t r0 = Q_RAW(vals, kp, 0), r1 = Q_RAW(vals, kp, 1), r2 = Q_RAW(vals, kp, 2);           \
-            Q_AT_K(kp, kp - k0, __VA_ARGS__)                                                                   \
-            if (QSTEP > 1) Q_AT_K(kp + 1, kp - k0 + 1, __VA_ARGS__)                                            \
-        }                                                                                                      \
-    }
-/* (one k of them: its integers i0, i1, i2; e its place in its high-bit byte) */
-#define Q_AT_K(k_, e, ...)                                                                                     \
-    {                                                                                                          \
-        const int kk = (k_);                                                                                   \
-        __attribute__((unused)) const int odd = (e) & 1; /* k odd (a constant once the k loop is unrolled) */ \
-        const ivec_t i0 = Q_INTS(r0, h0, e), i1 = Q_INTS(r1, h1, e), i2 = Q_INTS(r2, h2, e);                   \
-        __VA_ARGS__                                                                                            \
-    }
     /* per group and sub-block its scales, then its k steps, each dequantized in registers (quant_blocks.h);
      * one row of 4-bit weights by sub-block sums (ROW_SUMS) */
-    for (int64_t g = 0; g < K / QK && !ROW_SUMS(R); g++) {
-        const wt_t *hd = Q_HEAD(wp, g), *gp = Q_GROUP(wp, g), *vals = gp + QSCALES;
-        (void)hd;
-        for (int h = 0; h < QSUBS; h++) {
-            const vec_t d0 = Q_SCALE(hd, gp, h, 0), d1 = Q_SCALE(hd, gp, h, 1), d2 = Q_SCALE(hd, gp, h, 2);
-            __attribute__((unused)) const vec_t m0 = QMIN ? Q_MINV(hd, gp, 0) : d0, m1 = QMIN ? Q_MINV(hd, gp, 1) : d1,
-                                                m2 = QMIN ? Q_MINV(hd, gp, 2) : d2;
-            Q_FOR_INTS(vals, h, {
-                vec_t b0 = Q_WEIGHTS(i0, d0, m0), b1 = Q_WEIGHTS(i1, d1, m1), b2 = Q_WEIGHTS(i2, d2, m2);
-                K_STEP(g * QK + kk);
-            })
-        }
-    }
+    if (!ROW_SUMS(R))
+        Q_FOR_WEIGHTS(wp, K, {
+            vec_t b0 = Q_WEIGHTS(i0, d0, m0), b1 = Q_WEIGHTS(i1, d1, m1), b2 = Q_WEIGHTS(i2, d2, m2);
+            K_STEP(g * QK + kk);
+        })
     for (int64_t g = 0; g < K / QK && ROW_SUMS(R); g++) {
         const wt_t *hd = Q_HEAD(wp, g), *gp = Q_GROUP(wp, g), *vals = gp + QSCALES;
         (void)hd;
@@ -496,6 +478,21 @@ static void panel(const float *x, int64_t lda, int64_t M, int64_t K, const wt_t 
         }
 }
 #endif
+#if LP_LINEAR_WTYPE == LP_W_F32
+void lp_panel_f32(const float *x, int64_t lda, int64_t M, int64_t K, const float *wp, const float *bias, float *y,
+                  int64_t ldy, int64_t cols, const ext_t *ext) {
+    side_t none = {0};
+    panel(x, lda, M, K, wp, 3, bias, y, ldy, cols, 0, &none, 0, ext);
+}
+#endif
+/* From this many rows a vector build of a block format dequantizes each panel once into fp32 and runs the
+ * fp32 kernel over it, rather than dequantizing it again for every group of MR rows; the result is the
+ * same, bit for bit (dequant_panel). */
+#if LP_QUANT && defined(VECTOR_PANELS)
+#define DEQ_MIN_ROWS 8
+#else
+#define DEQ_MIN_ROWS (ROW_BLOCK + 1) /* never */
+#endif
 #if LP_QUANT
 #include "linear_act8.h" /* (int8 activations: a8_quantize, a8_panel) */
 #else
@@ -561,6 +558,7 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t 
         for (int64_t p = 0; fold && p < p0; p++) b0 += lp_fold_ext(fold->widths, fold->S, fold->rank, N, p, &e0) * NR;
         side_t sd;
         side_start(&sd, share ? side->spans : 0, share ? side->n : 0, s0, share);
+        float *deq = 0; /* this thread's dequantized panel (DEQ_MIN_ROWS), allocated on first use */
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, boff = b0;
 #if A8
@@ -588,11 +586,20 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t 
                     continue;
                 }
 #endif
+#if DEQ_MIN_ROWS <= ROW_BLOCK
+                if (rows >= DEQ_MIN_ROWS && (deq || (deq = malloc(sizeof(float) * K * NR)))) {
+                    dequant_panel(wp + p * PANEL_ELEMS(K), K, deq);
+                    lp_panel_f32(x + m0 * lda, lda, rows, K, deq, bias ? bias + p * NR : 0, y + m0 * N + p * NR, N,
+                                 cols, &ext);
+                    continue;
+                }
+#endif
                 panel(x + m0 * lda, lda, rows, K, wp + p * PANEL_ELEMS(K), 3, bias ? bias + p * NR : 0, y + m0 * N + p * NR,
                       N, cols, p + 1 < p1 ? wp + (p + 1) * PANEL_ELEMS(K) : 0, &sd,
                       share * (item + 1) / items - share * item / items, &ext);
             }
         }
+        free(deq);
     }
 #if A8
     a8_free(&a8);
