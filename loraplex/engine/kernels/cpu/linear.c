@@ -485,11 +485,12 @@ void lp_panel_f32(const float *x, int64_t lda, int64_t M, int64_t K, const float
     panel(x, lda, M, K, wp, 3, bias, y, ldy, cols, 0, &none, 0, ext);
 }
 #endif
-/* From this many rows a vector build of a block format dequantizes each panel once into fp32 and runs the
- * fp32 kernel over it, rather than dequantizing it again for every group of MR rows; the result is the
- * same, bit for bit (dequant_panel). */
+/* From this many rows (two groups of MR: 8 with AVX2, 16 with AVX-512) a vector build of a block format
+ * dequantizes each panel once into fp32 and runs the fp32 kernel over it, rather than dequantizing it again for
+ * every group of MR rows; the result is the same, bit for bit (dequant_panel). One group dequantizes once
+ * anyway. */
 #if LP_QUANT && defined(VECTOR_PANELS)
-#define DEQ_MIN_ROWS 8
+#define DEQ_MIN_ROWS (2 * MR)
 #else
 #define DEQ_MIN_ROWS (ROW_BLOCK + 1) /* never */
 #endif
