@@ -26,10 +26,10 @@
  * bit; except a lone row of 4- to 6-bit weights (ROW_SUMS), which sums x * q per sub-block (32 weights, 16 for
  * Q6_K; even and odd k in two sums, added at the sub-block's end) and applies the scale (and min times the sum
  * of x) once a sub-block. From DEQ_MIN_ROWS rows a vector build dequantizes each panel once into fp32 and runs
- * the fp32 build's panel() over it (lp_panel_f32): the same values in the same order, so the same y. AVX-512 builds run the K-quants
- * through the same vector body as AVX2 at their width. Over int8 activations (lp_linear_*_a8_<fmt>,
- * EngineConfig.activation_dtype int8) the same driver quantizes each row block and multiplies integers
- * instead: linear_act8.h has its own Semantics.
+ * the fp32 build's panel() over it (lp_panel_f32): the same values in the same order, so the same y. AVX-512
+ * builds run the K-quants through the same vector body as AVX2 at their width. Over int8 activations
+ * (lp_linear_*_a8_<fmt>, EngineConfig.activation_dtype int8) the same driver quantizes each row block and
+ * multiplies integers instead: linear_act8.h has its own Semantics.
  *
  * Fold (lp_linear_fold_f32): with one adapter's LoRA folded in, for the rows it applies to,
  *     y[m, n] += sum_{e < len_p} ys[m, e0_p + e] * bp_p[e, n - p * NR]     (p = n / NR)
