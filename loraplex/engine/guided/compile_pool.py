@@ -67,16 +67,16 @@ class FairCompilePool:
             for job in queue or ():
                 if job[1] is future:
                     queue.remove(job)
-                    self._release(owner, queue)
+                    if not queue:
+                        del self._queued[owner]
+                    self._release(owner)
                     return
 
-    def _release(self, owner: str, queue: deque | None) -> None:
+    def _release(self, owner: str) -> None:
         """One of the owner's compiles left (lock held)."""
         self._held[owner] -= 1
         if not self._held[owner]:
             del self._held[owner]
-        if queue is not None and not queue:
-            del self._queued[owner]
 
     def _next(self) -> tuple[str, Future, Callable[[], object]]:
         """Blocks for the next job: the owner with the fewest running, then the oldest job (lock held)."""
@@ -107,4 +107,4 @@ class FairCompilePool:
                     self._running[owner] -= 1
                     if not self._running[owner]:
                         del self._running[owner]
-                    self._release(owner, None)
+                    self._release(owner)
