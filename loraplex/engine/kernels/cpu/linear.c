@@ -491,6 +491,18 @@ void lp_panel_f32(const float *x, int64_t lda, int64_t M, int64_t K, const float
  * anyway. */
 #if LP_QUANT && defined(VECTOR_PANELS)
 #define DEQ_MIN_ROWS (2 * MR)
+/* The calling thread's buffer of at least `floats` fp32 (NULL when memory runs out): kept between calls and
+ * grown to the largest panel the thread has dequantized (K * NR floats), so a step's GEMMs allocate nothing. */
+static float *deq_buffer(int64_t floats) {
+    static __thread float *buf;
+    static __thread int64_t cap;
+    if (floats > cap) {
+        float *grown = realloc(buf, sizeof(float) * floats);
+        if (!grown) return 0;
+        buf = grown, cap = floats;
+    }
+    return buf;
+}
 #else
 #define DEQ_MIN_ROWS (ROW_BLOCK + 1) /* never */
 #endif
@@ -559,7 +571,6 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t 
         for (int64_t p = 0; fold && p < p0; p++) b0 += lp_fold_ext(fold->widths, fold->S, fold->rank, N, p, &e0) * NR;
         side_t sd;
         side_start(&sd, share ? side->spans : 0, share ? side->n : 0, s0, share);
-        float *deq = 0; /* this thread's dequantized panel (DEQ_MIN_ROWS), allocated on first use */
         for (int64_t m0 = 0; m0 < M; m0 += ROW_BLOCK) {
             int64_t rows = M - m0 < ROW_BLOCK ? M - m0 : ROW_BLOCK, boff = b0;
 #if A8
@@ -588,7 +599,8 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t 
                 }
 #endif
 #if DEQ_MIN_ROWS <= ROW_BLOCK
-                if (rows >= DEQ_MIN_ROWS && (deq || (deq = malloc(sizeof(float) * K * NR)))) {
+                float *deq;
+                if (rows >= DEQ_MIN_ROWS && (deq = deq_buffer(K * NR))) {
                     dequant_panel(wp + p * PANEL_ELEMS(K), K, deq);
                     lp_panel_f32(x + m0 * lda, lda, rows, K, deq, bias ? bias + p * NR : 0, y + m0 * N + p * NR, N,
                                  cols, &ext);
@@ -600,7 +612,6 @@ static int linear(const float *x, int64_t M, int64_t lda, int64_t K, const wt_t 
                       share * (item + 1) / items - share * item / items, &ext);
             }
         }
-        free(deq);
     }
 #if A8
     a8_free(&a8);
